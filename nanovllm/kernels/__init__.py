@@ -1,0 +1,4 @@
+from nanovllm.kernels.backend import (ATTENTION_BACKEND, paged_decode_attention, prefill_attention,
+                                      store_kvcache)
+
+__all__ = ["ATTENTION_BACKEND", "paged_decode_attention", "prefill_attention", "store_kvcache"]

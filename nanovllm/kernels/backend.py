@@ -1,0 +1,109 @@
+"""The attention back end, chosen once at import, and the three entry points the Attention layer calls.
+
+ATTENTION_BACKEND names the CUDA path:
+  "flash-attn": flash-attn's varlen and kv-cache kernels (paged cache needs block_size % 256 == 0;
+                other block sizes use the Triton decode kernel and a gathered prefill);
+  "triton":     the project's Triton decode and store kernels, torch's built-in FlashAttention-2 for
+                prefill (fp16/bf16; fp32 and other misfits take the reference);
+  "torch":      the plain torch reference everywhere.
+CPU tensors always take the torch reference, whatever was chosen.
+NANOVLLM_ATTENTION_BACKEND=flash-attn|triton|torch forces the choice.
+"""
+import importlib.util
+import os
+
+import torch
+
+from nanovllm.kernels.reference import (paged_decode_attention_ref, prefill_attention_ref,
+                                        store_kvcache_ref)
+
+BACKENDS = ("flash-attn", "triton", "torch")
+
+
+def _has_module(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _choose_backend() -> str:
+    forced = os.environ.get("NANOVLLM_ATTENTION_BACKEND")
+    if forced:
+        if forced not in BACKENDS:
+            raise ValueError(f"NANOVLLM_ATTENTION_BACKEND={forced!r}: use one of {', '.join(BACKENDS)}")
+        if forced != "torch" and not _has_module("triton"):
+            raise ValueError(f"NANOVLLM_ATTENTION_BACKEND={forced!r} needs triton; use 'torch'")
+        if forced == "flash-attn" and not _has_module("flash_attn"):
+            raise ValueError("NANOVLLM_ATTENTION_BACKEND='flash-attn' but flash_attn is not installed")
+        return forced
+    if not torch.cuda.is_available() or not _has_module("triton"):
+        return "torch"
+    return "flash-attn" if _has_module("flash_attn") else "triton"
+
+
+ATTENTION_BACKEND = _choose_backend()
+
+if ATTENTION_BACKEND != "torch":
+    from nanovllm.kernels.decode_attention import paged_decode_attention_triton
+    from nanovllm.kernels.prefill_attention import (aten_flash_usable, gather_kv_varlen,
+                                                    prefill_attention_aten)
+    from nanovllm.kernels.store_kvcache import store_kvcache_triton
+if ATTENTION_BACKEND == "flash-attn":
+    from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
+
+
+def _fast(t: torch.Tensor) -> bool:
+    return t.is_cuda and ATTENTION_BACKEND != "torch"
+
+
+def _flash_pages(k_cache: torch.Tensor) -> bool:
+    """flash-attn reads a paged cache only when its block size is a multiple of 256."""
+    return ATTENTION_BACKEND == "flash-attn" and k_cache.shape[1] % 256 == 0
+
+
+def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                  v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    # key, value: [num_tokens, num_kv_heads, head_dim]; slot_mapping: [num_tokens] int32, -1 = skip
+    if _fast(key):
+        store_kvcache_triton(key, value, k_cache, v_cache, slot_mapping)
+    else:
+        store_kvcache_ref(key, value, k_cache, v_cache, slot_mapping)
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor,
+                           scale: float) -> torch.Tensor:
+    # q: [batch, num_heads, head_dim] -> [batch, num_heads, head_dim]; CUDA-graph safe on CUDA
+    if not _fast(q):
+        return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale)
+    if _flash_pages(k_cache) and q.dtype != torch.float32:
+        return flash_attn_with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=context_lens,
+                                       block_table=block_tables, softmax_scale=scale,
+                                       causal=True).squeeze(1)
+    return paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale)
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                      max_seqlen_q: int, max_seqlen_k: int,
+                      block_tables: torch.Tensor | None, scale: float) -> torch.Tensor:
+    # q: [total_q, num_heads, head_dim]; k, v: [total_q, num_kv_heads, head_dim], already in the cache.
+    # block_tables None: no cached prefix, use k, v; otherwise read keys from the pages.
+    args = (q, k, v, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+            block_tables, scale)
+    if not _fast(q):
+        return prefill_attention_ref(*args)
+    if ATTENTION_BACKEND == "flash-attn" and q.dtype != torch.float32:
+        if block_tables is not None and not _flash_pages(k_cache):
+            k, v = gather_kv_varlen(k_cache, v_cache, block_tables, cu_seqlens_k)
+            block_tables = None
+        elif block_tables is not None:
+            k, v = k_cache, v_cache
+        return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                      max_seqlen_k, softmax_scale=scale, causal=True,
+                                      block_table=block_tables)
+    if aten_flash_usable(q):
+        return prefill_attention_aten(*args)
+    return prefill_attention_ref(*args)

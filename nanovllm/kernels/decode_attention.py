@@ -1,0 +1,181 @@
+"""Paged decode attention in Triton: GQA-grouped, split over the context (flash-decoding).
+
+Stage 1 runs one program per (sequence, kv head, split). The program loads the query heads that
+share the KV head as one [BLOCK_G, D] tile, so every K/V tile is read from memory once for the whole
+group, and keeps an online softmax in fp32. With one split it writes the output directly; otherwise it
+writes a partial output and its log-sum-exp, and stage 2 merges the splits.
+
+Everything launched here depends only on tensor shapes, so a decode step can be captured in a CUDA
+graph: no host syncs, no branch on tensor values.
+"""
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+# Log-sum-exp of an empty split. Finite so that merging all-empty splits (context_len 0) gives 0, not NaN.
+_EMPTY_LSE = tl.constexpr(-1.0e30)
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
+    out_ptr, part_out_ptr, part_lse_ptr,
+    scale_log2e,
+    stride_qb, stride_qh,
+    stride_kb, stride_kt, stride_kh,  # k_cache and v_cache share strides (both contiguous)
+    stride_bt,
+    stride_ob, stride_oh,
+    num_splits,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, DOT_FP32: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    mask_g = offs_g < GROUP
+    mask_d = offs_d < HEAD_DIM
+    heads = kv_head * GROUP + offs_g
+
+    q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=mask_g[:, None] & mask_d[None, :], other=0.0)
+    if DOT_FP32:
+        q = q.to(tl.float32)
+
+    # Each split takes an equal share of this sequence's context, rounded up to whole tiles.
+    context_len = tl.load(context_lens_ptr + seq)
+    per_split = tl.cdiv(tl.cdiv(context_len, num_splits), BLOCK_N) * BLOCK_N
+    start = split * per_split
+    end = tl.minimum(start + per_split, context_len)
+
+    m_i = tl.full([BLOCK_G], _EMPTY_LSE, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    kv_off = kv_head * stride_kh + offs_d[None, :]
+    for tile in range(start, end, BLOCK_N):
+        tokens = tile + offs_n
+        valid = tokens < end
+        block_ids = tl.load(table + tokens // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        rows = block_ids * stride_kb + (tokens % BLOCK_SIZE) * stride_kt
+        kv_mask = valid[:, None] & mask_d[None, :]
+        k = tl.load(k_cache_ptr + rows[:, None] + kv_off, mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + rows[:, None] + kv_off, mask=kv_mask, other=0.0)
+        if DOT_FP32:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2e  # [BLOCK_G, BLOCK_N], log2 domain
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+
+    safe_l = tl.where(l_i > 0, l_i, 1.0)
+    out = acc / safe_l[:, None]
+    out_mask = mask_g[:, None] & mask_d[None, :]
+    if DIRECT:
+        tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        # Partials: out [batch, num_heads, num_splits, HEAD_DIM], lse [batch, num_heads, num_splits] (log2).
+        row = (seq * (tl.num_programs(1) * GROUP) + heads) * num_splits + split
+        tl.store(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], out, mask=out_mask)
+        lse = tl.where(l_i > 0, m_i + tl.log2(safe_l), _EMPTY_LSE)
+        tl.store(part_lse_ptr + row, lse, mask=mask_g)
+
+
+@triton.jit
+def _decode_reduce_kernel(part_out_ptr, part_lse_ptr, out_ptr, stride_ob, stride_oh, num_heads,
+                          NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+                          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    # One program per (sequence, query head): a log-sum-exp weighted mean of the split outputs.
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_s = offs_s < NUM_SPLITS
+    mask_d = offs_d < HEAD_DIM
+    row = (seq * num_heads + head) * NUM_SPLITS
+    lse = tl.load(part_lse_ptr + row + offs_s, mask=mask_s, other=float("-inf"))
+    w = tl.exp2(lse - tl.max(lse, 0))
+    w = w / tl.sum(w, 0)
+    parts = tl.load(part_out_ptr + (row + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
+                    mask=mask_s[:, None] & mask_d[None, :], other=0.0)
+    out = tl.sum(parts * w[:, None], 0)
+    tl.store(out_ptr + seq * stride_ob + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty),
+             mask=mask_d)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, block_n: int,
+                      device: torch.device) -> int:
+    """Enough splits to give every SM about two programs, from shapes only (graph-safe)."""
+    programs = batch * num_kv_heads
+    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
+        if device.type == "cuda" else 4
+    want = triton.cdiv(2 * sms, programs)
+    # A split below 4 tiles costs more in the merge than it wins in parallelism.
+    most = max(1, triton.cdiv(max_context, 4 * block_n))
+    return max(1, min(want, most, 32))
+
+
+def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                  block_tables: torch.Tensor, context_lens: torch.Tensor,
+                                  scale: float, num_splits: int | None = None,
+                                  block_n: int | None = None) -> torch.Tensor:
+    # q: [batch, num_heads, head_dim]; k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
+    # block_tables: [batch, max_blocks] int32; context_lens: [batch] int32 (0 allowed) -> [batch, num_heads, head_dim]
+    batch, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    assert num_heads % num_kv_heads == 0
+    assert q.stride(-1) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
+    assert k_cache.stride() == v_cache.stride()
+    group = num_heads // num_kv_heads
+    interpreted = q.device.type == "cpu"
+    block_n = block_n or 64
+    max_context = block_tables.shape[1] * block_size
+    if num_splits is None:
+        num_splits = choose_num_splits(batch, num_kv_heads, max_context, block_n, q.device)
+    out = torch.empty_like(q)
+    if batch == 0:
+        return out
+    direct = num_splits == 1
+    if direct:
+        part_out = part_lse = out  # unused
+    else:
+        part_out = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
+    block_d = triton.next_power_of_2(head_dim)
+    _decode_split_kernel[(batch, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse,
+        scale * 1.4426950408889634,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        num_splits,
+        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+        BLOCK_D=block_d, BLOCK_SIZE=block_size, BLOCK_N=block_n, DIRECT=direct,
+        DOT_FP32=interpreted or q.dtype == torch.float32,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=4, num_stages=2,
+    )
+    if not direct:
+        _decode_reduce_kernel[(batch, num_heads)](
+            part_out, part_lse, out, out.stride(0), out.stride(1), num_heads,
+            NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits),
+            HEAD_DIM=head_dim, BLOCK_D=block_d, num_warps=4)
+    return out

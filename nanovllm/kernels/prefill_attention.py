@@ -1,0 +1,104 @@
+"""Prefill attention on CUDA without flash-attn: torch's built-in FlashAttention-2 varlen op.
+
+`torch.ops.aten._flash_attention_forward` is private and its keyword arguments have changed between
+releases, so the wrapper reads the op's schema once and only passes what it accepts. Its causal mask is
+bottom-right aligned for varlen inputs, as ours is. It wants fp16/bf16 and head_dim <= 256.
+With a paged cache the keys are first gathered into a contiguous varlen buffer.
+"""
+import functools
+
+import torch
+
+from nanovllm.kernels.reference import prefill_attention_ref
+
+
+def _aten_flash_op():
+    op = getattr(torch.ops.aten, "_flash_attention_forward", None)
+    if op is None:
+        return None, ()
+    try:
+        names = tuple(a.name for a in op.default._schema.arguments)
+    except (AttributeError, RuntimeError):
+        return None, ()
+    positional = ("query", "key", "value", "cum_seq_q", "cum_seq_k", "max_q", "max_k",
+                  "dropout_p", "is_causal", "return_debug_mask")
+    if names[:len(positional)] != positional:
+        return None, names
+    return op, names
+
+
+_FLASH_OP, _FLASH_ARGS = _aten_flash_op()
+# True when the schema looks usable; whether the build has the CUDA kernel is only known on first use.
+AVAILABLE = _FLASH_OP is not None
+
+
+def aten_flash_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                      max_seqlen_q: int, max_seqlen_k: int, scale: float) -> torch.Tensor:
+    # q: [total_q, num_heads, head_dim]; k, v: [total_k, num_heads or num_kv_heads, head_dim]; causal
+    if "scale" in _FLASH_ARGS:
+        kwargs = {"scale": scale}
+    else:  # very old releases: scale the query instead (the op's default is 1/sqrt(head_dim))
+        q, kwargs = q * (scale * q.shape[-1] ** 0.5), {}
+    out = _FLASH_OP(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                    0.0, True, False, **kwargs)
+    return out[0]
+
+
+@functools.lru_cache(maxsize=None)
+def aten_flash_mode(device: torch.device) -> str | None:
+    """Probe once per device on tiny shapes. "gqa": the op takes fewer KV heads than query heads;
+    "expand": it needs KV heads repeated; None: this build cannot run it (fall back to the reference)."""
+    if not AVAILABLE:
+        return None
+    gen = torch.Generator(device=device).manual_seed(0)
+    q, k, v = (torch.randn(5, h, 64, device=device, generator=gen).to(torch.bfloat16) for h in (4, 2, 2))
+    cu = torch.tensor([0, 2, 5], dtype=torch.int32, device=device)
+    ref = prefill_attention_ref(q, k, v, None, None, cu, cu, 3, 3, None, 0.125).float()
+    for mode, group in (("gqa", 1), ("expand", 2)):
+        try:
+            out = aten_flash_varlen(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1),
+                                    cu, cu, 3, 3, 0.125)
+        except RuntimeError:
+            continue
+        if torch.allclose(out.float(), ref, atol=2e-2, rtol=2e-2):
+            return mode
+    return None
+
+
+def aten_flash_usable(q: torch.Tensor) -> bool:
+    return (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256
+            and q.shape[-1] % 8 == 0 and aten_flash_mode(q.device) is not None)
+
+
+def gather_kv_varlen(k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                     cu_seqlens_k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    # -> k, v: [total_k, num_kv_heads, head_dim], sequence i at cu_seqlens_k[i]:cu_seqlens_k[i+1]
+    # One host sync (total_k); prefill is never captured in a CUDA graph.
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    cu = cu_seqlens_k.long()
+    k_lens = cu[1:] - cu[:-1]
+    total_k = int(cu[-1].item())
+    seq_ids = torch.repeat_interleave(torch.arange(len(k_lens), device=cu.device), k_lens,
+                                      output_size=total_k)
+    pos = torch.arange(total_k, device=cu.device) - cu[seq_ids]
+    blocks = block_tables.long()[seq_ids, pos // block_size]
+    slots = blocks * block_size + pos % block_size
+    k = k_cache.view(-1, num_kv_heads, head_dim).index_select(0, slots)
+    v = v_cache.view(-1, num_kv_heads, head_dim).index_select(0, slots)
+    return k, v
+
+
+def prefill_attention_aten(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                           max_seqlen_q: int, max_seqlen_k: int,
+                           block_tables: torch.Tensor | None, scale: float) -> torch.Tensor:
+    # The interface of backend.prefill_attention; only when aten_flash_usable(q).
+    if block_tables is not None:
+        k, v = gather_kv_varlen(k_cache, v_cache, block_tables, cu_seqlens_k)
+    group = q.shape[1] // k.shape[1]
+    if group > 1 and aten_flash_mode(q.device) == "expand":
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
+    return aten_flash_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale)

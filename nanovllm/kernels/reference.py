@@ -1,0 +1,93 @@
+"""Plain torch attention and KV-store: the CPU path and the oracle of the kernel tests.
+
+Every function computes in fp32 and returns the dtype of its query. Query head h reads KV head
+h // (num_heads // num_kv_heads), the grouping of Hugging Face's `repeat_kv`.
+"""
+import torch
+
+
+def store_kvcache_ref(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    # key, value: [num_tokens, num_kv_heads, head_dim]; k_cache: [num_blocks, block_size, num_kv_heads, head_dim]
+    # A slot of -1 marks a padding row that must not be written.
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    k_flat = k_cache.view(-1, *k_cache.shape[2:])
+    v_flat = v_cache.view(-1, *v_cache.shape[2:])
+    k_flat[slots] = key[keep].to(k_cache.dtype)
+    v_flat[slots] = value[keep].to(v_cache.dtype)
+
+
+def gather_paged_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """The first `length` tokens of one sequence, [length, num_kv_heads, head_dim]."""
+    block_size = cache.shape[1]
+    pos = torch.arange(length, device=cache.device)
+    blocks = block_table[pos // block_size].long()
+    return cache[blocks, pos % block_size]
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+            scale: float) -> torch.Tensor:
+    # q: [q_len, num_heads, head_dim]; k, v: [k_len, num_kv_heads, head_dim]; mask: [q_len, k_len] bool
+    q_len, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    group = num_heads // num_kv_heads
+    qg = q.float().view(q_len, num_kv_heads, group, head_dim)
+    scores = torch.einsum("qhgd,khd->hgqk", qg, k.float()) * scale
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a row with no visible key gives zeros
+    out = torch.einsum("hgqk,khd->qhgd", probs, v.float())
+    return out.reshape(q_len, num_heads, head_dim)
+
+
+def causal_mask(q_len: int, k_len: int, device) -> torch.Tensor:
+    """Bottom-right aligned: query j sits at position k_len - q_len + j and sees keys 0..that."""
+    q_pos = torch.arange(q_len, device=device)[:, None] + (k_len - q_len)
+    return torch.arange(k_len, device=device)[None, :] <= q_pos
+
+
+def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                               block_tables: torch.Tensor, context_lens: torch.Tensor,
+                               scale: float) -> torch.Tensor:
+    # q: [batch, num_heads, head_dim]; block_tables: [batch, max_blocks]; context_lens: [batch]
+    # Rows with context_len 0 (graph padding) give zeros.
+    batch, num_heads, head_dim = q.shape
+    num_blocks, block_size, num_kv_heads, _ = k_cache.shape
+    max_tokens = block_tables.shape[1] * block_size
+    blocks = block_tables.long().clamp(0, num_blocks - 1)
+    k = k_cache[blocks].reshape(batch, max_tokens, num_kv_heads, head_dim).float()
+    v = v_cache[blocks].reshape(batch, max_tokens, num_kv_heads, head_dim).float()
+    group = num_heads // num_kv_heads
+    qg = q.float().view(batch, num_kv_heads, group, head_dim)
+    scores = torch.einsum("bhgd,bthd->bhgt", qg, k) * scale
+    visible = torch.arange(max_tokens, device=q.device)[None, :] < context_lens[:, None].long()
+    scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    out = torch.einsum("bhgt,bthd->bhgd", probs, v)
+    return out.reshape(batch, num_heads, head_dim).to(q.dtype)
+
+
+def prefill_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          k_cache: torch.Tensor | None, v_cache: torch.Tensor | None,
+                          cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                          max_seqlen_q: int, max_seqlen_k: int,
+                          block_tables: torch.Tensor | None, scale: float) -> torch.Tensor:
+    # q: [total_q, num_heads, head_dim]; k, v: [total_q, num_kv_heads, head_dim] (the new tokens)
+    # With block_tables, keys come from the paged cache (cached prefix + the new tokens, already stored).
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    cu_q = cu_seqlens_q.tolist()
+    cu_k = cu_seqlens_k.tolist()
+    for i in range(len(cu_q) - 1):
+        q_lo, q_hi = cu_q[i], cu_q[i + 1]
+        q_len, k_len = q_hi - q_lo, cu_k[i + 1] - cu_k[i]
+        if q_len == 0:
+            continue
+        if block_tables is None:
+            assert k_len == q_len, "without block_tables no sequence may have a cached prefix"
+            ki, vi = k[q_lo:q_hi], v[q_lo:q_hi]
+        else:
+            ki = gather_paged_kv(k_cache, block_tables[i], k_len)
+            vi = gather_paged_kv(v_cache, block_tables[i], k_len)
+        mask = causal_mask(q_len, k_len, q.device)
+        out[q_lo:q_hi] = _attend(q[q_lo:q_hi], ki, vi, mask, scale).to(q.dtype)
+    return out

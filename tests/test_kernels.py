@@ -1,0 +1,199 @@
+"""Attention and KV-store kernels on CPU.
+
+The torch references are checked against a naive per-query loop; the Triton kernels run under the
+Triton interpreter against the references. TRITON_INTERPRET must be set before the kernel modules are
+imported, and other test modules may import them first, so `test_triton_kernels_under_interpreter`
+re-runs this file's `interp` tests in a subprocess with the variable set.
+"""
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from nanovllm.kernels import ATTENTION_BACKEND, paged_decode_attention, prefill_attention, store_kvcache
+from nanovllm.kernels.prefill_attention import gather_kv_varlen
+from nanovllm.kernels.reference import (causal_mask, gather_paged_kv, paged_decode_attention_ref,
+                                        prefill_attention_ref, store_kvcache_ref)
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+interp = pytest.mark.skipif(not INTERPRETED, reason="runs in the interpreter subprocess")
+REPO = Path(__file__).resolve().parents[1]
+
+
+def naive_attention(q, k, v, scale):
+    # q: [q_len, H, D]; k, v: [k_len, Hkv, D]; bottom-right causal, one query and one head at a time
+    q_len, num_heads, _ = q.shape
+    k_len, num_kv_heads, _ = k.shape
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    for j in range(q_len):
+        visible = k_len - q_len + j + 1
+        for h in range(num_heads):
+            kv = h // (num_heads // num_kv_heads)
+            s = [float(q[j, h].double() @ k[t, kv].double()) * scale for t in range(visible)]
+            m = max(s)
+            w = [math.exp(x - m) for x in s]
+            total = sum(w)
+            for t in range(visible):
+                out[j, h] += w[t] / total * v[t, kv].double()
+    return out
+
+
+def make_paged(lens, block_size, num_kv_heads, head_dim, seed=0, spare_blocks=3):
+    """A shuffled paged cache holding sequences of the given lengths; unused table entries are -1."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [max(1, -(-n // block_size)) for n in lens]
+    max_blocks = max(blocks_per_seq) + 1
+    num_blocks = sum(blocks_per_seq) + spare_blocks
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    tables = torch.full((len(lens), max_blocks), -1, dtype=torch.int32)
+    for i, n in enumerate(blocks_per_seq):
+        tables[i, :n] = torch.tensor([order.pop() for _ in range(n)], dtype=torch.int32)
+    return k_cache, v_cache, tables
+
+
+# ---- references against the naive loop ----
+
+def test_causal_mask_is_bottom_right_aligned():
+    mask = causal_mask(2, 5, "cpu")
+    assert mask.tolist() == [[True, True, True, True, False], [True, True, True, True, True]]
+
+
+def test_store_kvcache_ref_writes_slots_and_skips_padding():
+    k_cache = torch.zeros(3, 4, 2, 8)
+    v_cache = torch.zeros(3, 4, 2, 8)
+    key, value = torch.randn(3, 2, 8), torch.randn(3, 2, 8)
+    store_kvcache_ref(key, value, k_cache, v_cache, torch.tensor([9, -1, 0], dtype=torch.int32))
+    assert torch.equal(k_cache[2, 1], key[0]) and torch.equal(v_cache[0, 0], value[2])
+    assert k_cache.count_nonzero() == 2 * key[0].numel()  # the -1 row went nowhere
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_decode_ref_matches_naive_with_gqa(block_size):
+    lens = [0, 1, 9, 2 * block_size + 1]
+    k_cache, v_cache, tables = make_paged(lens, block_size, num_kv_heads=2, head_dim=8)
+    q = torch.randn(len(lens), 6, 8)
+    out = paged_decode_attention_ref(q, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int32), 0.3)
+    assert out.shape == q.shape
+    assert torch.equal(out[0], torch.zeros_like(out[0]))  # context 0: zeros, not NaN
+    for i, n in enumerate(lens[1:], start=1):
+        k = gather_paged_kv(k_cache, tables[i], n)
+        v = gather_paged_kv(v_cache, tables[i], n)
+        expected = naive_attention(q[i:i + 1], k, v, 0.3)[0]
+        torch.testing.assert_close(out[i].double(), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_prefill_ref_matches_naive_without_cache():
+    q_lens = [3, 1, 7]
+    cu = torch.tensor([0, 3, 4, 11], dtype=torch.int32)
+    q, k, v = torch.randn(11, 4, 8), torch.randn(11, 2, 8), torch.randn(11, 2, 8)
+    out = prefill_attention_ref(q, k, v, None, None, cu, cu, 7, 7, None, 0.5)
+    for i in range(len(q_lens)):
+        lo, hi = cu[i].item(), cu[i + 1].item()
+        torch.testing.assert_close(out[lo:hi].double(), naive_attention(q[lo:hi], k[lo:hi], v[lo:hi], 0.5),
+                                   atol=1e-5, rtol=1e-5)
+
+
+def test_prefill_ref_reads_cached_prefix_from_pages():
+    block_size, q_lens, k_lens = 4, [2, 5, 1], [9, 5, 4]  # prefix hit, no prefix, chunk ending a block
+    k_cache, v_cache, tables = make_paged(k_lens, block_size, num_kv_heads=2, head_dim=8, seed=1)
+    cu_q = torch.tensor([0, 2, 7, 8], dtype=torch.int32)
+    cu_k = torch.tensor([0, 9, 14, 18], dtype=torch.int32)
+    q = torch.randn(8, 4, 8)
+    new_k = torch.cat([gather_paged_kv(k_cache, tables[i], k_lens[i])[-q_lens[i]:] for i in range(3)])
+    new_v = torch.cat([gather_paged_kv(v_cache, tables[i], k_lens[i])[-q_lens[i]:] for i in range(3)])
+    out = prefill_attention_ref(q, new_k, new_v, k_cache, v_cache, cu_q, cu_k, 5, 9, tables, 0.5)
+    for i in range(3):
+        lo, hi = cu_q[i].item(), cu_q[i + 1].item()
+        k = gather_paged_kv(k_cache, tables[i], k_lens[i])
+        v = gather_paged_kv(v_cache, tables[i], k_lens[i])
+        torch.testing.assert_close(out[lo:hi].double(), naive_attention(q[lo:hi], k, v, 0.5),
+                                   atol=1e-5, rtol=1e-5)
+
+
+def test_gather_kv_varlen_concatenates_each_sequence():
+    k_lens = [5, 1, 12]
+    k_cache, v_cache, tables = make_paged(k_lens, 4, num_kv_heads=2, head_dim=8, seed=2)
+    cu_k = torch.tensor([0, 5, 6, 18], dtype=torch.int32)
+    k, v = gather_kv_varlen(k_cache, v_cache, tables, cu_k)
+    assert torch.equal(k, torch.cat([gather_paged_kv(k_cache, tables[i], n) for i, n in enumerate(k_lens)]))
+    assert torch.equal(v, torch.cat([gather_paged_kv(v_cache, tables[i], n) for i, n in enumerate(k_lens)]))
+
+
+def test_backend_on_cpu_tensors_is_the_reference():
+    assert ATTENTION_BACKEND in ("flash-attn", "triton", "torch")
+    lens = [3, 6]
+    k_cache, v_cache, tables = make_paged(lens, 4, num_kv_heads=2, head_dim=8)
+    ctx = torch.tensor(lens, dtype=torch.int32)
+    q = torch.randn(2, 4, 8)
+    assert torch.equal(paged_decode_attention(q, k_cache, v_cache, tables, ctx, 0.3),
+                       paged_decode_attention_ref(q, k_cache, v_cache, tables, ctx, 0.3))
+    cu = torch.tensor([0, 3, 9], dtype=torch.int32)
+    qp, kp, vp = torch.randn(9, 4, 8), torch.randn(9, 2, 8), torch.randn(9, 2, 8)
+    assert torch.equal(prefill_attention(qp, kp, vp, k_cache, v_cache, cu, cu, 6, 6, None, 0.3),
+                       prefill_attention_ref(qp, kp, vp, k_cache, v_cache, cu, cu, 6, 6, None, 0.3))
+    before = k_cache.clone()
+    store_kvcache(kp[:2], vp[:2], k_cache, v_cache, torch.tensor([-1, 5], dtype=torch.int32))
+    assert torch.equal(k_cache[1, 1], kp[1]) and torch.equal(k_cache[0], before[0])
+
+
+def test_triton_kernels_under_interpreter():
+    if INTERPRETED:
+        pytest.skip("already in the interpreter")
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                             __file__, "-k", "interp_"], env=env, cwd=REPO,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    assert " passed" in result.stdout and "skipped" not in result.stdout.splitlines()[-1]
+
+
+# ---- Triton kernels under the interpreter (fp32, tiny shapes) ----
+
+@interp
+def test_interp_store_kvcache_matches_reference():
+    from nanovllm.kernels.store_kvcache import store_kvcache_triton
+    qkv = torch.randn(5, (4 + 2 + 2) * 16)
+    key = qkv[:, 64:96].view(5, 2, 16)  # a strided slice, as the Attention layer passes it
+    value = qkv[:, 96:].view(5, 2, 16)
+    slots = torch.tensor([3, -1, 17, 0, -1], dtype=torch.int32)
+    k_ref, v_ref = torch.randn(6, 4, 2, 16), torch.randn(6, 4, 2, 16)
+    k_out, v_out = k_ref.clone(), v_ref.clone()
+    store_kvcache_ref(key, value, k_ref, v_ref, slots)
+    store_kvcache_triton(key, value, k_out, v_out, slots)
+    assert torch.equal(k_out, k_ref) and torch.equal(v_out, v_ref)
+
+
+@interp
+@pytest.mark.parametrize("block_size,num_splits,block_n", [(4, 1, 16), (4, 3, 16), (16, 2, 16), (16, None, 32)])
+def test_interp_decode_matches_reference(block_size, num_splits, block_n):
+    from nanovllm.kernels.decode_attention import paged_decode_attention_triton
+    lens = [0, 1, block_size + 1, 3 * block_size - 1]  # empty padding row, one token, block crossings
+    k_cache, v_cache, tables = make_paged(lens, block_size, num_kv_heads=2, head_dim=16, seed=3)
+    tables[0].fill_(-1)  # a padding row's table may hold anything
+    ctx = torch.tensor(lens, dtype=torch.int32)
+    q = torch.randn(len(lens), 4, 16)
+    out = paged_decode_attention_triton(q, k_cache, v_cache, tables, ctx, 0.25,
+                                        num_splits=num_splits, block_n=block_n)
+    ref = paged_decode_attention_ref(q, k_cache, v_cache, tables, ctx, 0.25)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out[1:], ref[1:], atol=1e-5, rtol=1e-5)
+
+
+@interp
+def test_interp_decode_more_splits_than_tiles():
+    from nanovllm.kernels.decode_attention import paged_decode_attention_triton
+    lens = [2, 20]  # with 8 splits of 16-token tiles most splits are empty
+    k_cache, v_cache, tables = make_paged(lens, 4, num_kv_heads=1, head_dim=32, seed=4)
+    ctx = torch.tensor(lens, dtype=torch.int32)
+    q = torch.randn(2, 3, 32)  # 3 query heads on one KV head: a group padded to 16
+    out = paged_decode_attention_triton(q, k_cache, v_cache, tables, ctx, 0.2, num_splits=8, block_n=16)
+    torch.testing.assert_close(out, paged_decode_attention_ref(q, k_cache, v_cache, tables, ctx, 0.2),
+                               atol=1e-5, rtol=1e-5)
