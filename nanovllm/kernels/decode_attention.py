@@ -127,8 +127,8 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, block_n: 
     sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
         if device.type == "cuda" else 4
     want = triton.cdiv(2 * sms, programs)
-    # A split below 4 tiles costs more in the merge than it wins in parallelism.
-    most = max(1, triton.cdiv(max_context, 4 * block_n))
+    # A split below 2 tiles costs more in the merge than it wins in parallelism.
+    most = max(1, triton.cdiv(max_context, 2 * block_n))
     return max(1, min(want, most, 32))
 
 

@@ -1,0 +1,82 @@
+"""Time the attention kernels on one GPU at Qwen3-0.6B shapes (16 query heads, 8 KV heads, head_dim 128, bf16).
+
+Decode is memory bound: its figure of merit is bytes moved (K+V of every context, q, out) per second, as
+a fraction of the H200's 4.8 TB/s and of a plain device-to-device copy measured here.
+Prefill is compute bound: TFLOP/s of causal attention.
+
+    PYTHONPATH=. python benchmarks/bench_kernels.py [--json PATH]
+"""
+import argparse
+import json
+
+import torch
+import triton.testing
+
+from nanovllm.kernels import ATTENTION_BACKEND, paged_decode_attention, prefill_attention
+from nanovllm.kernels.decode_attention import paged_decode_attention_triton
+
+H, HKV, D, BLOCK = 16, 8, 128, 256
+PEAK_BW = 4.8e12
+
+
+def median_ms(fn, graph=False):
+    bench = triton.testing.do_bench_cudagraph if graph else triton.testing.do_bench
+    return bench(fn, rep=200, return_mode="median")
+
+
+def copy_bandwidth(gib=4):
+    src = torch.empty(gib << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = median_ms(lambda: dst.copy_(src))
+    return 2 * src.numel() / (ms * 1e-3)  # read + write
+
+
+def decode_case(batch, ctx, fn, graph=False):
+    blocks = -(-ctx // BLOCK)
+    k_cache = torch.randn(batch * blocks, BLOCK, HKV, D, device="cuda", dtype=torch.bfloat16)
+    v_cache = torch.randn_like(k_cache)
+    tables = torch.randperm(batch * blocks, device="cuda").int().view(batch, blocks)
+    lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+    q = torch.randn(batch, H, D, device="cuda", dtype=torch.bfloat16)
+    ms = median_ms(lambda: fn(q, k_cache, v_cache, tables, lens, D ** -0.5), graph=graph)
+    nbytes = batch * ctx * HKV * D * 2 * 2 + 2 * q.numel() * 2
+    return ms, nbytes / (ms * 1e-3)
+
+
+def prefill_case(num_seqs, seq_len):
+    total = num_seqs * seq_len
+    q = torch.randn(total, H, D, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(total, HKV, D, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    cu = torch.arange(0, total + 1, seq_len, dtype=torch.int32, device="cuda")
+    ms = median_ms(lambda: prefill_attention(q, k, v, None, None, cu, cu, seq_len, seq_len, None, D ** -0.5))
+    flops = 4 * num_seqs * seq_len * seq_len / 2 * H * D  # QK^T and PV, causal half
+    return ms, flops / (ms * 1e-3)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args()
+    copy_bw = copy_bandwidth()
+    rows = []
+    print(f"attention back end: {ATTENTION_BACKEND}; device copy {copy_bw / 1e12:.2f} TB/s")
+    print(f"{'case':40s} {'ms':>9s} {'TB/s':>7s} {'of 4.8':>7s} {'of copy':>8s}")
+    decode_cases = [("triton", paged_decode_attention_triton, False), ("backend", paged_decode_attention, False),
+                    ("triton+graph", paged_decode_attention_triton, True)]
+    for batch, ctx in [(256, 1024), (1, 1024), (1, 4096)]:
+        for name, fn, graph in decode_cases:
+            ms, bw = decode_case(batch, ctx, fn, graph)
+            label = f"decode {name} b={batch} ctx={ctx}"
+            rows.append(dict(case=label, ms=ms, bytes_per_s=bw, of_peak=bw / PEAK_BW, of_copy=bw / copy_bw))
+            print(f"{label:40s} {ms:9.4f} {bw / 1e12:7.2f} {bw / PEAK_BW:7.1%} {bw / copy_bw:8.1%}")
+    ms, flops = prefill_case(16, 1024)
+    rows.append(dict(case="prefill 16x1024", ms=ms, flops_per_s=flops))
+    print(f"{'prefill 16 x 1024 tokens':40s} {ms:9.4f}   {flops / 1e12:.1f} TFLOP/s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(backend=ATTENTION_BACKEND, copy_bytes_per_s=copy_bw, results=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

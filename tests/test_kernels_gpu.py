@@ -1,0 +1,156 @@
+"""Attention and KV-store kernels on CUDA at Qwen3-0.6B shapes (16 query heads, 8 KV heads, head_dim 128).
+
+bf16 kernels against the fp32 reference; decode also under CUDA-graph capture and replay.
+"""
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+from nanovllm.kernels import ATTENTION_BACKEND, paged_decode_attention, prefill_attention, store_kvcache  # noqa: E402
+from nanovllm.kernels.reference import (gather_paged_kv, paged_decode_attention_ref,  # noqa: E402
+                                        prefill_attention_ref, store_kvcache_ref)
+
+H, HKV, D = 16, 8, 128
+SCALE = D ** -0.5
+BF16_TOL = dict(atol=2e-2, rtol=2e-2)
+
+
+def make_paged(lens, block_size, dtype=torch.bfloat16, seed=0, max_blocks=None):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    blocks_per_seq = [max(1, -(-n // block_size)) for n in lens]
+    max_blocks = max_blocks or max(blocks_per_seq)
+    num_blocks = sum(blocks_per_seq) + 2
+    k_cache = torch.randn(num_blocks, block_size, HKV, D, device="cuda", generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, HKV, D, device="cuda", generator=gen).to(dtype)
+    order = torch.randperm(num_blocks, device="cuda", generator=gen)
+    tables = torch.full((len(lens), max_blocks), -1, dtype=torch.int32, device="cuda")
+    used = 0
+    for i, n in enumerate(blocks_per_seq):
+        tables[i, :n] = order[used:used + n].int()
+        used += n
+    return k_cache, v_cache, tables
+
+
+def decode_ref(q, k_cache, v_cache, tables, ctx, chunk=32):
+    """The fp32 reference in batch chunks, so batch 256 fits comfortably."""
+    k_cache, v_cache = k_cache.float(), v_cache.float()
+    outs = [paged_decode_attention_ref(q[i:i + chunk].float(), k_cache, v_cache,
+                                       tables[i:i + chunk], ctx[i:i + chunk], SCALE)
+            for i in range(0, q.shape[0], chunk)]
+    return torch.cat(outs)
+
+
+def test_backend_is_a_gpu_backend():
+    assert ATTENTION_BACKEND in ("flash-attn", "triton")
+
+
+def test_aten_flash_attention_is_usable():
+    from nanovllm.kernels.prefill_attention import aten_flash_mode
+    assert aten_flash_mode(torch.device("cuda")) in ("gqa", "expand")
+
+
+@pytest.mark.parametrize("block_size", [16, 256])
+def test_store_kvcache_matches_reference(block_size):
+    from nanovllm.kernels.store_kvcache import store_kvcache_triton
+    num_tokens = 1000
+    k_ref = torch.randn(2048 // block_size * 4, block_size, HKV, D, device="cuda").bfloat16()
+    v_ref = torch.randn_like(k_ref)
+    k_out, v_out = k_ref.clone(), v_ref.clone()
+    qkv = torch.randn(num_tokens, (H + 2 * HKV) * D, device="cuda").bfloat16()
+    key = qkv[:, H * D:(H + HKV) * D].view(num_tokens, HKV, D)
+    value = qkv[:, (H + HKV) * D:].view(num_tokens, HKV, D)
+    slots = torch.randperm(k_ref.shape[0] * block_size, device="cuda")[:num_tokens].int()
+    slots[::7] = -1
+    store_kvcache_ref(key, value, k_ref, v_ref, slots)
+    store_kvcache_triton(key, value, k_out, v_out, slots)
+    assert torch.equal(k_out, k_ref) and torch.equal(v_out, v_ref)
+    store_kvcache(key, value, k_out, v_out, slots)  # the dispatching entry point
+    assert torch.equal(k_out, k_ref)
+
+
+@pytest.mark.parametrize("batch,max_ctx,block_size", [(1, 4096, 256), (7, 1500, 256), (256, 1024, 256),
+                                                      (33, 700, 16)])
+@pytest.mark.parametrize("entry", ["triton", "backend"])
+def test_decode_matches_reference(batch, max_ctx, block_size, entry):
+    from nanovllm.kernels.decode_attention import paged_decode_attention_triton
+    gen = torch.Generator().manual_seed(batch)
+    lens = torch.randint(1, max_ctx + 1, (batch,), generator=gen).tolist()
+    lens[0] = max_ctx
+    if batch > 2:
+        lens[1], lens[2] = 1, 0  # a single token and a graph padding row
+    k_cache, v_cache, tables = make_paged(lens, block_size, seed=batch)
+    ctx = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    q = torch.randn(batch, H, D, device="cuda").bfloat16()
+    fn = paged_decode_attention_triton if entry == "triton" else paged_decode_attention
+    out = fn(q, k_cache, v_cache, tables, ctx, SCALE)
+    ref = decode_ref(q, k_cache, v_cache, tables, ctx)
+    keep = ctx > 0
+    torch.testing.assert_close(out.float()[keep], ref[keep], **BF16_TOL)
+
+
+def test_decode_fp32_matches_reference():
+    from nanovllm.kernels.decode_attention import paged_decode_attention_triton
+    lens = [1, 300, 1000]
+    k_cache, v_cache, tables = make_paged(lens, 256, dtype=torch.float32)
+    ctx = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    q = torch.randn(3, H, D, device="cuda")
+    out = paged_decode_attention_triton(q, k_cache, v_cache, tables, ctx, SCALE)
+    torch.testing.assert_close(out, decode_ref(q, k_cache, v_cache, tables, ctx), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("batch", [1, 64])
+def test_decode_cuda_graph_replay_matches_eager(batch):
+    max_blocks = 8  # the graph is captured for max_blocks * 256 tokens; contexts vary below that
+    k_cache, v_cache, tables = make_paged([max_blocks * 256] * batch, 256, max_blocks=max_blocks)
+    q = torch.randn(batch, H, D, device="cuda").bfloat16()
+    ctx = torch.full((batch,), 5, dtype=torch.int32, device="cuda")
+    for _ in range(2):  # warm up: compile the kernels outside the capture
+        paged_decode_attention(q, k_cache, v_cache, tables, ctx, SCALE)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = paged_decode_attention(q, k_cache, v_cache, tables, ctx, SCALE)
+    for step in range(3):
+        q.copy_(torch.randn_like(q))
+        ctx.copy_(torch.randint(0, max_blocks * 256 + 1, (batch,), device="cuda", dtype=torch.int32))
+        ctx[0] = 1 + 700 * step
+        graph.replay()
+        eager = paged_decode_attention(q, k_cache, v_cache, tables, ctx, SCALE)
+        keep = ctx > 0
+        torch.testing.assert_close(out[keep], eager[keep], atol=0, rtol=0)
+
+
+def prefill_case(q_lens, k_lens, block_size, dtype=torch.bfloat16, seed=0):
+    """New tokens already stored in a paged cache that holds each sequence's prefix."""
+    k_cache, v_cache, tables = make_paged(k_lens, block_size, dtype=dtype, seed=seed)
+    q = torch.randn(sum(q_lens), H, D, device="cuda").to(dtype)
+    new_k = torch.cat([gather_paged_kv(k_cache, tables[i], n)[n - m:] for i, (m, n) in enumerate(zip(q_lens, k_lens))])
+    new_v = torch.cat([gather_paged_kv(v_cache, tables[i], n)[n - m:] for i, (m, n) in enumerate(zip(q_lens, k_lens))])
+    cu_q = torch.tensor([0] + q_lens, device="cuda").cumsum(0).int()
+    cu_k = torch.tensor([0] + k_lens, device="cuda").cumsum(0).int()
+    return q, new_k.contiguous(), new_v.contiguous(), k_cache, v_cache, cu_q, cu_k, max(q_lens), max(k_lens), tables
+
+
+def check_prefill(args, tol):
+    out = prefill_attention(*args, SCALE)
+    ref_args = [a.float() if torch.is_tensor(a) and a.is_floating_point() else a for a in args]
+    ref = prefill_attention_ref(*ref_args, SCALE)
+    torch.testing.assert_close(out.float(), ref, **tol)
+
+
+def test_prefill_without_cache_matches_reference():
+    lens = [1, 17, 1024, 300]
+    args = list(prefill_case(lens, lens, 256))
+    args[-1] = None
+    check_prefill(args, BF16_TOL)
+
+
+@pytest.mark.parametrize("block_size", [16, 256])
+def test_prefill_with_cached_prefix_matches_reference(block_size):
+    # a prefix hit, a chunk in the middle of a long prompt, a fresh prompt
+    check_prefill(prefill_case([5, 512, 100], [600, 2048, 100], block_size), BF16_TOL)
+
+
+def test_prefill_fp32_on_cuda_matches_reference():
+    check_prefill(prefill_case([3, 40], [3, 90], 16, dtype=torch.float32), dict(atol=1e-4, rtol=1e-4))
