@@ -1,0 +1,68 @@
+"""Engine options: strict (unknown names are a TypeError) and validated (bad values a ValueError)."""
+import os
+from dataclasses import dataclass, field, fields
+
+from transformers import AutoConfig, PretrainedConfig
+
+
+@dataclass
+class Config:
+    model: str                                  # local folder (a hub id is resolved before Config)
+    max_num_batched_tokens: int = 16384         # tokens computed in one step (prefill chunks share it)
+    max_num_seqs: int = 512                     # sequences in one decode step
+    max_model_len: int = 4096                   # prompt + output; capped by max_position_embeddings
+    gpu_memory_utilization: float = 0.9        # share of GPU memory the engine may fill (CUDA)
+    tensor_parallel_size: int = 1
+    enforce_eager: bool = False                 # True: no CUDA graphs
+    kvcache_block_size: int = 256               # tokens per KV-cache block
+    num_kvcache_blocks: int | None = None       # fixed number of KV blocks (any device)
+    kv_cache_memory_bytes: int | None = None    # KV-cache budget in bytes (any device; CPU default below)
+    device: str = "auto"                        # "auto" (CUDA when available), "cuda", "cpu"
+    dtype: str = "auto"                         # "auto": checkpoint dtype on CUDA, float32 on CPU
+    load_format: str = "auto"                   # "auto" (safetensors) or "dummy" (random weights)
+    seed: int = 0
+    hf_config: PretrainedConfig = field(init=False, repr=False)
+
+    @classmethod
+    def create(cls, model: str, **options) -> "Config":
+        known = {f.name for f in fields(cls) if f.init}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise TypeError(f"unknown option(s) {', '.join(map(repr, unknown))}; "
+                            f"valid options are: {', '.join(sorted(known - {'model'}))}")
+        return cls(model, **options)
+
+    def __post_init__(self):
+        if not os.path.isdir(self.model):
+            raise FileNotFoundError(f"model folder {self.model!r} does not exist")
+        if not os.path.isfile(os.path.join(self.model, "config.json")):
+            raise FileNotFoundError(f"model folder {self.model!r} has no config.json")
+        _check_int(self, "max_num_batched_tokens", 1)
+        _check_int(self, "max_num_seqs", 1)
+        _check_int(self, "max_model_len", 1)
+        _check_int(self, "tensor_parallel_size", 1)
+        _check_int(self, "kvcache_block_size", 1)
+        if self.num_kvcache_blocks is not None:
+            _check_int(self, "num_kvcache_blocks", 1)
+        if self.kv_cache_memory_bytes is not None:
+            _check_int(self, "kv_cache_memory_bytes", 1)
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        _check_choice(self, "device", ("auto", "cuda", "cpu"))
+        _check_choice(self, "dtype", ("auto", "float32", "bfloat16", "float16"))
+        _check_choice(self, "load_format", ("auto", "dummy"))
+        if self.device == "cuda" and self.kvcache_block_size % 16:
+            raise ValueError(f"kvcache_block_size must be a multiple of 16 on CUDA, got {self.kvcache_block_size}")
+        self.hf_config = AutoConfig.from_pretrained(self.model)
+        self.max_model_len = min(self.max_model_len, self.hf_config.max_position_embeddings)
+
+
+def _check_int(cfg: Config, name: str, minimum: int):
+    value = getattr(cfg, name)
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
+def _check_choice(cfg: Config, name: str, choices: tuple):
+    if getattr(cfg, name) not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {getattr(cfg, name)!r}")

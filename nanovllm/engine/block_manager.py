@@ -1,0 +1,127 @@
+"""Paged KV-cache blocks with reference counts and a prefix cache keyed by chained xxhash64."""
+from array import array
+from collections import OrderedDict
+
+import xxhash
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def hash_block(token_ids: list[int], prefix_hash: int | None) -> int:
+    """xxhash64 of a block's token ids, chained with the hash of the block before it."""
+    h = xxhash.xxh64()
+    if prefix_hash is not None:
+        h.update(prefix_hash.to_bytes(8, "little"))
+    h.update(array("q", token_ids).tobytes())
+    return h.intdigest()
+
+
+class Block:
+    __slots__ = ("block_id", "ref_count", "hash", "token_ids")
+
+    def __init__(self, block_id: int):
+        self.block_id = block_id
+        self.ref_count = 0
+        self.hash: int | None = None
+        self.token_ids: list[int] | None = None   # kept to confirm a hash hit
+
+
+class BlockManager:
+    """Invariants: a block is shared only through ref_count; a block whose count drops to zero goes
+    to the free list but keeps its hash and tokens, so a later identical prefix can revive it until
+    the block is handed out for other data (free blocks are reused least recently freed first)."""
+
+    def __init__(self, num_blocks: int, block_size: int):
+        self.block_size = block_size
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.hash_to_block_id: dict[int, int] = {}
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_block_ids)
+
+    def _cached_prefix(self, seq) -> tuple[list[int], list[int]]:
+        """Ids and hashes of the cached blocks that hold seq's leading full blocks. At least one
+        token is always left out, so a fully cached prompt still computes its last token (and its
+        last block): there must be logits to sample from."""
+        bs = self.block_size
+        ids, hashes, h = [], [], None
+        for i in range((seq.num_tokens - 1) // bs):
+            tokens = seq.token_ids[i * bs:(i + 1) * bs]
+            h = hash_block(tokens, h)
+            block_id = self.hash_to_block_id.get(h)
+            if block_id is None or self.blocks[block_id].token_ids != tokens:
+                break
+            ids.append(block_id)
+            hashes.append(h)
+        return ids, hashes
+
+    def can_allocate(self, seq) -> bool:
+        cached, _ = self._cached_prefix(seq)
+        in_use = sum(1 for b in cached if self.blocks[b].ref_count > 0)
+        return cdiv(seq.num_tokens, self.block_size) - in_use <= self.num_free_blocks
+
+    def allocate(self, seq):
+        """Give seq blocks for all its tokens, reusing cached prefix blocks."""
+        assert not seq.block_table
+        cached, hashes = self._cached_prefix(seq)
+        for block_id in cached:
+            self._ref(block_id)
+        fresh = [self._take_free_block() for _ in range(cdiv(seq.num_tokens, self.block_size) - len(cached))]
+        seq.block_table = cached + fresh
+        seq.block_hashes = hashes
+        seq.num_computed_tokens = len(cached) * self.block_size
+
+    def deallocate(self, seq):
+        # Free the tail first: it then is evicted before the (more shareable) head of the prompt.
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            assert block.ref_count >= 0
+            if block.ref_count == 0:
+                self.free_block_ids[block_id] = None
+        seq.block_table = []
+        seq.block_hashes = []
+        seq.num_computed_tokens = 0
+
+    def can_append(self, seq) -> bool:
+        """Can seq's newest token (the one decode computes next) get a slot?"""
+        return len(seq.block_table) >= cdiv(seq.num_tokens, self.block_size) or self.num_free_blocks > 0
+
+    def may_append(self, seq):
+        if len(seq.block_table) < cdiv(seq.num_tokens, self.block_size):
+            seq.block_table.append(self._take_free_block())
+
+    def register_computed(self, seq):
+        """Hash the blocks that became full and computed, so later prompts can share them."""
+        bs = self.block_size
+        while len(seq.block_hashes) < seq.num_computed_tokens // bs:
+            i = len(seq.block_hashes)
+            tokens = seq.token_ids[i * bs:(i + 1) * bs]
+            h = hash_block(tokens, seq.block_hashes[-1] if seq.block_hashes else None)
+            block = self.blocks[seq.block_table[i]]
+            block.hash, block.token_ids = h, tokens
+            self.hash_to_block_id[h] = block.block_id
+            seq.block_hashes.append(h)
+
+    def _ref(self, block_id: int):
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self.free_block_ids[block_id]
+        block.ref_count += 1
+
+    def _take_free_block(self) -> int:
+        block_id, _ = self.free_block_ids.popitem(last=False)
+        block = self.blocks[block_id]
+        assert block.ref_count == 0
+        if block.hash is not None and self.hash_to_block_id.get(block.hash) == block_id:
+            del self.hash_to_block_id[block.hash]   # its cached content is being overwritten
+        block.hash, block.token_ids, block.ref_count = None, None, 1
+        return block_id

@@ -1,0 +1,249 @@
+"""Builds the model on its device, owns the paged KV cache and the decode CUDA graphs, and turns
+a ScheduledBatch into sampled token ids."""
+from contextlib import contextmanager
+
+import torch
+
+from nanovllm.config import Config
+from nanovllm.engine.block_manager import cdiv
+from nanovllm.engine.scheduler import ScheduledBatch
+from nanovllm.layers.attention import Attention
+from nanovllm.layers.sampler import Sampler
+from nanovllm.models import get_model_class
+from nanovllm.utils.context import Context, forward_context
+from nanovllm.utils.loader import load_dummy_weights, load_model
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+CPU_KV_CACHE_BYTES = 1 << 30   # default KV budget on CPU (override: kv_cache_memory_bytes)
+
+
+def pick_device(config: Config) -> torch.device:
+    if config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise ValueError("device='cuda' was asked for but no CUDA device is available; use device='cpu'")
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def pick_dtype(config: Config, device: torch.device) -> torch.dtype:
+    if config.dtype != "auto":
+        return _DTYPES[config.dtype]
+    if device.type == "cpu":
+        return torch.float32
+    hf = config.hf_config
+    dtype = getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None) or torch.float32
+    return _DTYPES[dtype] if isinstance(dtype, str) else dtype
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype):
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+class ModelRunner:
+    def __init__(self, config: Config):
+        self.config = config
+        self.block_size = config.kvcache_block_size
+        self.device = pick_device(config)
+        self.dtype = pick_dtype(config, self.device)
+        self.use_cuda = self.device.type == "cuda"
+        torch.manual_seed(config.seed)
+        with self.device, _default_dtype(self.dtype):
+            self.model = get_model_class(config.hf_config)(config.hf_config)
+        if config.load_format == "dummy":
+            load_dummy_weights(self.model, config.seed)
+        else:
+            load_model(self.model, config.model)
+        self.model.eval()
+        self.sampler = Sampler()
+        self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        if self.use_cuda:
+            self.warmup_model()
+        self.num_kvcache_blocks = self.allocate_kv_cache()
+        self.graphs = {}
+        if self.use_cuda and not config.enforce_eager:
+            self.capture_cudagraph()
+
+    # ---- start-up -------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def warmup_model(self):
+        """Run the largest prefill once so the KV budget accounts for its peak activations."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        c = self.config
+        seq_len = min(c.max_num_batched_tokens, c.max_model_len)
+        num_seqs = max(1, min(c.max_num_batched_tokens // seq_len, c.max_num_seqs))
+        cu = torch.arange(0, (num_seqs + 1) * seq_len, seq_len, dtype=torch.int32, device=self.device)
+        ctx = Context(is_prefill=True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=seq_len, max_seqlen_k=seq_len)
+        input_ids = torch.zeros(num_seqs * seq_len, dtype=torch.int64, device=self.device)
+        positions = torch.arange(seq_len, device=self.device).repeat(num_seqs)
+        with forward_context(ctx):
+            hidden = self.model(input_ids, positions)
+        self.sampler(self.model.compute_logits(hidden[cu[1:] - 1]).float(), None)
+        torch.cuda.synchronize()
+
+    def kv_bytes_per_block(self) -> int:
+        attn = self.attention_layers[0]
+        return (2 * len(self.attention_layers) * self.block_size * attn.num_kv_heads * attn.head_dim
+                * self.dtype.itemsize)
+
+    def kv_cache_budget(self) -> int:
+        c = self.config
+        if c.kv_cache_memory_bytes is not None:
+            return c.kv_cache_memory_bytes
+        if not self.use_cuda:
+            # Enough for max_num_seqs full-length sequences, but at most CPU_KV_CACHE_BYTES.
+            need = c.max_num_seqs * cdiv(c.max_model_len, self.block_size) * self.kv_bytes_per_block()
+            return min(CPU_KV_CACHE_BYTES, need)
+        free, total = torch.cuda.mem_get_info()
+        stats = torch.cuda.memory_stats()
+        peak, current = stats["allocated_bytes.all.peak"], stats["allocated_bytes.all.current"]
+        return int(total * c.gpu_memory_utilization - (total - free) - (peak - current))
+
+    def allocate_kv_cache(self) -> int:
+        num_blocks = self.config.num_kvcache_blocks or self.kv_cache_budget() // self.kv_bytes_per_block()
+        if num_blocks < 1:
+            raise ValueError(
+                f"no memory left for the KV cache ({self.kv_bytes_per_block()} bytes per block of "
+                f"{self.block_size} tokens): raise gpu_memory_utilization (now {self.config.gpu_memory_utilization}), "
+                "lower max_num_batched_tokens, or set kv_cache_memory_bytes / num_kvcache_blocks")
+        attn = self.attention_layers[0]
+        # kv_cache: [2 (k, v), num_layers, num_blocks, block_size, num_kv_heads, head_dim]
+        self.kv_cache = torch.zeros(2, len(self.attention_layers), num_blocks, self.block_size,
+                                    attn.num_kv_heads, attn.head_dim, dtype=self.dtype, device=self.device)
+        for i, layer in enumerate(self.attention_layers):
+            layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+        return num_blocks
+
+    # ---- inputs ---------------------------------------------------------------------------
+
+    def _tensor(self, data, dtype) -> torch.Tensor:
+        t = torch.tensor(data, dtype=dtype, pin_memory=self.use_cuda)
+        return t.to(self.device, non_blocking=True)
+
+    def _slots(self, block_table: list[int], start: int, end: int) -> list[int]:
+        """Cache slots of token positions [start, end)."""
+        bs, slots = self.block_size, []
+        for i in range(start // bs, cdiv(end, bs)):
+            base = block_table[i] * bs
+            slots.extend(range(base + max(start, i * bs) - i * bs, base + min(end, (i + 1) * bs) - i * bs))
+        return slots
+
+    def _block_tables(self, seqs) -> torch.Tensor:
+        width = max(len(seq.block_table) for seq in seqs)
+        return self._tensor([seq.block_table + [-1] * (width - len(seq.block_table)) for seq in seqs], torch.int32)
+
+    def prepare_prefill(self, batch: ScheduledBatch):
+        input_ids, positions, slots, cu_q, cu_k, logits_indices = [], [], [], [0], [0], []
+        has_prefix = False
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            slots.extend(self._slots(seq.block_table, start, end))
+            cu_q.append(cu_q[-1] + n)
+            cu_k.append(cu_k[-1] + end)
+            has_prefix |= start > 0
+            if batch.samples(seq, n):
+                logits_indices.append(cu_q[-1] - 1)
+        ctx = Context(is_prefill=True, cu_seqlens_q=self._tensor(cu_q, torch.int32),
+                      cu_seqlens_k=self._tensor(cu_k, torch.int32), max_seqlen_q=max(batch.num_new_tokens),
+                      max_seqlen_k=max(b - a for a, b in zip(cu_k, cu_k[1:])),
+                      slot_mapping=self._tensor(slots, torch.int32),
+                      block_tables=self._block_tables(batch.seqs) if has_prefix else None)
+        return (self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64), ctx,
+                self._tensor(logits_indices, torch.int64))
+
+    def prepare_decode(self, batch: ScheduledBatch):
+        input_ids, positions, slots, context_lens = [], [], [], []
+        for seq in batch.seqs:
+            pos = seq.num_tokens - 1
+            input_ids.append(seq.token_ids[-1])
+            positions.append(pos)
+            slots.append(seq.block_table[pos // self.block_size] * self.block_size + pos % self.block_size)
+            context_lens.append(seq.num_tokens)
+        ctx = Context(is_prefill=False, slot_mapping=self._tensor(slots, torch.int32),
+                      context_lens=self._tensor(context_lens, torch.int32),
+                      block_tables=self._block_tables(batch.seqs))
+        return self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64), ctx
+
+    def prepare_sample(self, batch: ScheduledBatch) -> torch.Tensor | None:
+        temps = [seq.sampling_params.temperature for seq, n in zip(batch.seqs, batch.num_new_tokens)
+                 if batch.samples(seq, n)]
+        return self._tensor(temps, torch.float32) if any(t > 0 for t in temps) else None
+
+    # ---- running --------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch) -> list[int]:
+        """Compute the batch; return one sampled token per sequence that reached its end."""
+        if not batch.seqs:
+            return []
+        temperatures = self.prepare_sample(batch)
+        if batch.is_prefill:
+            input_ids, positions, ctx, logits_indices = self.prepare_prefill(batch)
+            if logits_indices.numel() == 0:   # only mid-prompt chunks: nothing to sample
+                with forward_context(ctx):
+                    self.model(input_ids, positions)
+                return []
+            with forward_context(ctx):
+                hidden = self.model(input_ids, positions)[logits_indices]
+        else:
+            input_ids, positions, ctx = self.prepare_decode(batch)
+            hidden = self.run_decode(input_ids, positions, ctx)
+        logits = self.model.compute_logits(hidden).float()
+        return self.sampler(logits, temperatures).tolist()
+
+    def run_decode(self, input_ids, positions, ctx: Context) -> torch.Tensor:
+        bs = input_ids.size(0)
+        graph_bs = next((b for b in self.graph_sizes if b >= bs), None) if self.graphs else None
+        if graph_bs is None:
+            with forward_context(ctx):
+                return self.model(input_ids, positions)
+        g = self.graph_vars
+        g["input_ids"][:bs] = input_ids
+        g["positions"][:bs] = positions
+        g["slot_mapping"].fill_(-1)
+        g["slot_mapping"][:bs] = ctx.slot_mapping
+        g["context_lens"].zero_()
+        g["context_lens"][:bs] = ctx.context_lens
+        g["block_tables"][:bs, :ctx.block_tables.size(1)] = ctx.block_tables
+        self.graphs[graph_bs].replay()
+        return g["outputs"][:bs]
+
+    @torch.inference_mode()
+    def capture_cudagraph(self):
+        """Capture decode for batch sizes 1, 2, 4, 8, 16, 32, 48, ... up to max_num_seqs; replay
+        pads a batch up to the next captured size (padding rows have slot -1 and length 0)."""
+        c = self.config
+        max_bs = min(c.max_num_seqs, 512)
+        max_blocks = cdiv(c.max_model_len, self.block_size)
+        hidden = self.config.hf_config.hidden_size
+        dev = self.device
+        g = self.graph_vars = dict(
+            input_ids=torch.zeros(max_bs, dtype=torch.int64, device=dev),
+            positions=torch.zeros(max_bs, dtype=torch.int64, device=dev),
+            slot_mapping=torch.full((max_bs,), -1, dtype=torch.int32, device=dev),
+            context_lens=torch.zeros(max_bs, dtype=torch.int32, device=dev),
+            block_tables=torch.zeros(max_bs, max_blocks, dtype=torch.int32, device=dev),
+            outputs=torch.zeros(max_bs, hidden, dtype=self.dtype, device=dev),
+        )
+        self.graph_sizes = sorted({b for b in [1, 2, 4, 8, *range(16, max_bs + 1, 16), max_bs] if b <= max_bs})
+        pool = None
+        for bs in reversed(self.graph_sizes):
+            graph = torch.cuda.CUDAGraph()
+            ctx = Context(is_prefill=False, slot_mapping=g["slot_mapping"][:bs],
+                          context_lens=g["context_lens"][:bs], block_tables=g["block_tables"][:bs])
+            with forward_context(ctx):
+                g["outputs"][:bs] = self.model(g["input_ids"][:bs], g["positions"][:bs])   # warm-up
+                with torch.cuda.graph(graph, pool):
+                    g["outputs"][:bs] = self.model(g["input_ids"][:bs], g["positions"][:bs])
+            pool = pool or graph.pool()
+            self.graphs[bs] = graph
+            torch.cuda.synchronize()

@@ -1,0 +1,141 @@
+"""Turns the waiting and running queues into one batch per step, and applies its results."""
+from collections import deque
+from dataclasses import dataclass
+
+from nanovllm.engine.block_manager import BlockManager
+from nanovllm.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledBatch:
+    seqs: list[Sequence]        # in the order the model runner lays out their tokens
+    num_new_tokens: list[int]   # tokens each sequence computes this step (1 for decode)
+    is_prefill: bool
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    def samples(self, seq: Sequence, n: int) -> bool:
+        """Does this step reach the end of seq's tokens (so a token is sampled for it)?"""
+        return seq.num_computed_tokens + n == seq.num_tokens
+
+
+class Scheduler:
+    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
+                 num_blocks: int, block_size: int, eos_token_ids: set[int]):
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.eos_token_ids = eos_token_ids
+        self.block_manager = BlockManager(num_blocks, block_size)
+        # The head of `waiting` may be a prompt part-way through a chunked prefill (it holds blocks).
+        self.waiting: deque[Sequence] = deque()
+        self.running: deque[Sequence] = deque()
+
+    def is_finished(self) -> bool:
+        return not self.waiting and not self.running
+
+    def add(self, seq: Sequence):
+        self.waiting.append(seq)
+
+    def schedule(self) -> ScheduledBatch:
+        """Prefill first (within max_num_batched_tokens, the last prompt possibly chunked); decode
+        (one token per running sequence, within max_num_seqs) only when no prefill can run."""
+        batch = self._schedule_prefill()
+        return batch if batch.seqs else self._schedule_decode()
+
+    def _schedule_prefill(self) -> ScheduledBatch:
+        seqs, counts = [], []
+        budget = self.max_num_batched_tokens
+        while self.waiting and budget > 0 and len(self.running) + len(seqs) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if not seq.block_table:
+                if not self.block_manager.can_allocate(seq):
+                    if not seqs and not self.running:
+                        self._finish_oversized(seq)   # it can never fit: stop it, don't hang
+                        continue
+                    break
+                self.block_manager.allocate(seq)
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            seqs.append(seq)
+            counts.append(n)
+            budget -= n
+            if seq.num_computed_tokens + n < seq.num_tokens:
+                break   # a chunk: the rest of this prompt goes first in the next step
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+        return ScheduledBatch(seqs, counts, is_prefill=True)
+
+    def _schedule_decode(self) -> ScheduledBatch:
+        seqs = []
+        while self.running and len(seqs) < self.max_num_seqs:
+            seq = self.running.popleft()
+            while not self.block_manager.can_append(seq):
+                if self.running:
+                    self._preempt(self.running.pop())   # the newest sequence makes room
+                else:
+                    self._preempt(seq)
+                    break
+            else:
+                self.block_manager.may_append(seq)
+                seqs.append(seq)
+        self.running.extendleft(reversed(seqs))
+        return ScheduledBatch(seqs, [1] * len(seqs), is_prefill=False)
+
+    def _preempt(self, seq: Sequence):
+        """Recompute preemption: drop all of seq's blocks; it is prefilled again (prompt and output
+        so far) when blocks are free, which under greedy sampling gives the same continuation."""
+        seq.status = SequenceStatus.WAITING
+        self.block_manager.deallocate(seq)
+        self.waiting.appendleft(seq)
+
+    def _finish_oversized(self, seq: Sequence):
+        # Only a sequence that grew past the whole cache gets here (prompts are checked on entry).
+        self.waiting.popleft()
+        self._finish(seq, "length")
+
+    def postprocess(self, batch: ScheduledBatch, token_ids: list[int]) -> list[Sequence]:
+        """Record what the step computed; append the sampled tokens (one per sequence that reached
+        its end, in batch order); return the sequences that finished."""
+        finished, sampled = [], iter(token_ids)
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            samples = batch.samples(seq, n)
+            seq.num_computed_tokens += n
+            self.block_manager.register_computed(seq)
+            if not samples:
+                continue
+            token_id = next(sampled)
+            seq.append_token(token_id)
+            reason = self._stop_reason(seq, token_id)
+            if reason:
+                self.running.remove(seq)
+                self._finish(seq, reason)
+                finished.append(seq)
+        return finished
+
+    def _stop_reason(self, seq: Sequence, token_id: int) -> str | None:
+        params = seq.sampling_params
+        if not params.ignore_eos and token_id in self.eos_token_ids:
+            seq.stop_reason = None   # vLLM reports EOS as stop with no stop_reason
+            return "stop"
+        if seq.num_completion_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _finish(self, seq: Sequence, reason: str):
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        self.block_manager.deallocate(seq)
+
+    def abort_all(self) -> list[Sequence]:
+        """Drop every queued sequence and free its blocks (after an error in a step)."""
+        seqs = list(self.waiting) + list(self.running)
+        for seq in seqs:
+            if seq.block_table:
+                self.block_manager.deallocate(seq)
+            seq.status = SequenceStatus.FINISHED
+        self.waiting.clear()
+        self.running.clear()
+        return seqs

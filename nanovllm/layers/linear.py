@@ -1,0 +1,100 @@
+"""Linear layers sharded for tensor parallelism. Each parameter carries a weight_loader that copies
+this rank's shard of a checkpoint tensor, so the sharding rule lives next to the layer it shards."""
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nanovllm.utils.distributed import all_reduce, tp_rank, tp_size
+
+
+def _divide(n: int, d: int, what: str) -> int:
+    if n % d:
+        raise ValueError(f"{what} ({n}) is not divisible by tensor_parallel_size ({d})")
+    return n // d
+
+
+def _copy(param: nn.Parameter, shard: torch.Tensor):
+    if param.shape != shard.shape:
+        raise ValueError(f"shape mismatch: parameter {tuple(param.shape)}, checkpoint shard {tuple(shard.shape)}")
+    param.data.copy_(shard)
+
+
+class LinearBase(nn.Module):
+    """y = x W^T (+ b) with W: [output_size, input_size] on this rank. tp_dim: the sharded axis of
+    W (0 = output columns, 1 = input rows, None = replicated)."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool, tp_dim: int | None):
+        super().__init__()
+        self.tp_dim, self.tp_rank, self.tp_size = tp_dim, tp_rank(), tp_size()
+        self.weight = nn.Parameter(torch.empty(output_size, input_size))
+        self.weight.weight_loader = self.weight_loader
+        self.bias = None
+        if bias:
+            self.bias = nn.Parameter(torch.empty(output_size))
+            self.bias.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None):
+        if self.tp_dim is not None and param.dim() > self.tp_dim:   # a row-parallel bias is whole
+            size = param.size(self.tp_dim)
+            loaded = loaded.narrow(self.tp_dim, self.tp_rank * size, size)
+        _copy(param, loaded)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ReplicatedLinear(LinearBase):
+    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+        super().__init__(input_size, output_size, bias, tp_dim=None)
+
+
+class ColumnParallelLinear(LinearBase):
+    """Output features split across ranks; each rank returns its slice."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+        super().__init__(input_size, _divide(output_size, tp_size(), "output size"), bias, tp_dim=0)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel outputs in one matrix (gate and up): checkpoint tensor k goes to
+    slice k of each rank's output."""
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False):
+        self.output_sizes = output_sizes
+        super().__init__(input_size, sum(output_sizes), bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int):
+        size = self.output_sizes[shard_id] // self.tp_size
+        offset = sum(self.output_sizes[:shard_id]) // self.tp_size
+        shard = loaded.narrow(0, self.tp_rank * size, size)
+        _copy(param.data.narrow(0, offset, size), shard)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """q, k and v projections in one matrix; each rank holds its query heads and KV heads."""
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False):
+        tp = tp_size()
+        self.head_dim = head_dim
+        self.num_heads = _divide(num_heads, tp, "number of attention heads")
+        self.num_kv_heads = _divide(num_kv_heads, tp, "number of KV heads")
+        super().__init__(hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str):
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        size, offset = {"q": (q, 0), "k": (kv, q), "v": (kv, q + kv)}[shard_id]
+        shard = loaded.narrow(0, self.tp_rank * size, size)
+        _copy(param.data.narrow(0, offset, size), shard)
+
+
+class RowParallelLinear(LinearBase):
+    """Input features split across ranks; partial products are summed with an all-reduce."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+        super().__init__(_divide(input_size, tp_size(), "input size"), output_size, bias, tp_dim=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # The bias is added once, after the sum, not on every rank.
+        y = F.linear(x, self.weight)
+        y = all_reduce(y)
+        return y + self.bias if self.bias is not None else y

@@ -1,0 +1,20 @@
+"""Model registry keyed by the Hugging Face config's `architectures[0]`."""
+from torch import nn
+from transformers import PretrainedConfig
+
+from nanovllm.models.llama import LlamaForCausalLM, Qwen2ForCausalLM
+from nanovllm.models.qwen3 import Qwen3ForCausalLM
+
+MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+}
+
+
+def get_model_class(hf_config: PretrainedConfig) -> type[nn.Module]:
+    archs = getattr(hf_config, "architectures", None) or []
+    arch = archs[0] if archs else None
+    if arch not in MODEL_REGISTRY:
+        raise ValueError(f"model architecture {arch!r} is not supported; supported: {', '.join(MODEL_REGISTRY)}")
+    return MODEL_REGISTRY[arch]

@@ -1,0 +1,135 @@
+"""The Llama-family decoder, shared by Llama, Qwen2 (Llama with a QKV bias) and Qwen3 (per-head
+RMSNorm on q and k). Architectures differ only in the flags of LlamaAttention."""
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from nanovllm.layers.activation import SiluAndMul
+from nanovllm.layers.attention import Attention
+from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
+from nanovllm.layers.layernorm import RMSNorm
+from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from nanovllm.layers.rotary_embedding import get_rope
+
+
+def head_dim_of(config: PretrainedConfig) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def rope_settings(config: PretrainedConfig) -> tuple[float, dict | None]:
+    """(theta, scaling) from transformers 5's `rope_parameters` or older `rope_theta`/`rope_scaling`."""
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    scaling = getattr(config, "rope_scaling", None) or params
+    theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+    if scaling.get("rope_type", scaling.get("type", "default")) == "default":
+        return theta, None
+    return theta, {k: v for k, v in scaling.items() if k != "rope_theta"}
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: PretrainedConfig, qkv_bias: bool, qk_norm: bool):
+        super().__init__()
+        hidden, head_dim = config.hidden_size, head_dim_of(config)
+        self.qkv_proj = QKVParallelLinear(hidden, head_dim, config.num_attention_heads,
+                                          config.num_key_value_heads, bias=qkv_bias)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.head_dim = head_dim
+        self.o_proj = RowParallelLinear(config.num_attention_heads * head_dim, hidden,
+                                        bias=bool(getattr(config, "attention_bias", False)))
+        theta, scaling = rope_settings(config)
+        self.rotary_emb = get_rope(head_dim, config.max_position_embeddings, theta, scaling)
+        self.attn = Attention(self.num_heads, head_dim, head_dim ** -0.5, self.num_kv_heads)
+        self.q_norm = RMSNorm(head_dim, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim, config.rms_norm_eps) if qk_norm else None
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        # x: [num_tokens, hidden] -> [num_tokens, hidden]
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v).flatten(1))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: PretrainedConfig):
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2)
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: PretrainedConfig, qkv_bias: bool, qk_norm: bool):
+        super().__init__()
+        self.self_attn = LlamaAttention(config, qkv_bias, qk_norm)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions, x, residual):
+        # The residual stream is carried separately so each RMSNorm fuses the preceding add.
+        x, residual = (self.input_layernorm(x), x) if residual is None else self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: PretrainedConfig, qkv_bias: bool, qk_norm: bool):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, qkv_bias, qk_norm)
+                                    for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+class LlamaForCausalLM(nn.Module):
+    # checkpoint name -> (packed parameter, shard id) for projections fused into one matrix
+    packed_modules_mapping = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+    qk_norm = False
+
+    def __init__(self, config: PretrainedConfig):
+        super().__init__()
+        qkv_bias = self.qkv_bias(config)
+        self.model = LlamaModel(config, qkv_bias, self.qk_norm)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @staticmethod
+    def qkv_bias(config: PretrainedConfig) -> bool:
+        return bool(getattr(config, "attention_bias", False))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # input_ids, positions: [num_tokens] -> hidden states: [num_tokens, hidden]
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden_states)
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    @staticmethod
+    def qkv_bias(config: PretrainedConfig) -> bool:
+        return True

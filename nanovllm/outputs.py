@@ -1,0 +1,31 @@
+"""vLLM-shaped results: one RequestOutput per prompt, holding its CompletionOutputs."""
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None = None
+    logprobs: list[dict] | None = None
+    finish_reason: str | None = None      # "stop" or "length"
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    finished: bool = True
+
+    def __getitem__(self, key: str):
+        # nano-vllm style: out["text"], out["token_ids"] read the first completion
+        if key in ("text", "token_ids"):
+            return getattr(self.outputs[0], key)
+        raise KeyError(key)

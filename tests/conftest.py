@@ -1,0 +1,75 @@
+"""Tiny random Hugging Face models saved to temp folders, and the transformers oracle."""
+import os
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import (AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, Qwen2Config,
+                          Qwen3Config)
+
+VOCAB = 512
+EOS = 1
+
+_COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+               rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=EOS, tie_word_embeddings=False)
+CONFIGS = {
+    "qwen3": lambda **kw: Qwen3Config(**{**_COMMON, "head_dim": 16, "rope_theta": 10000.0, **kw}),
+    "llama": lambda **kw: LlamaConfig(**{**_COMMON, "rope_theta": 10000.0, **kw}),
+    "qwen2": lambda **kw: Qwen2Config(**{**_COMMON, "rope_theta": 10000.0, **kw}),
+}
+
+
+def _tokenizer() -> PreTrainedTokenizerFast:
+    """A word-level tokenizer: 'w0 w1 ...' words, so strings round-trip and ids stay in range."""
+    vocab = {"<s>": 0, "</s>": EOS, "<unk>": 2, **{f"w{i}": i for i in range(3, VOCAB)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+
+
+def make_model(path: str, arch: str = "qwen3", seed: int = 0, tokenizer: bool = True, **overrides) -> str:
+    torch.manual_seed(seed)
+    config = CONFIGS[arch](**overrides)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # Larger-than-default weights give peaked logits, so argmax is not decided by rounding.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.15)
+    model.save_pretrained(path)
+    if tokenizer:
+        _tokenizer().save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def qwen3_dir(tmp_path_factory):
+    return make_model(str(tmp_path_factory.mktemp("qwen3")), "qwen3")
+
+
+class HFOracle:
+    """transformers' model on the same folder, for checking that tokens are argmax choices."""
+
+    def __init__(self, path: str):
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+        self.model.eval()
+
+    @torch.no_grad()
+    def logits(self, token_ids: list[int]) -> torch.Tensor:
+        return self.model(torch.tensor([token_ids])).logits[0].float()
+
+    def assert_greedy(self, prompt_ids: list[int], output_ids: list[int], atol: float = 1e-3):
+        """Every output token is (within atol) a maximum of transformers' logits at its position."""
+        assert output_ids, "no tokens generated"
+        logits = self.logits(prompt_ids + output_ids)
+        for i, tok in enumerate(output_ids):
+            row = logits[len(prompt_ids) - 1 + i]
+            assert row[tok] >= row.max() - atol, (
+                f"token {i} ({tok}) is not an argmax: logit {row[tok]:.5f} vs max {row.max():.5f} "
+                f"(argmax {row.argmax().item()})")
+
+
+def random_prompts(n: int, lengths, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, VOCAB, (length,), generator=g).tolist() for length in lengths][:n]
