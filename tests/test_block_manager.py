@@ -1,0 +1,154 @@
+"""BlockManager with no model: ref counts, prefix-hash reuse, eviction order."""
+from nanovllm.engine.block_manager import BlockManager, hash_block
+from nanovllm.engine.sequence import Sequence
+
+BS = 4
+
+
+def seq_of(tokens):
+    return Sequence(list(tokens))
+
+
+def compute_all(bm: BlockManager, seq: Sequence):
+    """What a prefill of the whole sequence does, as seen by the block manager."""
+    seq.num_computed_tokens = seq.num_tokens
+    bm.register_computed(seq)
+
+
+def test_allocate_and_free_restores_all_blocks():
+    bm = BlockManager(8, BS)
+    seq = seq_of(range(10))                      # 3 blocks (4 + 4 + 2)
+    assert bm.can_allocate(seq)
+    bm.allocate(seq)
+    assert len(seq.block_table) == 3 and bm.num_free_blocks == 5
+    assert all(bm.blocks[b].ref_count == 1 for b in seq.block_table)
+    bm.deallocate(seq)
+    assert bm.num_free_blocks == 8 and seq.block_table == [] and seq.num_computed_tokens == 0
+    assert all(b.ref_count == 0 for b in bm.blocks)
+
+
+def test_can_allocate_counts_free_blocks():
+    bm = BlockManager(3, BS)
+    assert not bm.can_allocate(seq_of(range(13)))   # 4 blocks > 3
+    assert bm.can_allocate(seq_of(range(12)))
+
+
+def test_only_computed_full_blocks_are_hashed():
+    bm = BlockManager(8, BS)
+    seq = seq_of(range(10))
+    bm.allocate(seq)
+    assert bm.hash_to_block_id == {}               # nothing computed yet: nothing shareable
+    seq.num_computed_tokens = 5
+    bm.register_computed(seq)
+    assert len(seq.block_hashes) == 1              # block 0 full and computed; block 1 not full
+    compute_all(bm, seq)
+    assert len(seq.block_hashes) == 2              # the partial third block is never hashed
+    h0 = hash_block(list(range(4)), None)
+    assert seq.block_hashes == [h0, hash_block(list(range(4, 8)), h0)]
+    assert bm.hash_to_block_id[h0] == seq.block_table[0]
+
+
+def test_prefix_hit_shares_blocks_and_ref_counts():
+    bm = BlockManager(16, BS)
+    a = seq_of(list(range(8)) + [100, 101])
+    bm.allocate(a)
+    compute_all(bm, a)
+    b = seq_of(list(range(8)) + [200, 201, 202])
+    bm.allocate(b)
+    assert b.block_table[:2] == a.block_table[:2]  # the shared 8-token prefix
+    assert b.block_table[2] != a.block_table[2]
+    assert b.num_computed_tokens == 8
+    assert [bm.blocks[x].ref_count for x in b.block_table[:2]] == [2, 2]
+    bm.deallocate(a)
+    assert [bm.blocks[x].ref_count for x in b.block_table[:2]] == [1, 1]
+    bm.deallocate(b)
+    assert bm.num_free_blocks == 16
+
+
+def test_chain_hash_depends_on_prefix():
+    bm = BlockManager(16, BS)
+    a = seq_of([1, 2, 3, 4, 5, 6, 7, 8, 9])
+    bm.allocate(a)
+    compute_all(bm, a)
+    b = seq_of([9, 9, 9, 9, 5, 6, 7, 8, 9])        # same second block, different first block
+    bm.allocate(b)
+    assert b.num_computed_tokens == 0 and not set(b.block_table) & set(a.block_table)
+
+
+def test_fully_cached_prompt_keeps_last_block_to_compute():
+    bm = BlockManager(16, BS)
+    a = seq_of(range(8))                           # block aligned: 2 full blocks
+    bm.allocate(a)
+    compute_all(bm, a)
+    b = seq_of(range(8))
+    bm.allocate(b)
+    # Every block is cached, but the last token must still be computed (there must be logits).
+    assert b.num_computed_tokens == 4
+    assert b.block_table[0] == a.block_table[0] and b.block_table[1] != a.block_table[1]
+
+
+def test_freed_blocks_are_revived_by_hash():
+    bm = BlockManager(4, BS)
+    a = seq_of(range(9))
+    bm.allocate(a)
+    compute_all(bm, a)
+    table = list(a.block_table)
+    bm.deallocate(a)
+    assert bm.num_free_blocks == 4                 # free, but still cached
+    b = seq_of(list(range(8)) + [50])
+    assert bm.can_allocate(b)
+    bm.allocate(b)
+    assert b.block_table[:2] == table[:2] and b.num_computed_tokens == 8
+    assert bm.num_free_blocks == 1
+
+
+def test_hit_is_confirmed_by_token_ids():
+    bm = BlockManager(8, BS)
+    a = seq_of(range(5))
+    bm.allocate(a)
+    compute_all(bm, a)
+    h = a.block_hashes[0]
+    bm.blocks[bm.hash_to_block_id[h]].token_ids = [7, 7, 7, 7]   # a (simulated) hash collision
+    b = seq_of(range(5))
+    bm.allocate(b)
+    assert b.num_computed_tokens == 0
+
+
+def test_eviction_takes_least_recently_freed_and_drops_its_hash():
+    bm = BlockManager(3, BS)
+    a = seq_of(range(9))                           # blocks: [0..3], [4..7], [8]
+    bm.allocate(a)
+    compute_all(bm, a)
+    bm.deallocate(a)                               # tail freed first -> evicted first
+    c = seq_of([90] * 5)                           # needs 2 fresh blocks
+    bm.allocate(c)
+    assert a.block_hashes == [] and len(bm.hash_to_block_id) == 1
+    # The surviving cached block is the prompt head, the most shareable one.
+    bm.deallocate(c)
+    b = seq_of(list(range(4)) + [1])
+    bm.allocate(b)
+    assert b.num_computed_tokens == 4
+
+
+def test_append_takes_a_block_only_at_a_boundary():
+    bm = BlockManager(4, BS)
+    seq = seq_of(range(4))
+    bm.allocate(seq)
+    compute_all(bm, seq)
+    seq.append_token(4)                            # 5th token needs a second block
+    assert bm.can_append(seq)
+    bm.may_append(seq)
+    assert len(seq.block_table) == 2
+    seq.num_computed_tokens = 5
+    seq.append_token(5)
+    bm.may_append(seq)
+    assert len(seq.block_table) == 2               # still room in block 2
+
+
+def test_cannot_append_when_no_block_is_free():
+    bm = BlockManager(1, BS)
+    seq = seq_of(range(4))
+    bm.allocate(seq)
+    compute_all(bm, seq)
+    seq.append_token(4)
+    assert not bm.can_append(seq)

@@ -1,0 +1,137 @@
+"""End to end on a tiny random Qwen3: every greedy token is an argmax of transformers' logits."""
+import pytest
+
+from conftest import EOS, HFOracle, make_model, random_prompts
+from nanovllm import LLM, CompletionOutput, RequestOutput, SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def oracle(qwen3_dir):
+    return HFOracle(qwen3_dir)
+
+
+def check(oracle, prompts, outs):
+    for prompt, out in zip(prompts, outs):
+        oracle.assert_greedy(prompt, out.outputs[0].token_ids)
+
+
+def test_mixed_prompt_lengths_batch(qwen3_dir, oracle):
+    llm = LLM(qwen3_dir, kvcache_block_size=16, num_kvcache_blocks=128)
+    prompts = random_prompts(6, [1, 2, 17, 64, 150, 300], seed=1)
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.prompt_token_ids for o in outs] == prompts          # prompt order kept
+    assert all(len(o.outputs[0].token_ids) == 12 for o in outs)
+    check(oracle, prompts, outs)
+
+
+def test_shared_prefix_runs_twice_and_hits_cache(qwen3_dir, oracle):
+    llm = LLM(qwen3_dir, kvcache_block_size=16, num_kvcache_blocks=128)
+    prefix = random_prompts(1, [64], seed=2)[0]                   # 4 full blocks
+    prompts = [prefix + tail for tail in random_prompts(3, [5, 20, 33], seed=3)] + [prefix]
+    first = llm.generate(prompts, GREEDY, use_tqdm=False)
+    bm = llm.scheduler.block_manager
+    cached_before = len(bm.hash_to_block_id)
+    computed = []
+    original_run = llm.model_runner.run
+
+    def spy(batch):
+        if batch.is_prefill:
+            computed.extend(batch.num_new_tokens)
+        return original_run(batch)
+
+    llm.model_runner.run = spy
+    second = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert cached_before >= 4
+    # Every prompt reuses the prefix; the block-aligned, fully cached one still computes its last block.
+    assert sum(computed) < sum(len(p) for p in prompts) - 3 * 64
+    assert [o.outputs[0].token_ids for o in second] == [o.outputs[0].token_ids for o in first]
+    check(oracle, prompts, second)
+
+
+def test_tiny_kv_cache_preempts_and_stays_correct(qwen3_dir, oracle):
+    prompts = random_prompts(6, [10, 20, 30, 12, 25, 7], seed=4)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    llm = LLM(qwen3_dir, kvcache_block_size=8, num_kvcache_blocks=12)   # ~96 tokens for ~250 needed
+    preempted = []
+    original = llm.scheduler._preempt
+    llm.scheduler._preempt = lambda seq: (preempted.append(seq.seq_id), original(seq))
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert preempted
+    check(oracle, prompts, outs)
+    big = LLM(qwen3_dir, kvcache_block_size=8, num_kvcache_blocks=256).generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in big]
+
+
+def test_chunked_prefill_below_prompt_length(qwen3_dir, oracle):
+    prompts = random_prompts(3, [200, 90, 45], seed=5)
+    llm = LLM(qwen3_dir, kvcache_block_size=16, num_kvcache_blocks=64, max_num_batched_tokens=64)
+    sizes = []
+    original_run = llm.model_runner.run
+    llm.model_runner.run = lambda b: (sizes.append(b.num_tokens), original_run(b))[1]
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert max(sizes) <= 64
+    check(oracle, prompts, outs)
+
+
+def test_output_shapes_and_stop_on_eos(qwen3_dir):
+    llm = LLM(qwen3_dir, kvcache_block_size=16, num_kvcache_blocks=32)
+    outs = llm.generate(["w5 w6 w7", [9, 10]], SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)
+    assert isinstance(outs[0], RequestOutput) and isinstance(outs[0].outputs[0], CompletionOutput)
+    out = outs[0]
+    assert out.prompt == "w5 w6 w7" and out.prompt_token_ids == [5, 6, 7]
+    assert outs[1].prompt is None and outs[1].prompt_token_ids == [9, 10]
+    c = out.outputs[0]
+    assert c.index == 0 and c.finished() and out.finished
+    assert c.finish_reason in ("stop", "length")
+    if c.finish_reason == "length":
+        assert len(c.token_ids) == 5
+    else:
+        assert c.token_ids[-1] == EOS
+    assert out["text"] == c.text and out["token_ids"] == c.token_ids
+    assert c.text == " ".join(f"w{t}" for t in c.token_ids if t != EOS)
+
+
+def test_eos_finishes_with_stop(qwen3_dir):
+    llm = LLM(qwen3_dir, kvcache_block_size=16, num_kvcache_blocks=32)
+    prompts = random_prompts(16, [4] * 16, seed=6)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=64), use_tqdm=False)
+    for o in outs:
+        c = o.outputs[0]
+        assert (c.finish_reason == "stop") == (EOS in c.token_ids)
+        assert EOS not in c.token_ids[:-1]
+
+
+def test_token_ids_without_tokenizer(tmp_path):
+    path = make_model(str(tmp_path / "m"), "qwen3", tokenizer=False)
+    llm = LLM(path, kvcache_block_size=16, num_kvcache_blocks=16)
+    out = llm.generate([[3, 4, 5]], GREEDY, use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 12 and out.outputs[0].text == ""
+    HFOracle(path).assert_greedy([3, 4, 5], out.outputs[0].token_ids)
+    with pytest.raises(ValueError, match="no tokenizer"):
+        llm.generate(["w3 w4"], GREEDY, use_tqdm=False)
+
+
+def test_temperature_sampling_runs(qwen3_dir):
+    llm = LLM(qwen3_dir, kvcache_block_size=16, num_kvcache_blocks=32)
+    outs = llm.generate(random_prompts(4, [5] * 4), SamplingParams(temperature=0.8, max_tokens=8, ignore_eos=True),
+                        use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 8 for o in outs)
+    assert all(0 <= t < 512 for o in outs for t in o.outputs[0].token_ids)
+
+
+def test_unknown_option_and_bad_values(qwen3_dir):
+    with pytest.raises(TypeError, match="unknown option"):
+        LLM(qwen3_dir, max_num_seq=4)
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        LLM(qwen3_dir, max_num_seqs=0)
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-1)
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=0)
+
+
+def test_max_model_len_capped_by_model(qwen3_dir):
+    llm = LLM(qwen3_dir, max_model_len=100_000, num_kvcache_blocks=4)
+    assert llm.config.max_model_len == 1024
