@@ -19,6 +19,15 @@ def _copy(param: nn.Parameter, shard: torch.Tensor):
     param.data.copy_(shard)
 
 
+def _shard(loaded: torch.Tensor, dim: int, size: int, rank: int, world: int) -> torch.Tensor:
+    """This rank's slice of a checkpoint tensor. The whole tensor must span size * world along
+    dim: narrow() alone would silently take the first rows of a tensor that is too large."""
+    if loaded.dim() <= dim or loaded.size(dim) != size * world:
+        raise ValueError(f"shape mismatch: checkpoint tensor {tuple(loaded.shape)} should have "
+                         f"{size * world} entries along dim {dim}")
+    return loaded.narrow(dim, rank * size, size)
+
+
 class LinearBase(nn.Module):
     """y = x W^T (+ b) with W: [output_size, input_size] on this rank. tp_dim: the sharded axis of
     W (0 = output columns, 1 = input rows, None = replicated)."""
@@ -35,8 +44,7 @@ class LinearBase(nn.Module):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None):
         if self.tp_dim is not None and param.dim() > self.tp_dim:   # a row-parallel bias is whole
-            size = param.size(self.tp_dim)
-            loaded = loaded.narrow(self.tp_dim, self.tp_rank * size, size)
+            loaded = _shard(loaded, self.tp_dim, param.size(self.tp_dim), self.tp_rank, self.tp_size)
         _copy(param, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -66,8 +74,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int):
         size = self.output_sizes[shard_id] // self.tp_size
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
-        shard = loaded.narrow(0, self.tp_rank * size, size)
-        _copy(param.data.narrow(0, offset, size), shard)
+        _copy(param.data.narrow(0, offset, size), _shard(loaded, 0, size, self.tp_rank, self.tp_size))
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -83,8 +90,7 @@ class QKVParallelLinear(ColumnParallelLinear):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str):
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         size, offset = {"q": (q, 0), "k": (kv, q), "v": (kv, q + kv)}[shard_id]
-        shard = loaded.narrow(0, self.tp_rank * size, size)
-        _copy(param.data.narrow(0, offset, size), shard)
+        _copy(param.data.narrow(0, offset, size), _shard(loaded, 0, size, self.tp_rank, self.tp_size))
 
 
 class RowParallelLinear(LinearBase):

@@ -19,11 +19,14 @@ def head_dim_of(config: PretrainedConfig) -> int:
 def rope_settings(config: PretrainedConfig) -> tuple[float, dict | None]:
     """(theta, scaling) from transformers 5's `rope_parameters` or older `rope_theta`/`rope_scaling`."""
     params = dict(getattr(config, "rope_parameters", None) or {})
-    scaling = getattr(config, "rope_scaling", None) or params
+    scaling = dict(getattr(config, "rope_scaling", None) or params)
     theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-    if scaling.get("rope_type", scaling.get("type", "default")) == "default":
+    # Older configs name the scaling kind "type"; get_rope reads "rope_type" only.
+    rope_type = scaling.pop("rope_type", None) or scaling.pop("type", None) or "default"
+    scaling.pop("type", None)
+    if rope_type == "default":
         return theta, None
-    return theta, {k: v for k, v in scaling.items() if k != "rope_theta"}
+    return theta, {"rope_type": rope_type, **{k: v for k, v in scaling.items() if k != "rope_theta"}}
 
 
 class LlamaAttention(nn.Module):
@@ -58,8 +61,11 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     def __init__(self, config: PretrainedConfig):
         super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2)
-        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size)
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (only 'silu')")
+        bias = bool(getattr(config, "mlp_bias", False))   # Llama's config may ask for MLP biases
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2, bias=bias)
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=bias)
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -132,4 +138,7 @@ class LlamaForCausalLM(nn.Module):
 class Qwen2ForCausalLM(LlamaForCausalLM):
     @staticmethod
     def qkv_bias(config: PretrainedConfig) -> bool:
+        # Qwen2 always has q/k/v biases (and never an o_proj bias: its config has no attention_bias).
+        if getattr(config, "use_sliding_window", False):
+            raise ValueError("Qwen2 sliding-window attention (use_sliding_window=true) is not supported")
         return True

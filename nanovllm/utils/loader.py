@@ -1,6 +1,7 @@
 """Weights from *.safetensors (never pickles), mapped onto packed parameters; strict about
 parameters left unset, shapes that differ and checkpoint tensors with nowhere to go."""
 import glob
+import json
 import os
 
 import torch
@@ -22,10 +23,26 @@ def _target(name: str, mapping: dict) -> tuple[str, object]:
     return name, None
 
 
-def load_model(model: nn.Module, path: str):
+def safetensors_files(path: str) -> list[str]:
+    """The checkpoint's files: those named by model.safetensors.index.json when there is one (a
+    folder may also hold a consolidated copy of the same tensors), else every *.safetensors."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            return [os.path.join(path, name) for name in sorted(set(json.load(f)["weight_map"].values()))]
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
-        raise FileNotFoundError(f"no *.safetensors files in {path!r} (only safetensors checkpoints are read)")
+        pickles = sorted(os.path.basename(f) for pattern in ("*.bin", "*.pt", "*.pth")
+                         for f in glob.glob(os.path.join(path, pattern)))
+        found = f" (found {', '.join(pickles)}: pickled checkpoints are never loaded; re-save with " \
+                "transformers' save_pretrained, which writes safetensors)" if pickles else ""
+        raise FileNotFoundError(f"no *.safetensors files in {path!r}: only safetensors checkpoints are read{found}; "
+                                "or pass load_format='dummy' for random weights")
+    return files
+
+
+def load_model(model: nn.Module, path: str):
+    files = safetensors_files(path)
     params = dict(model.named_parameters())   # tied weights appear once
     mapping = getattr(model, "packed_modules_mapping", {})
     expected = {name: _shards_of(name, mapping) for name in params}
@@ -45,15 +62,24 @@ def load_model(model: nn.Module, path: str):
                 except ValueError as e:
                     raise ValueError(f"checkpoint tensor {ckpt_name!r}: {e}") from None
                 loaded[name].add(shard_id)
-    missing = [n for n in params if loaded[n] != expected[n]]
+    missing = [ckpt for n in params for ckpt in _checkpoint_names(n, expected[n] - loaded[n], mapping)]
     if missing:
-        raise ValueError(f"checkpoint {path!r} leaves parameters unset: {', '.join(missing[:10])}"
+        raise ValueError(f"checkpoint {path!r} has no tensor for: {', '.join(missing[:10])}"
                          + (f" and {len(missing) - 10} more" if len(missing) > 10 else ""))
 
 
 def _shards_of(param_name: str, mapping: dict) -> set:
     shards = {shard for key, (packed, shard) in mapping.items() if f".{packed}." in param_name}
     return shards or {None}
+
+
+def _checkpoint_names(param_name: str, shards: set, mapping: dict) -> list[str]:
+    """The checkpoint tensor names that would have filled these shards of a parameter."""
+    names = []
+    for shard in shards:
+        key = next((k for k, (packed, s) in mapping.items() if s == shard and f".{packed}." in param_name), None)
+        names.append(param_name if key is None else param_name.replace(f".{mapping[key][0]}.", f".{key}."))
+    return sorted(names)
 
 
 def _tied_duplicate(model: nn.Module, ckpt_name: str) -> bool:
@@ -86,4 +112,6 @@ def resolve_model(model: str) -> str:
     except Exception as e:
         raise FileNotFoundError(
             f"{model!r} is not a local folder and could not be downloaded from the Hugging Face hub "
-            f"({type(e).__name__}: {e}). Offline? Download it elsewhere and pass its local folder.") from e
+            f"({type(e).__name__}: {e}). Offline (or HF_HUB_OFFLINE=1)? Download it where there is a "
+            f"network (e.g. `huggingface-cli download {model} --local-dir DIR`) and pass the local "
+            "folder DIR instead of the hub id.") from e
