@@ -113,5 +113,5 @@ def resolve_model(model: str) -> str:
         raise FileNotFoundError(
             f"{model!r} is not a local folder and could not be downloaded from the Hugging Face hub "
             f"({type(e).__name__}: {e}). Offline (or HF_HUB_OFFLINE=1)? Download it where there is a "
-            f"network (e.g. `huggingface-cli download {model} --local-dir DIR`) and pass the local "
+            f"network (e.g. `hf download {model} --local-dir DIR`) and pass the local "
             "folder DIR instead of the hub id.") from e
