@@ -48,7 +48,8 @@ class Scheduler:
     def _schedule_prefill(self) -> ScheduledBatch:
         seqs, counts = [], []
         budget = self.max_num_batched_tokens
-        while self.waiting and budget > 0 and len(self.running) + len(seqs) < self.max_num_seqs:
+        # Every sequence already in `seqs` is in `running` too, except a chunk, which ends the loop.
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if not seq.block_table:
                 if not self.block_manager.can_allocate(seq):
@@ -70,7 +71,8 @@ class Scheduler:
 
     def _schedule_decode(self) -> ScheduledBatch:
         seqs = []
-        while self.running and len(seqs) < self.max_num_seqs:
+        # Each decode sequence computes one token, so the token budget caps the batch too.
+        while self.running and len(seqs) < min(self.max_num_seqs, self.max_num_batched_tokens):
             seq = self.running.popleft()
             while not self.block_manager.can_append(seq):
                 if self.running:
