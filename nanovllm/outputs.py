@@ -3,12 +3,19 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class Logprob:
+    logprob: float                      # log probability of the model's raw output (vLLM v1 default)
+    rank: int                           # 1 = the most likely token
+    decoded_token: str | None = None
+
+
+@dataclass
 class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
     cumulative_logprob: float | None = None
-    logprobs: list[dict] | None = None
+    logprobs: list[dict[int, Logprob]] | None = None   # one dict per output token
     finish_reason: str | None = None      # "stop" or "length"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
 

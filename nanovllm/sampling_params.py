@@ -1,21 +1,92 @@
+"""SamplingParams: vLLM's fields, defaults and meanings; bad values raise ValueError naming the field."""
 from dataclasses import dataclass
+
+_EPS = 1e-5   # temperatures below this are greedy, as in vLLM
 
 
 @dataclass
 class SamplingParams:
-    temperature: float = 1.0    # 0 means greedy (argmax), as in vLLM
-    max_tokens: int = 16        # vLLM's default
+    n: int = 1                              # completions per prompt
+    presence_penalty: float = 0.0           # subtracted once from every token already in the output
+    frequency_penalty: float = 0.0          # subtracted per occurrence in the output
+    repetition_penalty: float = 1.0         # > 1 discourages tokens of the prompt and the output
+    temperature: float = 1.0                # 0 means greedy (argmax)
+    top_p: float = 1.0                      # keep the smallest set of tokens whose probability >= top_p
+    top_k: int = 0                          # keep the k most likely tokens; 0 or -1 = off
+    min_p: float = 0.0                      # drop tokens less likely than min_p * the top probability
+    seed: int | None = None                 # per request: same seed, same tokens, whatever the batch
+    stop: str | list[str] | None = None     # strings that end the output (found across tokens)
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
     ignore_eos: bool = False
+    max_tokens: int | None = 16             # None: up to max_model_len
+    min_tokens: int = 0                     # EOS and stop tokens cannot end the output before this
+    logprobs: int | None = None             # top-k log probabilities per output token (+ the sampled one)
+    skip_special_tokens: bool = True
 
     def __post_init__(self):
-        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \
-                or not self.temperature >= 0:
-            raise ValueError(f"temperature must be a number >= 0 (0 = greedy), got {self.temperature!r}")
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
+        _check_int(self, "n", 1)
+        for name in ("presence_penalty", "frequency_penalty"):
+            _check_float(self, name, lambda v: -2.0 <= v <= 2.0, "in [-2, 2]")
+        _check_float(self, "repetition_penalty", lambda v: v > 0, "> 0 (1 = off)")
+        _check_float(self, "temperature", lambda v: v >= 0, ">= 0 (0 = greedy)")
+        _check_float(self, "top_p", lambda v: 0 < v <= 1, "in (0, 1]")
+        if _not_int(self.top_k) or self.top_k < -1:
+            raise ValueError(f"top_k must be an integer: -1 or 0 (off) or >= 1, got {self.top_k!r}")
+        _check_float(self, "min_p", lambda v: 0 <= v <= 1, "in [0, 1]")
+        if self.seed is not None and _not_int(self.seed):
+            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        self.stop = _string_list(self.stop)
+        self.stop_token_ids = _token_list(self.stop_token_ids)
+        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.max_tokens is not None:
+            _check_int(self, "max_tokens", 1)
+        _check_int(self, "min_tokens", 0)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
+        if self.logprobs is not None:
+            _check_int(self, "logprobs", 0)
+        if self.greedy:
+            # Truncation changes nothing for an argmax; clearing it keeps greedy rows on the fast path.
+            self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < _EPS
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+
+def _not_int(value) -> bool:
+    return isinstance(value, bool) or not isinstance(value, int)
+
+
+def _check_int(params, name: str, minimum: int):
+    value = getattr(params, name)
+    if _not_int(value) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
+def _check_float(params, name: str, ok, allowed: str):
+    value = getattr(params, name)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
+        raise ValueError(f"{name} must be a number {allowed}, got {value!r}")
+    setattr(params, name, float(value))
+
+
+def _string_list(stop) -> list[str]:
+    stop = [stop] if isinstance(stop, str) else list(stop or [])
+    if not all(isinstance(s, str) and s for s in stop):
+        raise ValueError(f"stop must be a non-empty string or a list of them, got {stop!r}")
+    return stop
+
+
+def _token_list(ids) -> list[int]:
+    ids = list(ids or [])
+    if any(_not_int(t) or t < 0 for t in ids):
+        raise ValueError(f"stop_token_ids must be a list of integers >= 0, got {ids!r}")
+    return ids

@@ -9,8 +9,8 @@ from nanovllm.config import Config
 from nanovllm.engine.block_manager import cdiv
 from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.scheduler import ScheduledBatch, Scheduler
-from nanovllm.engine.sequence import Sequence
-from nanovllm.outputs import CompletionOutput, RequestOutput
+from nanovllm.engine.sequence import Sequence, TokenLogprobs
+from nanovllm.outputs import CompletionOutput, Logprob, RequestOutput
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.loader import resolve_model
 
@@ -75,21 +75,58 @@ class LLMEngine:
                              f"({blocks} blocks of {self.config.kvcache_block_size}); give the cache more memory")
         return ids
 
-    def add_request(self, prompt: str | list[int], sampling_params: SamplingParams | None = None) -> Sequence:
-        params = sampling_params or SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
-        seq = Sequence(self._token_ids(prompt, 0), params)
-        self.scheduler.add(seq)
-        return seq
+    def add_request(self, prompt: str | list[int], sampling_params: SamplingParams | None = None) -> list[Sequence]:
+        """Queue one prompt; return its sampling_params.n sequences (completions 0..n-1)."""
+        params = self._params_list(sampling_params, 1)[0]
+        seqs = self._new_seqs(self._token_ids(prompt, 0), params)
+        for seq in seqs:
+            self.scheduler.add(seq)
+        return seqs
+
+    def _check_params(self, params: SamplingParams, index: int):
+        vocab = self.config.hf_config.vocab_size
+        if any(t >= vocab for t in params.stop_token_ids):
+            raise ValueError(f"sampling_params {index}: stop_token_ids must be in [0, {vocab}) (the model's vocabulary)")
+        if params.stop and self.tokenizer is None:
+            raise ValueError(f"sampling_params {index}: stop strings need a tokenizer; the model folder has none "
+                             "(use stop_token_ids)")
+
+    def _new_seqs(self, token_ids: list[int], params: SamplingParams) -> list[Sequence]:
+        # n sequences share the prompt (the prefix cache shares its blocks once they are computed).
+        eos = frozenset(self.scheduler.eos_token_ids)
+        return [Sequence(token_ids, params, index=i, eos_token_ids=eos) for i in range(params.n)]
 
     # ---- stepping -------------------------------------------------------------------------
 
     def step(self) -> tuple[list[Sequence], ScheduledBatch]:
         """Schedule one batch, run it, apply the results; return the sequences that finished."""
         batch = self.scheduler.schedule()
-        token_ids = self.model_runner.run(batch)
-        return self.scheduler.postprocess(batch, token_ids), batch
+        sampled_seqs = [seq for seq, n in zip(batch.seqs, batch.num_new_tokens) if batch.samples(seq, n)]
+        sampled = self.model_runner.run(batch)
+        finished = self.scheduler.postprocess(batch, sampled.token_ids, sampled.logprobs)
+        return finished + self._apply_stop_strings(sampled_seqs), batch
+
+    def _apply_stop_strings(self, seqs: list[Sequence]) -> list[Sequence]:
+        """Detokenize the new tokens of sequences with stop strings; finish those whose text now
+        holds one (a stop string may span several tokens). Return the ones this finished."""
+        finished = []
+        for seq in seqs:
+            detok, p = seq.detokenizer, seq.sampling_params
+            if detok is None:
+                continue
+            new_text = detok.step(self.tokenizer, seq.completion_token_ids, p.skip_special_tokens)
+            if seq.num_completion_tokens < p.min_tokens or seq.stop_reason is not None \
+                    or (seq.is_finished and seq.finish_reason == "stop"):
+                continue   # held off by min_tokens, or already ended by EOS / a stop token
+            stop = detok.find_stop(len(new_text), p.stop, p.include_stop_str_in_output)
+            if stop is None:
+                continue
+            if seq.is_finished:   # it also hit its length limit this step: the stop string wins
+                seq.finish_reason, seq.stop_reason = "stop", stop
+            else:
+                self.scheduler.finish(seq, "stop", stop)
+                finished.append(seq)
+        return finished
 
     def is_finished(self) -> bool:
         return self.scheduler.is_finished()
@@ -99,7 +136,8 @@ class LLMEngine:
         prompts = _as_prompt_list(prompts)
         params = self._params_list(sampling_params, len(prompts))
         token_ids = [self._token_ids(p, i) for i, p in enumerate(prompts)]   # all checked before any is queued
-        seqs = [Sequence(ids, sp) for ids, sp in zip(token_ids, params)]
+        requests = [self._new_seqs(ids, sp) for ids, sp in zip(token_ids, params)]
+        seqs = [seq for request in requests for seq in request]
         for seq in seqs:
             self.scheduler.add(seq)
         try:
@@ -107,7 +145,7 @@ class LLMEngine:
         except BaseException:
             self.scheduler.abort_all()   # leave the engine empty and usable
             raise
-        return [self._output(seq, p) for seq, p in zip(seqs, prompts)]
+        return [self._output(request, p) for request, p in zip(requests, prompts)]
 
     def _run_until_done(self, seqs: list[Sequence], use_tqdm: bool):
         bar = tqdm(total=len(seqs), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
@@ -128,20 +166,49 @@ class LLMEngine:
         if sampling_params is None:
             return [SamplingParams()] * n
         if isinstance(sampling_params, SamplingParams):
+            self._check_params(sampling_params, 0)
             return [sampling_params] * n
         if not isinstance(sampling_params, (list, tuple)) or \
                 not all(isinstance(p, SamplingParams) for p in sampling_params):
             raise TypeError("sampling_params must be a SamplingParams or a list of them")
         if len(sampling_params) != n:
             raise ValueError(f"got {len(sampling_params)} SamplingParams for {n} prompts; give one, or one per prompt")
+        for i, p in enumerate(sampling_params):
+            self._check_params(p, i)
         return list(sampling_params)
 
-    def _output(self, seq: Sequence, prompt) -> RequestOutput:
-        ids = seq.completion_token_ids
-        text = self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer else ""
-        completion = CompletionOutput(0, text, ids, finish_reason=seq.finish_reason, stop_reason=seq.stop_reason)
-        return RequestOutput(str(seq.seq_id), prompt if isinstance(prompt, str) else None,
-                             seq.prompt_token_ids, [completion], finished=True)
+    def _output(self, seqs: list[Sequence], prompt) -> RequestOutput:
+        first = seqs[0]
+        return RequestOutput(str(first.seq_id), prompt if isinstance(prompt, str) else None,
+                             first.prompt_token_ids, [self._completion(seq) for seq in seqs], finished=True)
+
+    def _completion(self, seq: Sequence) -> CompletionOutput:
+        ids, p = seq.completion_token_ids, seq.sampling_params
+        if isinstance(seq.stop_reason, str):
+            text = seq.detokenizer.text   # already cut at the stop string
+        else:
+            text = self.tokenizer.decode(ids, skip_special_tokens=p.skip_special_tokens) if self.tokenizer else ""
+        logprobs = self._logprob_dicts(ids, seq.logprobs) if seq.logprobs is not None else None
+        cumulative = sum(lp.logprob for lp in seq.logprobs) if seq.logprobs is not None else None
+        return CompletionOutput(seq.index, text, ids, cumulative, logprobs,
+                                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason)
+
+    def _logprob_dicts(self, ids: list[int], logprobs: list[TokenLogprobs]) -> list[dict[int, Logprob]]:
+        """vLLM's shape: per output token, {token id: Logprob}, the sampled token first."""
+        names: dict[int, str | None] = {}
+
+        def name(t: int) -> str | None:
+            if t not in names:
+                names[t] = self.tokenizer.decode([t]) if self.tokenizer else None
+            return names[t]
+
+        dicts = []
+        for token, lp in zip(ids, logprobs):
+            entry = {token: Logprob(lp.logprob, lp.rank, name(token))}
+            for rank, (t, value) in enumerate(zip(lp.top_ids, lp.top_logprobs), start=1):
+                entry.setdefault(t, Logprob(value, rank, name(t)))
+            dicts.append(entry)
+        return dicts
 
 
 def _as_prompt_list(prompts) -> list:

@@ -6,9 +6,10 @@ import torch
 
 from nanovllm.config import Config
 from nanovllm.engine.block_manager import cdiv
+from nanovllm.engine.sampling_inputs import SampledTokens, build_sampling_tensors
 from nanovllm.engine.scheduler import ScheduledBatch
 from nanovllm.layers.attention import Attention
-from nanovllm.layers.sampler import Sampler
+from nanovllm.layers.sampler import Sampler, SamplingTensors
 from nanovllm.models import get_model_class
 from nanovllm.utils.context import Context, forward_context
 from nanovllm.utils.loader import load_dummy_weights, load_model
@@ -173,32 +174,32 @@ class ModelRunner:
                       block_tables=self._block_tables(batch.seqs))
         return self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64), ctx
 
-    def prepare_sample(self, batch: ScheduledBatch) -> torch.Tensor | None:
-        temps = [seq.sampling_params.temperature for seq, n in zip(batch.seqs, batch.num_new_tokens)
-                 if batch.samples(seq, n)]
-        return self._tensor(temps, torch.float32) if any(t > 0 for t in temps) else None
+    def prepare_sample(self, batch: ScheduledBatch) -> SamplingTensors | None:
+        seqs = [seq for seq, n in zip(batch.seqs, batch.num_new_tokens) if batch.samples(seq, n)]
+        return build_sampling_tensors(seqs, self._tensor, self.config.hf_config.vocab_size)
 
     # ---- running --------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> list[int]:
-        """Compute the batch; return one sampled token per sequence that reached its end."""
+    def run(self, batch: ScheduledBatch) -> SampledTokens:
+        """Compute the batch; return one sampled token (and its logprobs when the sequence asked)
+        per sequence that reached its end."""
         if not batch.seqs:
-            return []
-        temperatures = self.prepare_sample(batch)
+            return SampledTokens([])
+        sampling = self.prepare_sample(batch)
         if batch.is_prefill:
             input_ids, positions, ctx, logits_indices = self.prepare_prefill(batch)
             if logits_indices.numel() == 0:   # only mid-prompt chunks: nothing to sample
                 with forward_context(ctx):
                     self.model(input_ids, positions)
-                return []
+                return SampledTokens([])
             with forward_context(ctx):
                 hidden = self.model(input_ids, positions)[logits_indices]
         else:
             input_ids, positions, ctx = self.prepare_decode(batch)
             hidden = self.run_decode(input_ids, positions, ctx)
         logits = self.model.compute_logits(hidden).float()
-        return self.sampler(logits, temperatures).tolist()
+        return SampledTokens.from_sampler(self.sampler(logits, sampling), sampling)
 
     def run_decode(self, input_ids, positions, ctx: Context) -> torch.Tensor:
         bs = input_ids.size(0)

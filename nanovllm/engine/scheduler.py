@@ -98,10 +98,12 @@ class Scheduler:
         self.waiting.popleft()
         self._finish(seq, "length")
 
-    def postprocess(self, batch: ScheduledBatch, token_ids: list[int]) -> list[Sequence]:
+    def postprocess(self, batch: ScheduledBatch, token_ids: list[int],
+                    logprobs: list | None = None) -> list[Sequence]:
         """Record what the step computed; append the sampled tokens (one per sequence that reached
-        its end, in batch order); return the sequences that finished."""
+        its end, in batch order; with their logprobs when given); return the sequences that finished."""
         finished, sampled = [], iter(token_ids)
+        sampled_logprobs = iter(logprobs) if logprobs is not None else None
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             samples = batch.samples(seq, n)
             seq.num_computed_tokens += n
@@ -109,7 +111,7 @@ class Scheduler:
             if not samples:
                 continue
             token_id = next(sampled)
-            seq.append_token(token_id)
+            seq.append_token(token_id, next(sampled_logprobs) if sampled_logprobs else None)
             reason = self._stop_reason(seq, token_id)
             if reason:
                 self.running.remove(seq)
@@ -119,12 +121,28 @@ class Scheduler:
 
     def _stop_reason(self, seq: Sequence, token_id: int) -> str | None:
         params = seq.sampling_params
-        if not params.ignore_eos and token_id in self.eos_token_ids:
-            seq.stop_reason = None   # vLLM reports EOS as stop with no stop_reason
-            return "stop"
-        if seq.num_completion_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+        if seq.num_completion_tokens >= params.min_tokens:   # min_tokens holds off EOS and stop tokens
+            if not params.ignore_eos and token_id in self.eos_token_ids:
+                seq.stop_reason = None   # vLLM reports EOS as stop with no stop_reason
+                return "stop"
+            if token_id in params.stop_token_ids:
+                seq.stop_reason = token_id
+                return "stop"
+        if (params.max_tokens is not None and seq.num_completion_tokens >= params.max_tokens) \
+                or seq.num_tokens >= self.max_model_len:
             return "length"
         return None
+
+    def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None):
+        """End a sequence for a reason found outside postprocess (a stop string): free its blocks."""
+        if seq.is_finished:
+            return
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.stop_reason = stop_reason
+        self._finish(seq, reason)
 
     def _finish(self, seq: Sequence, reason: str):
         seq.status = SequenceStatus.FINISHED

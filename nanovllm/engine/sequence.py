@@ -1,7 +1,17 @@
 from enum import Enum, auto
 from itertools import count
+from typing import NamedTuple
 
+from nanovllm.engine.detokenizer import IncrementalDetokenizer
 from nanovllm.sampling_params import SamplingParams
+
+
+class TokenLogprobs(NamedTuple):
+    """Log probabilities for one output token (of the raw model output, as vLLM v1 reports)."""
+    logprob: float            # of the sampled token
+    rank: int                 # of the sampled token, 1 = most likely
+    top_ids: list[int]        # the request's `logprobs` most likely tokens, descending
+    top_logprobs: list[float]
 
 
 class SequenceStatus(Enum):
@@ -14,8 +24,10 @@ class Sequence:
     """One request: its tokens, how many of them have K/V in the cache, and its blocks."""
     _ids = count()
 
-    def __init__(self, token_ids: list[int], sampling_params: SamplingParams = SamplingParams()):
+    def __init__(self, token_ids: list[int], sampling_params: SamplingParams = SamplingParams(),
+                 index: int = 0, eos_token_ids: frozenset[int] = frozenset()):
         self.seq_id = next(Sequence._ids)
+        self.index = index   # which of the request's n completions this is
         self.status = SequenceStatus.WAITING
         self.token_ids = list(token_ids)
         self.num_prompt_tokens = len(self.token_ids)
@@ -27,6 +39,12 @@ class Sequence:
         self.block_hashes: list[int] = []
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
+        # Sampling state. Tokens that may not be sampled before min_tokens outputs: stop tokens and
+        # (unless ignore_eos) EOS, as vLLM does.
+        p = sampling_params
+        self.min_tokens_banned = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else eos_token_ids)
+        self.logprobs: list[TokenLogprobs] | None = [] if p.logprobs is not None else None
+        self.detokenizer: IncrementalDetokenizer | None = IncrementalDetokenizer() if p.stop else None
 
     def __len__(self):
         return len(self.token_ids)
@@ -51,5 +69,7 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED
 
-    def append_token(self, token_id: int):
+    def append_token(self, token_id: int, logprobs: "TokenLogprobs | None" = None):
         self.token_ids.append(token_id)
+        if self.logprobs is not None and logprobs is not None:
+            self.logprobs.append(logprobs)
