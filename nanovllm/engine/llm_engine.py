@@ -1,4 +1,5 @@
 """The engine: tokenizer, model runner and scheduler; add_request / step / generate."""
+import numbers
 import os
 import time
 
@@ -57,22 +58,28 @@ class LLMEngine:
                 raise ValueError(f"{where}: the model folder has no tokenizer, so prompts must be token-id lists")
             ids = self.tokenizer.encode(prompt)
         elif isinstance(prompt, (list, tuple)):
-            if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-                raise TypeError(f"{where}: a token-id prompt must be a list of ints")
-            ids = list(prompt)
+            bad = next((i for i, t in enumerate(prompt) if not _is_token_id(t)), None)
+            if bad is not None:
+                raise TypeError(f"{where}: a token-id prompt must be a flat list of ints; item {bad} is "
+                                f"{type(prompt[bad]).__name__} {prompt[bad]!r}")
+            ids = [int(t) for t in prompt]   # numpy integers become plain ints
         else:
             raise TypeError(f"{where}: expected a string or a list of token ids, got {type(prompt).__name__}")
         vocab = self.config.hf_config.vocab_size
         if not ids:
-            raise ValueError(f"{where} is empty")
-        if not all(0 <= t < vocab for t in ids):
-            raise ValueError(f"{where}: token ids must be in [0, {vocab}) (the model's vocabulary)")
+            raise ValueError(f"{where} is empty" + (" (its text has no tokens)" if isinstance(prompt, str) else ""))
+        bad = next((i for i, t in enumerate(ids) if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"{where}: token id {ids[bad]} at position {bad} is outside the model's "
+                             f"vocabulary [0, {vocab})")
         if len(ids) > self.config.max_model_len:
-            raise ValueError(f"{where} has {len(ids)} tokens, more than max_model_len={self.config.max_model_len}")
+            raise ValueError(f"{where} has {len(ids)} tokens, more than max_model_len={self.config.max_model_len}; "
+                             "shorten it or raise max_model_len")
         blocks = self.model_runner.num_kvcache_blocks
         if cdiv(len(ids), self.config.kvcache_block_size) > blocks:
             raise ValueError(f"{where} has {len(ids)} tokens and cannot fit in the whole KV cache "
-                             f"({blocks} blocks of {self.config.kvcache_block_size}); give the cache more memory")
+                             f"({blocks} blocks of {self.config.kvcache_block_size} tokens); give the cache more "
+                             "memory (gpu_memory_utilization, kv_cache_memory_bytes or num_kvcache_blocks)")
         return ids
 
     def add_request(self, prompt: str | list[int], sampling_params: SamplingParams | None = None) -> list[Sequence]:
@@ -168,9 +175,12 @@ class LLMEngine:
         if isinstance(sampling_params, SamplingParams):
             self._check_params(sampling_params, 0)
             return [sampling_params] * n
-        if not isinstance(sampling_params, (list, tuple)) or \
-                not all(isinstance(p, SamplingParams) for p in sampling_params):
-            raise TypeError("sampling_params must be a SamplingParams or a list of them")
+        if not isinstance(sampling_params, (list, tuple)):
+            raise TypeError(f"sampling_params must be a SamplingParams or a list of them, "
+                            f"got {type(sampling_params).__name__}")
+        bad = next((i for i, p in enumerate(sampling_params) if not isinstance(p, SamplingParams)), None)
+        if bad is not None:
+            raise TypeError(f"sampling_params {bad} is {type(sampling_params[bad]).__name__}, not SamplingParams")
         if len(sampling_params) != n:
             raise ValueError(f"got {len(sampling_params)} SamplingParams for {n} prompts; give one, or one per prompt")
         for i, p in enumerate(sampling_params):
@@ -211,10 +221,16 @@ class LLMEngine:
         return dicts
 
 
+def _is_token_id(t) -> bool:
+    return isinstance(t, numbers.Integral) and not isinstance(t, bool)
+
+
 def _as_prompt_list(prompts) -> list:
-    """A single prompt (string or token-id list) or a list of prompts -> a list of prompts."""
+    """A single prompt (string or token-id list) or a list of prompts -> a list of prompts. A list
+    that starts with a number is one token-id prompt (so [5, 6.0] is reported as a bad item of
+    prompt 0, not as a bad prompt 0)."""
     if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
-                                    and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts)):
+                                    and isinstance(prompts[0], numbers.Number)):
         return [prompts]
     if not isinstance(prompts, (list, tuple)):
         raise TypeError(f"prompts must be a string, a list of token ids, or a list of those; got {type(prompts).__name__}")
