@@ -1,0 +1,86 @@
+"""Throughput on nano-vllm's workload: 256 sequences, prompts of 100-1024 random tokens, 100-1024
+output tokens each (133,966 in all), temperature 0.6, ignore_eos. With no checkpoint at hand it runs
+the Qwen3-0.6B architecture (configs/qwen3-0.6b) with dummy weights."""
+import argparse
+import glob
+import json
+import os
+import time
+from random import randint, seed
+
+from nanovllm import LLM, SamplingParams
+
+H200_LIMIT_TOKENS_PER_S = 36_000   # DESIGN.md section 9: the H200's physical limit on this workload
+DEFAULT_MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "qwen3-0.6b")
+
+
+def workload(num_seqs: int, max_input_len: int, max_output_len: int, temperature: float):
+    seed(0)
+    prompts = [[randint(0, 10000) for _ in range(randint(100, max_input_len))] for _ in range(num_seqs)]
+    params = [SamplingParams(temperature=temperature, ignore_eos=True, max_tokens=randint(100, max_output_len))
+              for _ in range(num_seqs)]
+    return prompts, params
+
+
+def prefix_cache_workload(num_seqs: int, prefix_len: int, seed_: int):
+    """num_seqs prompts sharing a prefix_len-token system prompt, each with 32 tokens of its own."""
+    seed(seed_)
+    prefix = [randint(0, 10000) for _ in range(prefix_len)]
+    return [prefix + [randint(0, 10000) for _ in range(32)] for _ in range(num_seqs)]
+
+
+def timed_generate(llm, prompts, params) -> float:
+    t = time.perf_counter()
+    llm.generate(prompts, params, use_tqdm=False)
+    return time.perf_counter() - t
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--model", default=DEFAULT_MODEL, help="model folder (default: Qwen3-0.6B shapes)")
+    p.add_argument("--num-seqs", type=int, default=256)
+    p.add_argument("--max-input-len", type=int, default=1024)
+    p.add_argument("--max-output-len", type=int, default=1024)
+    p.add_argument("--temperature", type=float, default=0.6)
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--prefix-cache", action="store_true",
+                   help="also measure prefill of 256 prompts sharing a 2,000-token prefix, cached vs not")
+    p.add_argument("--json", help="write the figures to this file")
+    args = p.parse_args()
+
+    dummy = not glob.glob(os.path.join(args.model, "*.safetensors"))
+    t = time.perf_counter()
+    llm = LLM(args.model, enforce_eager=args.enforce_eager, max_model_len=4096,
+              tensor_parallel_size=args.tensor_parallel_size, load_format="dummy" if dummy else "auto")
+    startup = time.perf_counter() - t
+
+    prompts, params = workload(args.num_seqs, args.max_input_len, args.max_output_len, args.temperature)
+    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8), use_tqdm=False)   # warm-up
+    seconds = timed_generate(llm, prompts, params)
+    tokens = sum(sp.max_tokens for sp in params)
+    record = dict(model=args.model, dummy_weights=dummy, temperature=args.temperature,
+                  enforce_eager=args.enforce_eager, tp=args.tensor_parallel_size, startup_s=round(startup, 2),
+                  output_tokens=tokens, seconds=round(seconds, 3), tokens_per_s=round(tokens / seconds, 1),
+                  fraction_of_h200_limit=round(tokens / seconds / H200_LIMIT_TOKENS_PER_S, 3))
+    print(f"Total: {tokens} tok, Time: {seconds:.2f}s, Throughput: {tokens / seconds:.2f} tok/s "
+          f"({record['fraction_of_h200_limit']:.1%} of the H200 limit), start-up {startup:.1f}s")
+
+    if args.prefix_cache:
+        one = SamplingParams(temperature=0, max_tokens=1)
+        cold = prefix_cache_workload(256, 2000, seed_=1)
+        fresh = [[(t + 1 + i) % 10000 for t in p] for i, p in enumerate(cold)]   # no shared prefix
+        no_cache = timed_generate(llm, fresh, one)
+        cached = timed_generate(llm, cold, one) and timed_generate(llm, cold, one)  # 2nd run: prefix cached
+        n = sum(len(p) for p in cold)
+        record.update(prefix_prompt_tokens=n, prefill_tokens_per_s_no_cache=round(n / no_cache, 1),
+                      prefill_tokens_per_s_cached=round(n / cached, 1))
+        print(f"Prefix cache: {n} prompt tok, no cache {n / no_cache:.0f} tok/s, "
+              f"shared 2,000-token prefix cached {n / cached:.0f} tok/s ({no_cache / cached:.1f}x)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(record, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,67 @@
+"""The end-to-end scenarios on CUDA (fp32 exact argmax, bf16 within a tolerance) and CUDA-graph
+replay against eager. Skipped without a GPU; run on the H200."""
+import pytest
+import torch
+
+from conftest import HFOracle, random_prompts
+from nanovllm import LLM, SamplingParams
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+# bf16 rounds the logits: accept a token within this much of the fp32 maximum.
+ATOL = {"float32": 1e-3, "bfloat16": 0.3}
+
+
+@pytest.fixture(scope="module")
+def oracle(qwen3_dir):
+    return HFOracle(qwen3_dir)
+
+
+def scenarios():
+    prefix = random_prompts(1, [64], seed=2)[0]
+    return {
+        "mixed": (dict(num_kvcache_blocks=128), [random_prompts(6, [1, 2, 17, 64, 150, 300], seed=1)]),
+        "prefix_twice": (dict(num_kvcache_blocks=128),
+                         [[prefix + t for t in random_prompts(3, [5, 20, 33], seed=3)] + [prefix]] * 2),
+        "tiny_cache": (dict(num_kvcache_blocks=12), [random_prompts(6, [10, 20, 30, 12, 25, 7], seed=4)]),
+        "chunked": (dict(num_kvcache_blocks=64, max_num_batched_tokens=64),
+                    [random_prompts(3, [200, 90, 45], seed=5)]),
+    }
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name", ["mixed", "prefix_twice", "tiny_cache", "chunked"])
+def test_scenarios_on_gpu(qwen3_dir, oracle, name, dtype):
+    options, runs = scenarios()[name]
+    llm = LLM(qwen3_dir, device="cuda", dtype=dtype, kvcache_block_size=16, **options)
+    exact = total = 0
+    for prompts in runs:
+        outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+        for prompt, out in zip(prompts, outs):
+            ids = out.outputs[0].token_ids
+            assert len(ids) == 16
+            oracle.assert_greedy(prompt, ids, atol=ATOL[dtype])
+            logits = oracle.logits(prompt + ids)[len(prompt) - 1:-1]
+            exact += int((logits.argmax(-1) == torch.tensor(ids)).sum())
+            total += len(ids)
+    assert exact / total >= (1.0 if dtype == "float32" else 0.9)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cuda_graph_replay_matches_eager(qwen3_dir, dtype):
+    prompts = random_prompts(20, [3 + 7 * i for i in range(20)], seed=7)
+    runs = []
+    for eager in (True, False):
+        llm = LLM(qwen3_dir, device="cuda", dtype=dtype, kvcache_block_size=16, num_kvcache_blocks=256,
+                  enforce_eager=eager, max_num_seqs=32)
+        assert bool(llm.model_runner.graphs) != eager
+        runs.append([o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)])
+    assert runs[0] == runs[1]
+
+
+def test_bf16_default_dtype_and_block_256(qwen3_dir, oracle):
+    llm = LLM(qwen3_dir, device="cuda", dtype="bfloat16")   # default block size 256, graphs on
+    prompts = random_prompts(4, [300, 5, 270, 40], seed=8)
+    for prompt, out in zip(prompts, llm.generate(prompts, GREEDY, use_tqdm=False)):
+        oracle.assert_greedy(prompt, out.outputs[0].token_ids, atol=ATOL["bfloat16"])
