@@ -20,7 +20,7 @@ VARIANTS = {
     "llama": ("llama", {}),
     "llama-biases": ("llama", dict(attention_bias=True, mlp_bias=True)),   # q/k/v/o and MLP biases
     "llama-tied": ("llama", dict(tie_word_embeddings=True)),
-    "llama-rope-llama3": ("llama", dict(rope_scaling=LLAMA3_ROPE, rope_theta=500000.0)),
+    "llama-rope-llama3": ("llama", dict(rope_scaling=dict(LLAMA3_ROPE), rope_theta=500000.0)),
     "qwen2": ("qwen2", {}),                                                # q/k/v biases, no o bias
     "qwen2-tied": ("qwen2", dict(tie_word_embeddings=True)),
     "qwen3": ("qwen3", {}),
@@ -101,7 +101,8 @@ def test_config_variant_is_built(variant):
 def test_llama3_rope_scaling_changes_frequencies(tmp_path):
     """The llama3 rule slows long wavelengths by `factor`; without it the test above would pass
     only by luck, so check the frequencies themselves too."""
-    path = make_model(str(tmp_path), "llama", tokenizer=False, rope_scaling=LLAMA3_ROPE)
+    # (a copy: transformers writes rope_theta into the dict it is given)
+    path = make_model(str(tmp_path), "llama", tokenizer=False, rope_scaling=dict(LLAMA3_ROPE))
     scaled = LLM(path, num_kvcache_blocks=4, kvcache_block_size=16).model_runner.model
     cos_sin = scaled.model.layers[0].self_attn.rotary_emb.cos_sin_cache[1]   # position 1: angle = inv_freq
     inv = torch.atan2(cos_sin[8:], cos_sin[:8])
