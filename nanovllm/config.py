@@ -46,8 +46,13 @@ class Config:
             _check_int(self, "num_kvcache_blocks", 1)
         if self.kv_cache_memory_bytes is not None:
             _check_int(self, "kv_cache_memory_bytes", 1)
+        _check_int(self, "seed", 0)
+        if isinstance(self.gpu_memory_utilization, bool) or not isinstance(self.gpu_memory_utilization, (int, float)):
+            raise ValueError(f"gpu_memory_utilization must be a number in (0, 1], got {self.gpu_memory_utilization!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if not isinstance(self.enforce_eager, bool):
+            raise ValueError(f"enforce_eager must be True or False, got {self.enforce_eager!r}")
         _check_choice(self, "device", ("auto", "cuda", "cpu"))
         _check_choice(self, "dtype", ("auto", "float32", "bfloat16", "float16"))
         _check_choice(self, "load_format", ("auto", "dummy"))

@@ -5,6 +5,7 @@ as a fresh engine would.
 `python tests/test_validation.py` prints the table of docs/reliability.md from these cases."""
 import numpy as np
 import pytest
+import torch
 
 from nanovllm import LLM, SamplingParams
 
@@ -16,6 +17,15 @@ except ImportError:   # run as a script from the repository root
 ENGINE = dict(kvcache_block_size=16, num_kvcache_blocks=4, max_model_len=100)   # cache: 64 tokens
 GREEDY = SamplingParams(temperature=0, max_tokens=4)
 GOOD = random_prompts(2, [5, 30], seed=1)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    """The tiny model runs far faster on one thread, above all on a shared, busy machine."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 
 # (what, prompts, sampling_params, exception, a regex the message must match)
 BAD_INPUTS = [

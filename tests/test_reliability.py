@@ -1,0 +1,238 @@
+"""Reliability on the tiny Qwen3 model: the max_model_len limit, a clean engine after every call
+(also after a failure in the middle of one), a preemption storm, a soak run, start-up errors."""
+import gc
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.engine.sequence import Sequence
+from conftest import random_prompts
+
+GREEDY = SamplingParams(temperature=0, max_tokens=6)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    """The tiny model runs far faster on one thread, above all on a shared, busy machine."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def assert_clean(llm):
+    """No queued sequences; every KV block free (cached prefix blocks sit in the free list, reclaimable)."""
+    sched = llm.scheduler
+    bm = sched.block_manager
+    assert not sched.waiting and not sched.running
+    assert bm.num_free_blocks == bm.num_blocks
+    assert all(b.ref_count == 0 for b in bm.blocks)
+
+
+def tokens(outputs) -> list[list[int]]:
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+# ---- max_model_len ------------------------------------------------------------------------
+
+def test_requests_stop_at_max_model_len(qwen3_dir):
+    llm = LLM(qwen3_dir, kvcache_block_size=16, num_kvcache_blocks=64, max_model_len=40)
+    prompts = random_prompts(4, [10, 30, 39, 40], seed=3)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    outs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    # prompt + output stop at 40 tokens; a prompt of exactly 40 still gets one token (as in vLLM)
+    assert [len(o.token_ids) for o in outs] == [20, 10, 1, 1]
+    assert [o.finish_reason for o in outs] == ["length"] * 4
+    with pytest.raises(ValueError, match="more than max_model_len=40"):
+        llm.generate([[5] * 41], params, use_tqdm=False)
+    assert_clean(llm)
+
+
+def test_a_sequence_that_outgrows_the_whole_cache_stops_with_length(qwen3_dir):
+    """A prompt that fits but whose output would not: it ends early instead of hanging."""
+    llm = LLM(qwen3_dir, kvcache_block_size=16, num_kvcache_blocks=2)   # 32 tokens in all
+    params = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
+    short, grows = llm.generate(random_prompts(2, [3, 20], seed=4), [SamplingParams(temperature=0, max_tokens=3,
+                                                                                    ignore_eos=True), params],
+                                use_tqdm=False)
+    assert len(short.outputs[0].token_ids) == 3
+    out = grows.outputs[0]
+    assert out.finish_reason == "length" and 20 + len(out.token_ids) == 33   # 32 computed + the last sampled
+    assert_clean(llm)
+
+
+# ---- clean after every call, also after a failure -----------------------------------------
+
+@pytest.fixture(scope="module")
+def reference(qwen3_dir):
+    opts = dict(kvcache_block_size=16, num_kvcache_blocks=64, max_num_batched_tokens=32)
+    prompts = random_prompts(6, [5, 40, 17, 17, 60, 3], seed=5)
+    prompts[3][:16] = prompts[2][:16]   # a shared first block: the prefix cache takes part
+    return opts, prompts, tokens(LLM(qwen3_dir, **opts).generate(prompts, GREEDY, use_tqdm=False))
+
+
+@pytest.mark.parametrize("fail_at", [1, 2, 4, 9])   # a first chunk, a later chunk, decode steps
+@pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
+def test_failure_in_the_middle_of_generate_leaves_a_clean_engine(qwen3_dir, reference, monkeypatch, fail_at, error):
+    opts, prompts, expected = reference
+    llm = LLM(qwen3_dir, **opts)
+    real_run, calls = llm.model_runner.run, []
+
+    def flaky_run(batch):
+        calls.append(batch)
+        if len(calls) == fail_at:
+            raise error("injected")
+        return real_run(batch)
+
+    monkeypatch.setattr(llm.model_runner, "run", flaky_run)
+    with pytest.raises(error, match="injected"):
+        llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert_clean(llm)
+    assert tokens(llm.generate(prompts, GREEDY, use_tqdm=False)) == expected
+    assert_clean(llm)
+
+
+def test_blocks_free_after_every_call(qwen3_dir, reference):
+    opts, prompts, expected = reference
+    llm = LLM(qwen3_dir, **opts)
+    for i in range(3):
+        assert tokens(llm.generate(prompts, GREEDY, use_tqdm=False)) == expected
+        assert_clean(llm)
+        assert llm.scheduler.block_manager.hash_to_block_id   # cached blocks stay, but free
+    # The cached blocks are reclaimable: prompts that need the whole cache still run.
+    big = random_prompts(4, [256] * 4, seed=6)
+    llm.generate(big, SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
+    assert_clean(llm)
+
+
+# ---- preemption storm ---------------------------------------------------------------------
+
+def test_preemption_storm_gives_the_tokens_of_a_large_cache(qwen3_dir):
+    prompts = random_prompts(200, [4 + i % 7 for i in range(200)], seed=7)
+    for p in prompts[::3]:
+        p[:4] = [9, 8, 7, 6]   # some shared prefixes too
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    big = LLM(qwen3_dir, kvcache_block_size=4, num_kvcache_blocks=1024)
+    expected = tokens(big.generate(prompts, params, use_tqdm=False))
+
+    small = LLM(qwen3_dir, kvcache_block_size=4, num_kvcache_blocks=12)   # 48 tokens: about 3 requests
+    preempted = []
+    real_preempt = small.scheduler._preempt
+    small.scheduler._preempt = lambda seq: preempted.append(seq.seq_id) or real_preempt(seq)
+    assert tokens(small.generate(prompts, params, use_tqdm=False)) == expected
+    assert len(preempted) > 50, "the cache was not small enough to force preemption"
+    assert_clean(small)
+
+
+# ---- soak ---------------------------------------------------------------------------------
+
+def rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmRSS in /proc/self/status")
+
+
+def count_live_sequences() -> int:
+    return sum(1 for o in gc.get_objects() if type(o) is Sequence)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="needs /proc (Linux)")
+def test_soak_many_calls_memory_stays_flat(qwen3_dir):
+    llm = LLM(qwen3_dir, kvcache_block_size=16, num_kvcache_blocks=32)
+    cuda = llm.model_runner.device.type == "cuda"
+    params = SamplingParams(temperature=0, max_tokens=4)
+
+    def call(i):
+        prompts = random_prompts(3, [3 + i % 5, 20, 9], seed=i)   # new prompts: the prefix cache churns
+        llm.generate(prompts, params, use_tqdm=False)
+        assert_clean(llm)
+
+    for i in range(10):   # warm-up: allocator pools, tokenizer and torch caches
+        call(i)
+    gc.collect()
+    rss0 = rss_mb()
+    cuda0 = torch.cuda.memory_allocated() if cuda else 0
+    live_seqs = count_live_sequences()
+    for i in range(10, 200):
+        call(i)
+    gc.collect()
+    growth = rss_mb() - rss0
+    assert growth < 30, f"RSS grew by {growth:.1f} MB over 190 generate calls"
+    assert count_live_sequences() == live_seqs, "finished sequences are kept alive"
+    if cuda:
+        assert torch.cuda.memory_allocated() == cuda0
+
+
+# ---- start-up errors ----------------------------------------------------------------------
+
+def test_missing_model_folder(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        LLM(str(tmp_path / "nope"))
+
+
+def test_folder_without_config_json(tmp_path, qwen3_dir):
+    folder = tmp_path / "no_config"
+    shutil.copytree(qwen3_dir, folder)
+    os.remove(folder / "config.json")
+    with pytest.raises(FileNotFoundError, match="has no config.json"):
+        LLM(str(folder))
+
+
+def test_folder_without_weights(tmp_path, qwen3_dir):
+    folder = tmp_path / "no_weights"
+    folder.mkdir()
+    shutil.copy(os.path.join(qwen3_dir, "config.json"), folder)
+    with pytest.raises(FileNotFoundError, match=r"no \*\.safetensors"):
+        LLM(str(folder), num_kvcache_blocks=4)
+
+
+def test_unknown_option_lists_the_valid_ones(qwen3_dir):
+    with pytest.raises(TypeError, match=r"unknown option\(s\) 'gpu_mem'; valid options are: .*gpu_memory_utilization"):
+        LLM(qwen3_dir, gpu_mem=0.5)
+
+
+BAD_OPTIONS = [
+    (dict(max_num_seqs=0), r"max_num_seqs must be an integer >= 1, got 0"),
+    (dict(max_num_batched_tokens=2.5), r"max_num_batched_tokens must be an integer >= 1, got 2.5"),
+    (dict(max_model_len="long"), r"max_model_len must be an integer >= 1, got 'long'"),
+    (dict(kvcache_block_size=0), r"kvcache_block_size must be an integer >= 1"),
+    (dict(num_kvcache_blocks=0), r"num_kvcache_blocks must be an integer >= 1"),
+    (dict(kv_cache_memory_bytes=-1), r"kv_cache_memory_bytes must be an integer >= 1"),
+    (dict(gpu_memory_utilization=1.5), r"gpu_memory_utilization must be in \(0, 1\], got 1.5"),
+    (dict(gpu_memory_utilization="0.5"), r"gpu_memory_utilization must be a number in \(0, 1\]"),
+    (dict(device="tpu"), r"device must be one of \('auto', 'cuda', 'cpu'\), got 'tpu'"),
+    (dict(dtype="int8"), r"dtype must be one of"),
+    (dict(load_format="pt"), r"load_format must be one of"),
+    (dict(enforce_eager="yes"), r"enforce_eager must be True or False, got 'yes'"),
+    (dict(seed=-1), r"seed must be an integer >= 0, got -1"),
+    (dict(tensor_parallel_size=0), r"tensor_parallel_size must be an integer >= 1"),
+]
+
+
+@pytest.mark.parametrize("options,message", BAD_OPTIONS, ids=[next(iter(o)) for o, _ in BAD_OPTIONS])
+def test_bad_option_values(qwen3_dir, options, message):
+    with pytest.raises(ValueError, match=message):
+        LLM(qwen3_dir, **options)
+
+
+def test_kv_cache_too_small_says_what_to_raise(qwen3_dir):
+    with pytest.raises(ValueError, match=r"no memory left for the KV cache .*kv_cache_memory_bytes"):
+        LLM(qwen3_dir, kvcache_block_size=16, kv_cache_memory_bytes=100)
+
+
+def test_broken_config_json(tmp_path, qwen3_dir):
+    folder = tmp_path / "broken"
+    shutil.copytree(qwen3_dir, folder)
+    with open(folder / "config.json") as f:
+        config = json.load(f)
+    config["model_type"] = "no_such_model"
+    with open(folder / "config.json", "w") as f:
+        json.dump(config, f)
+    with pytest.raises(ValueError, match="no_such_model"):
+        LLM(str(folder))
