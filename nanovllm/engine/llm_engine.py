@@ -11,6 +11,7 @@ from nanovllm.engine.block_manager import cdiv
 from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.scheduler import ScheduledBatch, Scheduler
 from nanovllm.engine.sequence import Sequence, TokenLogprobs
+from nanovllm.engine.tp_worker import TPWorkers
 from nanovllm.outputs import CompletionOutput, Logprob, RequestOutput
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.loader import resolve_model
@@ -42,11 +43,41 @@ class LLMEngine:
     def __init__(self, model: str, **options):
         self.config = Config.create(resolve_model(model), **options)
         self.tokenizer = load_tokenizer(self.config.model)
-        self.model_runner = ModelRunner(self.config)
+        self.workers = self._start_runners()
         c = self.config
         self.scheduler = Scheduler(c.max_num_seqs, c.max_num_batched_tokens, c.max_model_len,
                                    self.model_runner.num_kvcache_blocks, c.kvcache_block_size,
                                    eos_token_ids(c, self.tokenizer))
+
+    def _start_runners(self) -> TPWorkers | None:
+        """Rank 0's ModelRunner here; with tensor_parallel_size > 1 also ranks 1..N-1 in spawned
+        processes (returned), which build their shards alongside it."""
+        if self.config.tensor_parallel_size == 1:
+            self.model_runner = ModelRunner(self.config)
+            return None
+        workers = TPWorkers(self.config)
+        try:
+            self.model_runner = ModelRunner(self.config, workers.group, workers)
+        except BaseException as e:
+            try:
+                if not isinstance(e, (ValueError, TypeError)):   # a user error is the same on every rank
+                    workers.raise_if_died(e)
+            finally:
+                workers.shutdown()
+            raise
+        return workers
+
+    def shutdown(self):
+        """Stop the tensor-parallel workers, remove their shared memory and process group (also
+        done at interpreter exit). The engine cannot generate afterwards."""
+        if getattr(self, "workers", None) is not None:
+            self.workers.shutdown()
+
+    def __del__(self):
+        try:
+            self.shutdown()
+        except Exception:
+            pass   # best effort: the interpreter may be tearing down
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -109,7 +140,12 @@ class LLMEngine:
         """Schedule one batch, run it, apply the results; return the sequences that finished."""
         batch = self.scheduler.schedule()
         sampled_seqs = [seq for seq, n in zip(batch.seqs, batch.num_new_tokens) if batch.samples(seq, n)]
-        sampled = self.model_runner.run(batch)
+        try:
+            sampled = self.model_runner.run(batch)
+        except Exception as e:
+            if self.workers is not None:
+                self.workers.raise_if_died(e)   # a collective failed because a worker died: say so
+            raise
         finished = self.scheduler.postprocess(batch, sampled.token_ids, sampled.logprobs)
         return finished + self._apply_stop_strings(sampled_seqs), batch
 

@@ -8,10 +8,12 @@ from nanovllm.config import Config
 from nanovllm.engine.block_manager import cdiv
 from nanovllm.engine.sampling_inputs import SampledTokens, build_sampling_tensors
 from nanovllm.engine.scheduler import ScheduledBatch
+from nanovllm.engine.step_input import StepInput
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.sampler import Sampler, SamplingTensors
 from nanovllm.models import get_model_class
 from nanovllm.utils.context import Context, forward_context
+from nanovllm.utils.distributed import TPGroup, min_across_ranks, tp_group
 from nanovllm.utils.loader import load_dummy_weights, load_model
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -47,28 +49,32 @@ def _default_dtype(dtype: torch.dtype):
 
 
 class ModelRunner:
-    def __init__(self, config: Config):
+    def __init__(self, config: Config, group: TPGroup | None = None, workers=None):
+        """group: this rank's tensor-parallel group (None: one rank). workers: on rank 0, the
+        TPWorkers that must run every step this runner runs (None on workers and at TP=1)."""
         self.config = config
+        self.group, self.workers = group, workers
         self.block_size = config.kvcache_block_size
         self.device = pick_device(config)
         self.dtype = pick_dtype(config, self.device)
         self.use_cuda = self.device.type == "cuda"
         torch.manual_seed(config.seed)
-        with self.device, _default_dtype(self.dtype):
-            self.model = get_model_class(config.hf_config)(config.hf_config)
-        if config.load_format == "dummy":
-            load_dummy_weights(self.model, config.seed)
-        else:
-            load_model(self.model, config.model)
-        self.model.eval()
-        self.sampler = Sampler()
-        self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-        if self.use_cuda:
-            self.warmup_model()
-        self.num_kvcache_blocks = self.allocate_kv_cache()
-        self.graphs = {}
-        if self.use_cuda and not config.enforce_eager:
-            self.capture_cudagraph()
+        with tp_group(group):   # layers take their shard from it; their collectives run in it
+            with self.device, _default_dtype(self.dtype):
+                self.model = get_model_class(config.hf_config)(config.hf_config)
+            if config.load_format == "dummy":
+                load_dummy_weights(self.model, config.seed)
+            else:
+                load_model(self.model, config.model)
+            self.model.eval()
+            self.sampler = Sampler()
+            self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+            if self.use_cuda:
+                self.warmup_model()
+            self.num_kvcache_blocks = self.allocate_kv_cache()
+            self.graphs = {}
+            if self.use_cuda and not config.enforce_eager:
+                self.capture_cudagraph()
 
     # ---- start-up -------------------------------------------------------------------------
 
@@ -109,6 +115,8 @@ class ModelRunner:
 
     def allocate_kv_cache(self) -> int:
         num_blocks = self.config.num_kvcache_blocks or self.kv_cache_budget() // self.kv_bytes_per_block()
+        # Every rank's scheduler view is rank 0's, so all ranks must hold the same number of blocks.
+        num_blocks = min_across_ranks(num_blocks, self.device)
         if num_blocks < 1:
             raise ValueError(
                 f"no memory left for the KV cache ({self.kv_bytes_per_block()} bytes per block of "
@@ -136,43 +144,39 @@ class ModelRunner:
             slots.extend(range(base + max(start, i * bs) - i * bs, base + min(end, (i + 1) * bs) - i * bs))
         return slots
 
-    def _block_tables(self, seqs) -> torch.Tensor:
-        width = max(len(seq.block_table) for seq in seqs)
-        return self._tensor([seq.block_table + [-1] * (width - len(seq.block_table)) for seq in seqs], torch.int32)
+    def _block_tables(self, tables: list[list[int]]) -> torch.Tensor:
+        width = max(len(t) for t in tables)
+        return self._tensor([t + [-1] * (width - len(t)) for t in tables], torch.int32)
 
-    def prepare_prefill(self, batch: ScheduledBatch):
+    def prepare_prefill(self, step: StepInput):
         input_ids, positions, slots, cu_q, cu_k, logits_indices = [], [], [], [0], [0], []
-        has_prefix = False
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
-            input_ids.extend(seq.token_ids[start:end])
+        for start, ids, table, samples in zip(step.starts, step.token_ids, step.block_tables, step.samples):
+            end = start + len(ids)
+            input_ids.extend(ids)
             positions.extend(range(start, end))
-            slots.extend(self._slots(seq.block_table, start, end))
-            cu_q.append(cu_q[-1] + n)
+            slots.extend(self._slots(table, start, end))
+            cu_q.append(cu_q[-1] + len(ids))
             cu_k.append(cu_k[-1] + end)
-            has_prefix |= start > 0
-            if batch.samples(seq, n):
+            if samples:
                 logits_indices.append(cu_q[-1] - 1)
+        has_prefix = any(step.starts)
         ctx = Context(is_prefill=True, cu_seqlens_q=self._tensor(cu_q, torch.int32),
-                      cu_seqlens_k=self._tensor(cu_k, torch.int32), max_seqlen_q=max(batch.num_new_tokens),
+                      cu_seqlens_k=self._tensor(cu_k, torch.int32), max_seqlen_q=max(map(len, step.token_ids)),
                       max_seqlen_k=max(b - a for a, b in zip(cu_k, cu_k[1:])),
                       slot_mapping=self._tensor(slots, torch.int32),
-                      block_tables=self._block_tables(batch.seqs) if has_prefix else None)
+                      block_tables=self._block_tables(step.block_tables) if has_prefix else None)
         return (self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64), ctx,
                 self._tensor(logits_indices, torch.int64))
 
-    def prepare_decode(self, batch: ScheduledBatch):
-        input_ids, positions, slots, context_lens = [], [], [], []
-        for seq in batch.seqs:
-            pos = seq.num_tokens - 1
-            input_ids.append(seq.token_ids[-1])
-            positions.append(pos)
-            slots.append(seq.block_table[pos // self.block_size] * self.block_size + pos % self.block_size)
-            context_lens.append(seq.num_tokens)
+    def prepare_decode(self, step: StepInput):
+        # Decode computes each sequence's last token, at position `start` (= num_tokens - 1).
+        bs = self.block_size
+        slots = [table[pos // bs] * bs + pos % bs for pos, table in zip(step.starts, step.block_tables)]
         ctx = Context(is_prefill=False, slot_mapping=self._tensor(slots, torch.int32),
-                      context_lens=self._tensor(context_lens, torch.int32),
-                      block_tables=self._block_tables(batch.seqs))
-        return self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64), ctx
+                      context_lens=self._tensor([pos + 1 for pos in step.starts], torch.int32),
+                      block_tables=self._block_tables(step.block_tables))
+        input_ids = [ids[0] for ids in step.token_ids]
+        return self._tensor(input_ids, torch.int64), self._tensor(step.starts, torch.int64), ctx
 
     def prepare_sample(self, batch: ScheduledBatch) -> SamplingTensors | None:
         seqs = [seq for seq, n in zip(batch.seqs, batch.num_new_tokens) if batch.samples(seq, n)]
@@ -187,19 +191,30 @@ class ModelRunner:
         if not batch.seqs:
             return SampledTokens([])
         sampling = self.prepare_sample(batch)
-        if batch.is_prefill:
-            input_ids, positions, ctx, logits_indices = self.prepare_prefill(batch)
-            if logits_indices.numel() == 0:   # only mid-prompt chunks: nothing to sample
-                with forward_context(ctx):
-                    self.model(input_ids, positions)
-                return SampledTokens([])
-            with forward_context(ctx):
-                hidden = self.model(input_ids, positions)[logits_indices]
-        else:
-            input_ids, positions, ctx = self.prepare_decode(batch)
-            hidden = self.run_decode(input_ids, positions, ctx)
-        logits = self.model.compute_logits(hidden).float()
+        step = StepInput.of(batch)
+        if self.workers is not None:
+            self.workers.run_step(step)   # ranks 1..N-1 run the same step (they only skip sampling)
+        logits = self.forward_step(step)
+        if logits is None:   # only mid-prompt chunks: nothing to sample
+            return SampledTokens([])
         return SampledTokens.from_sampler(self.sampler(logits, sampling), sampling)
+
+    @torch.inference_mode()
+    def forward_step(self, step: StepInput) -> torch.Tensor | None:
+        """Run the model on one step; every rank runs it (its collectives need them all).
+        Returns the logits of the sampling positions, [num_sampling_seqs, vocab] fp32 on every
+        rank, or None when no sequence samples."""
+        with tp_group(self.group):
+            if step.is_prefill:
+                input_ids, positions, ctx, logits_indices = self.prepare_prefill(step)
+                with forward_context(ctx):
+                    hidden = self.model(input_ids, positions)
+                if logits_indices.numel() == 0:
+                    return None
+                hidden = hidden[logits_indices]
+            else:
+                hidden = self.run_decode(*self.prepare_decode(step))
+            return self.model.compute_logits(hidden).float()
 
     def run_decode(self, input_ids, positions, ctx: Context) -> torch.Tensor:
         bs = input_ids.size(0)

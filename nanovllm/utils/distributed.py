@@ -1,26 +1,96 @@
-"""The tensor-parallel group as the layers see it (world size 1 when torch.distributed is unused)."""
+"""The tensor-parallel group as the layers see it.
+
+Each engine owns its own group, so two engines can live in one process: the group is not
+torch.distributed's global default group but a c10d backend built on the engine's own TCP store.
+ModelRunner makes its group current (scoped, like forward_context) while it builds and runs the
+model; outside any group the world size is 1."""
+import datetime
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 
+STARTUP_TIMEOUT = datetime.timedelta(minutes=10)   # loading a large shard can take minutes
+
+
+@dataclass(frozen=True)
+class TPGroup:
+    rank: int
+    size: int
+    backend: object   # a c10d backend: ProcessGroupNCCL on CUDA, ProcessGroupGloo on CPU
+    store: object     # the TCPStore the backend rendezvoused through (kept alive with it)
+
+
+_current: ContextVar[TPGroup | None] = ContextVar("tp_group", default=None)
+
+
+@contextmanager
+def tp_group(group: TPGroup | None):
+    """Make `group` the one tp_rank/tp_size/collectives use inside the block."""
+    token = _current.set(group)
+    try:
+        yield
+    finally:
+        _current.reset(token)
+
+
+def master_store(world_size: int) -> dist.TCPStore:
+    """Rank 0's store on a free port (port 0: the OS picks one, so engines never collide)."""
+    return dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, timeout=STARTUP_TIMEOUT,
+                         wait_for_workers=False)
+
+
+def worker_store(port: int, world_size: int) -> dist.TCPStore:
+    return dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=STARTUP_TIMEOUT)
+
+
+def init_tp_group(store: dist.TCPStore, rank: int, size: int, device: torch.device) -> TPGroup:
+    """Rendezvous with the other ranks (blocks until all have joined): NCCL on CUDA, gloo on CPU."""
+    if device.type == "cuda":
+        backend = dist.ProcessGroupNCCL(store, rank, size)
+    else:
+        backend = dist.ProcessGroupGloo(store, rank, size, STARTUP_TIMEOUT)
+    return TPGroup(rank, size, backend, store)
+
+
+def destroy_tp_group(group: TPGroup | None):
+    if group is not None and hasattr(group.backend, "shutdown"):
+        group.backend.shutdown()
+
 
 def tp_rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
+    group = _current.get()
+    return group.rank if group else 0
 
 
 def tp_size() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
+    group = _current.get()
+    return group.size if group else 1
 
 
-def all_reduce(x: torch.Tensor) -> torch.Tensor:
-    if tp_size() > 1:
-        dist.all_reduce(x)
+def all_reduce(x: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """In place: x becomes the sum (or op) of every rank's x."""
+    group = _current.get()
+    if group and group.size > 1:
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = op
+        group.backend.allreduce([x], opts).wait()
     return x
 
 
 def gather_last_dim(x: torch.Tensor) -> torch.Tensor:
     """Concatenate each rank's shard of the last dimension (every rank gets the whole)."""
-    if tp_size() == 1:
+    group = _current.get()
+    if not group or group.size == 1:
         return x
-    parts = [torch.empty_like(x) for _ in range(tp_size())]
-    dist.all_gather(parts, x.contiguous())
+    parts = [torch.empty_like(x) for _ in range(group.size)]
+    group.backend.allgather([parts], [x.contiguous()]).wait()
     return torch.cat(parts, dim=-1)
+
+
+def min_across_ranks(n: int, device: torch.device) -> int:
+    """The smallest n over all ranks of the current group (n itself on one rank)."""
+    t = torch.tensor([n], dtype=torch.int64, device=device)
+    return int(all_reduce(t, dist.ReduceOp.MIN).item())

@@ -1,0 +1,129 @@
+"""Tensor parallelism on CPU (gloo): TP=2 and TP=4 give TP=1's greedy tokens; engines live side by
+side; shutdown leaves no process or shared memory behind; a dead worker is an error, not a hang.
+
+Each TP engine spawns workers that import torch (seconds each), so engines are module-scoped and
+shared by the tests."""
+import multiprocessing
+import os
+import signal
+import time
+
+import pytest
+
+from conftest import make_model, random_prompts
+from nanovllm import LLM, SamplingParams
+from nanovllm.engine.tp_worker import WorkerError
+
+# A small cache (9 blocks of 16 tokens) and small steps, so the prompts below are prefilled in
+# chunks and decoding preempts: TP must agree with TP=1 through all of it.
+OPTIONS = dict(kvcache_block_size=16, num_kvcache_blocks=9, max_num_batched_tokens=48, max_num_seqs=4)
+PROMPTS = random_prompts(4, [5, 17, 33, 40], seed=1)
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+def tokens(llm: LLM, prompts=PROMPTS) -> list[list[int]]:
+    return [out.outputs[0].token_ids for out in llm.generate(prompts, GREEDY, use_tqdm=False)]
+
+
+def reference(path: str, prompts=PROMPTS) -> list[list[int]]:
+    return tokens(LLM(path, **OPTIONS), prompts)
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    return make_model(str(tmp_path_factory.mktemp("llama")), "llama")
+
+
+def _engine(path: str, tp: int):
+    llm = LLM(path, tensor_parallel_size=tp, **OPTIONS)
+    yield llm
+    llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def qwen3_tp2(qwen3_dir):
+    yield from _engine(qwen3_dir, 2)
+
+
+@pytest.fixture(scope="module")
+def llama_tp2(llama_dir):
+    yield from _engine(llama_dir, 2)
+
+
+def _count_calls(obj, name: str, record):
+    """Wrap obj.name so each call appends record(*args) to the returned list."""
+    calls, original = [], getattr(obj, name)
+
+    def wrapper(*args):
+        result = original(*args)
+        calls.append(record(*args))
+        return result
+    setattr(obj, name, wrapper)
+    return calls
+
+
+def test_tp2_matches_tp1_qwen3_with_preemption_and_prefix_cache(qwen3_dir, qwen3_tp2):
+    expected = reference(qwen3_dir)
+    preempted = _count_calls(qwen3_tp2.scheduler, "_preempt", lambda seq: seq.seq_id)
+    cached = _count_calls(qwen3_tp2.scheduler.block_manager, "allocate", lambda seq: seq.num_computed_tokens)
+    assert tokens(qwen3_tp2) == expected
+    assert preempted, "the small cache should have forced a preemption"
+    # Again: the prompts' full blocks are still cached, so prefill starts past them.
+    cached.clear()
+    assert tokens(qwen3_tp2) == expected
+    assert any(n > 0 for n in cached), "the second run should have hit the prefix cache"
+
+
+def test_tp2_matches_tp1_llama(llama_dir, llama_tp2):
+    assert tokens(llama_tp2) == reference(llama_dir)
+
+
+def test_two_engines_alive_at_once(qwen3_dir, llama_dir, qwen3_tp2, llama_tp2):
+    a, b = qwen3_tp2.workers, llama_tp2.workers
+    assert a.channel.name != b.channel.name and a.store.port != b.store.port
+    prompts = PROMPTS[:2]
+    want_q, want_l = reference(qwen3_dir, prompts), reference(llama_dir, prompts)
+    for _ in range(2):   # interleaved, so each engine runs while the other has state
+        assert tokens(qwen3_tp2, prompts) == want_q
+        assert tokens(llama_tp2, prompts) == want_l
+
+
+def _segment_exists(name: str) -> bool:
+    return os.path.exists(os.path.join("/dev/shm", name))
+
+
+def test_tp4_matches_tp1_and_shutdown_leaves_nothing(tmp_path):
+    path = make_model(str(tmp_path / "qwen3_8h"), "qwen3", num_attention_heads=8, num_key_value_heads=4,
+                      head_dim=8)
+    expected = reference(path)
+    llm = LLM(path, tensor_parallel_size=4, **OPTIONS)
+    pids, name = llm.workers.pids, llm.workers.channel.name
+    assert len(pids) == 3 and _segment_exists(name)
+    assert tokens(llm) == expected
+    llm.shutdown()
+    assert not any(p.pid in pids for p in multiprocessing.active_children())
+    assert not _segment_exists(name)
+    with pytest.raises(RuntimeError, match="shut down"):
+        llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
+    llm.shutdown()   # idempotent
+
+
+def test_worker_exception_is_reported(qwen3_tp2):
+    # Breaks the module's qwen3 engine: keep it after the tests that use it.
+    workers = qwen3_tp2.workers
+    workers.channel.write(("step", "not a StepInput"), workers.check)   # the worker fails on it
+    with pytest.raises(WorkerError, match="AttributeError"):
+        tokens(qwen3_tp2)
+
+
+def test_killed_worker_raises_instead_of_hanging(llama_tp2):
+    # Last in the file: it breaks the module's llama engine (its teardown still shuts it down).
+    workers = llama_tp2.workers
+    os.kill(workers.pids[0], signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(WorkerError, match="rank 1"):
+        tokens(llama_tp2)
+    assert time.monotonic() - start < 10
+    llama_tp2.shutdown()
+    assert not any(p.pid in workers.pids for p in multiprocessing.active_children())
+    assert not _segment_exists(workers.channel.name)
