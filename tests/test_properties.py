@@ -143,6 +143,7 @@ def run_workload(w: dict) -> list[Sequence]:
     runner = FakeRunner(w["num_blocks"], w["block_size"])
     pending = sorted(w["requests"], key=lambda r: r[0])
     seqs: list[Sequence] = []
+    reported: list[int] = []
     step = 0
     while pending or not sched.is_finished():
         while pending and pending[0][0] <= step:
@@ -151,11 +152,13 @@ def run_workload(w: dict) -> list[Sequence]:
             sched.add(seqs[-1])
         batch = sched.schedule()
         check_batch(sched, batch)
-        sched.postprocess(batch, runner.run(batch))
+        reported += [seq.seq_id for seq in sched.postprocess(batch, runner.run(batch))]
         check_block_manager(sched, runner, seqs)
         step += 1
         assert step < 5000, "the scheduler stopped making progress"
     assert sched.block_manager.num_free_blocks == w["num_blocks"]
+    # Every sequence is reported finished exactly once (also one that outgrew the whole cache).
+    assert sorted(reported) == sorted(seq.seq_id for seq in seqs)
     return seqs
 
 

@@ -65,6 +65,19 @@ def test_a_sequence_that_outgrows_the_whole_cache_stops_with_length(qwen3_dir):
     assert_clean(llm)
 
 
+def test_step_reports_a_sequence_that_outgrew_the_cache(qwen3_dir):
+    """Driving add_request / step by hand, every request is reported finished once."""
+    llm = LLM(qwen3_dir, kvcache_block_size=16, num_kvcache_blocks=2)
+    seqs = llm.add_request([5] * 20, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
+    reported = []
+    for _ in range(100):
+        if llm.is_finished():
+            break
+        reported += llm.step()[0]
+    assert reported == seqs and seqs[0].finish_reason == "length"
+    assert_clean(llm)
+
+
 # ---- clean after every call, also after a failure -----------------------------------------
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """Turns the waiting and running queues into one batch per step, and applies its results."""
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.sequence import Sequence, SequenceStatus
@@ -11,6 +11,9 @@ class ScheduledBatch:
     seqs: list[Sequence]        # in the order the model runner lays out their tokens
     num_new_tokens: list[int]   # tokens each sequence computes this step (1 for decode)
     is_prefill: bool
+    # Sequences ended while scheduling (they outgrew the whole KV cache); not run, but reported
+    # by postprocess with the step's other finished sequences.
+    finished: list[Sequence] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -43,10 +46,13 @@ class Scheduler:
         """Prefill first (within max_num_batched_tokens, the last prompt possibly chunked); decode
         (one token per running sequence, within max_num_seqs) only when no prefill can run."""
         batch = self._schedule_prefill()
-        return batch if batch.seqs else self._schedule_decode()
+        if not batch.seqs:
+            finished, batch = batch.finished, self._schedule_decode()
+            batch.finished = finished
+        return batch
 
     def _schedule_prefill(self) -> ScheduledBatch:
-        seqs, counts = [], []
+        seqs, counts, finished = [], [], []
         budget = self.max_num_batched_tokens
         # Every sequence already in `seqs` is in `running` too, except a chunk, which ends the loop.
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -55,6 +61,7 @@ class Scheduler:
                 if not self.block_manager.can_allocate(seq):
                     if not seqs and not self.running:
                         self._finish_oversized(seq)   # it can never fit: stop it, don't hang
+                        finished.append(seq)
                         continue
                     break
                 self.block_manager.allocate(seq)
@@ -67,7 +74,7 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-        return ScheduledBatch(seqs, counts, is_prefill=True)
+        return ScheduledBatch(seqs, counts, is_prefill=True, finished=finished)
 
     def _schedule_decode(self) -> ScheduledBatch:
         seqs = []
@@ -102,7 +109,7 @@ class Scheduler:
                     logprobs: list | None = None) -> list[Sequence]:
         """Record what the step computed; append the sampled tokens (one per sequence that reached
         its end, in batch order; with their logprobs when given); return the sequences that finished."""
-        finished, sampled = [], iter(token_ids)
+        finished, sampled = list(batch.finished), iter(token_ids)
         sampled_logprobs = iter(logprobs) if logprobs is not None else None
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             samples = batch.samples(seq, n)
