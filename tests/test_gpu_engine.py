@@ -49,7 +49,10 @@ def test_scenarios_on_gpu(qwen3_dir, oracle, name, dtype):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_cuda_graph_replay_matches_eager(qwen3_dir, dtype):
+def test_cuda_graph_replay_matches_eager(qwen3_dir, oracle, dtype):
+    """fp32: the same tokens. bf16: a padded graph batch runs other GEMM tilings and attention
+    splits than eager, so rounding differs and a near-tie may flip; both must stay argmax choices
+    within the bf16 tolerance and agree on nearly all tokens."""
     prompts = random_prompts(20, [3 + 7 * i for i in range(20)], seed=7)
     runs = []
     for eager in (True, False):
@@ -57,7 +60,13 @@ def test_cuda_graph_replay_matches_eager(qwen3_dir, dtype):
                   enforce_eager=eager, max_num_seqs=32)
         assert bool(llm.model_runner.graphs) != eager
         runs.append([o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)])
-    assert runs[0] == runs[1]
+    if dtype == "float32":
+        assert runs[0] == runs[1]
+        return
+    same = sum(a == b for eager, graph in zip(*runs) for a, b in zip(eager, graph))
+    assert same / sum(map(len, runs[0])) >= 0.9
+    for prompt, ids in zip(prompts, runs[1]):
+        oracle.assert_greedy(prompt, ids, atol=ATOL[dtype])
 
 
 def test_bf16_default_dtype_and_block_256(qwen3_dir, oracle):

@@ -1,0 +1,136 @@
+"""Where a bench.py run spends its time (CUDA): host time per phase over the whole default workload,
+GPU time of each decode step (CUDA events around graph replay + logits + sampling), and a kernel
+breakdown of a few eager decode steps at batch 256 (torch.profiler).
+Usage: PYTHONPATH=. python benchmarks/profile_bench.py [--out FILE]"""
+import argparse
+import gc
+import os
+import statistics
+import sys
+import time
+from collections import defaultdict
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench import DEFAULT_MODEL, workload  # noqa: E402
+from nanovllm import LLM, SamplingParams  # noqa: E402
+from nanovllm.engine import model_runner as mr  # noqa: E402
+
+
+def wrap(obj, name, label, timers):
+    original = getattr(obj, name)
+
+    def timed(*args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            timers[label] += time.perf_counter() - t
+    setattr(obj, name, timed)
+
+
+def host_profile(llm, lines):
+    timers, gpu_ms, step_wall = defaultdict(float), [], []
+    runner, sched = llm.model_runner, llm.scheduler
+    for obj, name, label in [(sched, "schedule", "scheduler.schedule"),
+                             (sched, "postprocess", "scheduler.postprocess"),
+                             (runner, "prepare_sample", "runner.prepare_sample (sampling tensors)"),
+                             (runner, "prepare_decode", "runner.prepare_decode (inputs, H2D)"),
+                             (runner, "prepare_prefill", "runner.prepare_prefill (inputs, H2D)"),
+                             (mr.SampledTokens, "from_sampler", "tokens to host (waits for the GPU)"),
+                             (llm, "_apply_stop_strings", "engine stop strings")]:
+        wrap(obj, name, label, timers)
+    original_decode = runner.run_decode
+
+    def run_decode(*args):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = original_decode(*args)
+        runner._pending = (start, end)
+        return out
+    runner.run_decode = run_decode
+    original_sampler = runner.sampler.forward
+
+    def sampler(*args):
+        out = original_sampler(*args)
+        if getattr(runner, "_pending", None):
+            runner._pending[1].record()
+            gpu_ms.append(runner._pending)
+            runner._pending = None
+        return out
+    runner.sampler.forward = sampler
+    original_step = llm.step
+
+    def step():
+        t = time.perf_counter()
+        out = original_step()
+        if not out[1].is_prefill:
+            step_wall.append(time.perf_counter() - t)
+        timers["prefill steps" if out[1].is_prefill else "decode steps"] += time.perf_counter() - t
+        return out
+    llm.step = step
+    prompts, params = workload(256, 1024, 1024, 0.6)
+    t = time.perf_counter()
+    llm.generate(prompts, params, use_tqdm=False)
+    total = time.perf_counter() - t
+    torch.cuda.synchronize()
+    gpu = [s.elapsed_time(e) / 1000 for s, e in gpu_ms]
+    tokens = sum(p.max_tokens for p in params)
+    lines.append(f"whole run: {total:.2f} s, {tokens / total:.0f} tok/s, {len(step_wall)} decode steps")
+    lines.append(f"decode steps: wall {sum(step_wall):.2f} s (median {statistics.median(step_wall) * 1e3:.2f} ms), "
+                 f"GPU replay+logits+sample {sum(gpu):.2f} s (median {statistics.median(gpu) * 1e3:.2f} ms)")
+    lines.append(f"{'phase (host wall time, whole run)':58s} {'s':>8s} {'share':>7s}")
+    for label, s in sorted(timers.items(), key=lambda kv: -kv[1]):
+        lines.append(f"{label:58s} {s:8.3f} {s / total:7.1%}")
+
+
+def kernel_profile(model, lines, steps=5):
+    llm = LLM(model, load_format="dummy", max_model_len=4096, enforce_eager=True, gpu_memory_utilization=0.4)
+    prompts, _ = workload(256, 1024, 1024, 0.6)
+    params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=steps + 3)
+    runner = llm.model_runner
+    for prompt in prompts:
+        llm.add_request(prompt, params)
+    while llm.step()[1].is_prefill:   # run the prefills (and one decode step)
+        pass
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            llm.step()
+        torch.cuda.synchronize()
+    while not llm.is_finished():
+        llm.step()
+    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    total = sum(e.self_device_time_total for e in events)
+    lines.append(f"\nkernels of {steps} eager decode steps at batch 256 (GPU time {total / steps / 1e3:.2f} ms/step)")
+    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:18]:
+        lines.append(f"{e.key[:70]:70s} {e.self_device_time_total / steps / 1e3:7.3f} ms "
+                     f"{e.self_device_time_total / total:6.1%}")
+    del runner
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--out")
+    p.add_argument("--skip-kernels", action="store_true")
+    args = p.parse_args()
+    lines = []
+    llm = LLM(args.model, load_format="dummy", max_model_len=4096, gpu_memory_utilization=0.4)
+    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8), use_tqdm=False)
+    host_profile(llm, lines)
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+    if not args.skip_kernels:
+        kernel_profile(args.model, lines)
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
