@@ -49,7 +49,8 @@ def worker_store(port: int, world_size: int) -> dist.TCPStore:
 def init_tp_group(store: dist.TCPStore, rank: int, size: int, device: torch.device) -> TPGroup:
     """Rendezvous with the other ranks (blocks until all have joined): NCCL on CUDA, gloo on CPU."""
     if device.type == "cuda":
-        backend = dist.ProcessGroupNCCL(store, rank, size)
+        # Built as init_process_group builds its NCCL backend; communicators start on first use.
+        backend = dist.ProcessGroupNCCL(store, rank, size, dist.ProcessGroupNCCL.Options())
     else:
         backend = dist.ProcessGroupGloo(store, rank, size, STARTUP_TIMEOUT)
     return TPGroup(rank, size, backend, store)
