@@ -26,7 +26,8 @@ def next_token(token_ids) -> int:
     return xxhash.xxh64(bytes(t % 256 for t in token_ids)).intdigest() % VOCAB
 
 
-def reference(prompt: list[int], params: SamplingParams, max_model_len: int) -> tuple[list[int], str]:
+def reference(prompt: list[int], params: SamplingParams, max_model_len: int,
+              stop_at: int | None = None) -> tuple[list[int], str]:
     """What a sequence must end with: a plain loop, no cache, no batching, no preemption."""
     tokens = list(prompt)
     while True:
@@ -37,6 +38,8 @@ def reference(prompt: list[int], params: SamplingParams, max_model_len: int) -> 
             return out, "stop"
         if len(out) >= params.max_tokens or len(tokens) >= max_model_len:
             return out, "length"
+        if len(out) == stop_at:
+            return out, "stop"
 
 
 class FakeRunner:
@@ -131,7 +134,9 @@ def workloads(draw):
         prompt = (prompt or [1])[:max_model_len]
         params = SamplingParams(temperature=0, max_tokens=draw(st.integers(1, 12)),
                                 ignore_eos=draw(st.booleans()))
-        requests.append((draw(st.integers(0, 12)), prompt, params))   # (arrival step, prompt, params)
+        # (arrival step, prompt, params, output length at which a "stop string" ends it, or None)
+        stop_at = draw(st.one_of(st.none(), st.integers(1, 12)))
+        requests.append((draw(st.integers(0, 12)), prompt, params, stop_at))
     return dict(block_size=block_size, max_model_len=max_model_len, requests=requests,
                 num_blocks=draw(st.integers(1, 40)), max_num_seqs=draw(st.integers(1, 8)),
                 max_num_batched_tokens=draw(st.integers(1, 64)))
@@ -143,16 +148,23 @@ def run_workload(w: dict) -> list[Sequence]:
     runner = FakeRunner(w["num_blocks"], w["block_size"])
     pending = sorted(w["requests"], key=lambda r: r[0])
     seqs: list[Sequence] = []
+    stop_at: dict[int, int] = {}
     reported: list[int] = []
     step = 0
     while pending or not sched.is_finished():
         while pending and pending[0][0] <= step:
-            _, prompt, params = pending.pop(0)
+            _, prompt, params, stop = pending.pop(0)
             seqs.append(Sequence(prompt, params))
+            if stop is not None:
+                stop_at[seqs[-1].seq_id] = stop
             sched.add(seqs[-1])
         batch = sched.schedule()
         check_batch(sched, batch)
         reported += [seq.seq_id for seq in sched.postprocess(batch, runner.run(batch))]
+        for seq in batch.seqs:   # the engine ends sequences on stop strings this way
+            if not seq.is_finished and seq.num_completion_tokens >= stop_at.get(seq.seq_id, 1 << 30):
+                sched.finish(seq, "stop", "<stop string>")
+                reported.append(seq.seq_id)
         check_block_manager(sched, runner, seqs)
         step += 1
         assert step < 5000, "the scheduler stopped making progress"
@@ -170,9 +182,10 @@ PROPERTY = settings(max_examples=150, deadline=None, suppress_health_check=[Heal
 def test_scheduler_invariants_and_outputs_match_a_plain_loop(w):
     seqs = run_workload(w)
     bs, num_blocks = w["block_size"], w["num_blocks"]
-    for seq in seqs:
+    stops = [r[3] for r in sorted(w["requests"], key=lambda r: r[0])]
+    for seq, stop_at in zip(seqs, stops):
         assert seq.is_finished
-        ref, reason = reference(seq.prompt_token_ids, seq.sampling_params, w["max_model_len"])
+        ref, reason = reference(seq.prompt_token_ids, seq.sampling_params, w["max_model_len"], stop_at)
         # Computing a sequence of final length L needs K/V for its first L - 1 tokens.
         if cdiv(len(seq.prompt_token_ids) + len(ref) - 1, bs) <= num_blocks:
             assert (seq.completion_token_ids, seq.finish_reason) == (ref, reason)
