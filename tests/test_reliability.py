@@ -125,14 +125,15 @@ def test_blocks_free_after_every_call(qwen3_dir, reference):
 # ---- preemption storm ---------------------------------------------------------------------
 
 def test_preemption_storm_gives_the_tokens_of_a_large_cache(qwen3_dir):
-    prompts = random_prompts(200, [4 + i % 7 for i in range(200)], seed=7)
+    # 6..16-token prompts + 8 outputs: most cross a block boundary while decoding
+    prompts = random_prompts(200, [6 + i % 11 for i in range(200)], seed=7)
     for p in prompts[::3]:
         p[:4] = [9, 8, 7, 6]   # some shared prefixes too
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    big = LLM(qwen3_dir, kvcache_block_size=4, num_kvcache_blocks=1024)
+    big = LLM(qwen3_dir, kvcache_block_size=16, num_kvcache_blocks=512)
     expected = tokens(big.generate(prompts, params, use_tqdm=False))
 
-    small = LLM(qwen3_dir, kvcache_block_size=4, num_kvcache_blocks=12)   # 48 tokens: about 3 requests
+    small = LLM(qwen3_dir, kvcache_block_size=16, num_kvcache_blocks=5)   # 80 tokens: about 3 requests
     preempted = []
     real_preempt = small.scheduler._preempt
     small.scheduler._preempt = lambda seq: preempted.append(seq.seq_id) or real_preempt(seq)
@@ -178,8 +179,8 @@ def test_soak_many_calls_memory_stays_flat(qwen3_dir):
     growth = rss_mb() - rss0
     assert growth < 30, f"RSS grew by {growth:.1f} MB over 190 generate calls"
     assert count_live_sequences() == live_seqs, "finished sequences are kept alive"
-    if cuda:
-        assert torch.cuda.memory_allocated() == cuda0
+    if cuda:   # a little slack for buffers first made for a batch shape not seen in the warm-up
+        assert torch.cuda.memory_allocated() - cuda0 < 1 << 20
 
 
 # ---- start-up errors ----------------------------------------------------------------------
