@@ -63,8 +63,10 @@ def main():
                   enforce_eager=args.enforce_eager, tp=args.tensor_parallel_size, startup_s=round(startup, 2),
                   output_tokens=tokens, seconds=round(seconds, 3), tokens_per_s=round(tokens / seconds, 1),
                   fraction_of_h200_limit=round(tokens / seconds / H200_LIMIT_TOKENS_PER_S, 3))
+    record["startup_phases_s"] = {k: round(v, 2) for k, v in llm.model_runner.startup_seconds.items()}
     print(f"Total: {tokens} tok, Time: {seconds:.2f}s, Throughput: {tokens / seconds:.2f} tok/s "
-          f"({record['fraction_of_h200_limit']:.1%} of the H200 limit), start-up {startup:.1f}s")
+          f"({record['fraction_of_h200_limit']:.1%} of the H200 limit), start-up {startup:.1f}s "
+          f"({', '.join(f'{k} {v}s' for k, v in record['startup_phases_s'].items())})")
 
     if args.prefix_cache:
         one = SamplingParams(temperature=0, max_tokens=1)

@@ -1,5 +1,7 @@
 """Builds the model on its device, owns the paged KV cache and the decode CUDA graphs, and turns
 a ScheduledBatch into sampled token ids."""
+import logging
+import time
 from contextlib import contextmanager
 
 import torch
@@ -16,6 +18,7 @@ from nanovllm.utils.context import Context, forward_context
 from nanovllm.utils.distributed import TPGroup, min_across_ranks, tp_group
 from nanovllm.utils.loader import load_dummy_weights, load_model
 
+logger = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CPU_KV_CACHE_BYTES = 1 << 30   # default KV budget on CPU (override: kv_cache_memory_bytes)
 
@@ -59,22 +62,34 @@ class ModelRunner:
         self.dtype = pick_dtype(config, self.device)
         self.use_cuda = self.device.type == "cuda"
         torch.manual_seed(config.seed)
+        self.startup_seconds: dict[str, float] = {}   # phase -> seconds, for logs and bench.py
         with tp_group(group):   # layers take their shard from it; their collectives run in it
-            with self.device, _default_dtype(self.dtype):
-                self.model = get_model_class(config.hf_config)(config.hf_config)
-            if config.load_format == "dummy":
-                load_dummy_weights(self.model, config.seed)
-            else:
-                load_model(self.model, config.model)
+            with self._timed("load model"):
+                with self.device, _default_dtype(self.dtype):
+                    self.model = get_model_class(config.hf_config)(config.hf_config)
+                if config.load_format == "dummy":
+                    load_dummy_weights(self.model, config.seed)
+                else:
+                    load_model(self.model, config.model)
             self.model.eval()
             self.sampler = Sampler()
             self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
             if self.use_cuda:
-                self.warmup_model()
+                with self._timed("warm-up (and compile)"):
+                    self.warmup_model()
             self.num_kvcache_blocks = self.allocate_kv_cache()
             self.graphs = {}
             if self.use_cuda and not config.enforce_eager:
-                self.capture_cudagraph()
+                with self._timed("capture CUDA graphs"):
+                    self.capture_cudagraph()
+        logger.info("start-up: %s; %d KV blocks of %d tokens", ", ".join(
+            f"{k} {v:.1f}s" for k, v in self.startup_seconds.items()), self.num_kvcache_blocks, self.block_size)
+
+    @contextmanager
+    def _timed(self, phase: str):
+        t = time.perf_counter()
+        yield
+        self.startup_seconds[phase] = time.perf_counter() - t
 
     # ---- start-up -------------------------------------------------------------------------
 
@@ -168,15 +183,29 @@ class ModelRunner:
         return (self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64), ctx,
                 self._tensor(logits_indices, torch.int64))
 
-    def prepare_decode(self, step: StepInput):
-        # Decode computes each sequence's last token, at position `start` (= num_tokens - 1).
-        bs = self.block_size
-        slots = [table[pos // bs] * bs + pos % bs for pos, table in zip(step.starts, step.block_tables)]
-        ctx = Context(is_prefill=False, slot_mapping=self._tensor(slots, torch.int32),
-                      context_lens=self._tensor([pos + 1 for pos in step.starts], torch.int32),
-                      block_tables=self._block_tables(step.block_tables))
-        input_ids = [ids[0] for ids in step.token_ids]
-        return self._tensor(input_ids, torch.int64), self._tensor(step.starts, torch.int64), ctx
+    def prepare_decode(self, step: StepInput, rows: int, width: int) -> torch.Tensor:
+        """All decode inputs in one int32 host buffer, so a step needs a single host-to-device copy:
+        [input_ids | positions | slots | context_lens | block_tables (rows x width)]. Rows past the
+        batch are padding (slot -1, length 0: the kernels skip them). Decode computes each
+        sequence's last token, at position `start` (= num_tokens - 1)."""
+        bs, pad = self.block_size, rows - step.num_seqs
+        flat = [ids[0] for ids in step.token_ids] + [0] * pad
+        flat += step.starts + [0] * pad
+        flat += [table[pos // bs] * bs + pos % bs for pos, table in zip(step.starts, step.block_tables)]
+        flat += [-1] * pad
+        flat += [pos + 1 for pos in step.starts] + [0] * pad
+        for table in step.block_tables:
+            flat += table
+            flat += [0] * (width - len(table))
+        flat += [0] * (pad * width)
+        return torch.tensor(flat, dtype=torch.int32, pin_memory=self.use_cuda)
+
+    @staticmethod
+    def decode_views(flat: torch.Tensor, rows: int, width: int):
+        """(input_ids, positions, Context) as views of a prepare_decode buffer (on the device)."""
+        input_ids, positions, slots, lens, tables = flat[:rows * (4 + width)].split([rows] * 4 + [rows * width])
+        ctx = Context(is_prefill=False, slot_mapping=slots, context_lens=lens, block_tables=tables.view(rows, width))
+        return input_ids, positions, ctx
 
     def prepare_sample(self, batch: ScheduledBatch) -> SamplingTensors | None:
         seqs = [seq for seq, n in zip(batch.seqs, batch.num_new_tokens) if batch.samples(seq, n)]
@@ -213,53 +242,43 @@ class ModelRunner:
                     return None
                 hidden = hidden[logits_indices]
             else:
-                hidden = self.run_decode(*self.prepare_decode(step))
+                hidden = self.run_decode(step)
             return self.model.compute_logits(hidden).float()
 
-    def run_decode(self, input_ids, positions, ctx: Context) -> torch.Tensor:
-        bs = input_ids.size(0)
-        graph_bs = next((b for b in self.graph_sizes if b >= bs), None) if self.graphs else None
+    def run_decode(self, step: StepInput) -> torch.Tensor:
+        n = step.num_seqs
+        graph_bs = next((b for b in self.graph_sizes if b >= n), None) if self.graphs else None
         if graph_bs is None:
+            width = max(map(len, step.block_tables))
+            flat = self.prepare_decode(step, n, width).to(self.device, non_blocking=True)
+            input_ids, positions, ctx = self.decode_views(flat, n, width)
             with forward_context(ctx):
                 return self.model(input_ids, positions)
-        g = self.graph_vars
-        g["input_ids"][:bs] = input_ids
-        g["positions"][:bs] = positions
-        g["slot_mapping"].fill_(-1)
-        g["slot_mapping"][:bs] = ctx.slot_mapping
-        g["context_lens"].zero_()
-        g["context_lens"][:bs] = ctx.context_lens
-        g["block_tables"][:bs, :ctx.block_tables.size(1)] = ctx.block_tables
+        host = self.prepare_decode(step, graph_bs, self.max_blocks)
+        self.graph_inputs[:host.numel()].copy_(host, non_blocking=True)   # the graph reads these views
         self.graphs[graph_bs].replay()
-        return g["outputs"][:bs]
+        return self.graph_outputs[:n]
 
     @torch.inference_mode()
     def capture_cudagraph(self):
         """Capture decode for batch sizes 1, 2, 4, 8, 16, 32, 48, ... up to max_num_seqs; replay
-        pads a batch up to the next captured size (padding rows have slot -1 and length 0)."""
+        pads a batch up to the next captured size. Every graph reads its inputs from views of one
+        static buffer laid out as prepare_decode lays them out for that size."""
         c = self.config
         max_bs = min(c.max_num_seqs, 512)
-        max_blocks = cdiv(c.max_model_len, self.block_size)
-        hidden = self.config.hf_config.hidden_size
-        dev = self.device
-        g = self.graph_vars = dict(
-            input_ids=torch.zeros(max_bs, dtype=torch.int64, device=dev),
-            positions=torch.zeros(max_bs, dtype=torch.int64, device=dev),
-            slot_mapping=torch.full((max_bs,), -1, dtype=torch.int32, device=dev),
-            context_lens=torch.zeros(max_bs, dtype=torch.int32, device=dev),
-            block_tables=torch.zeros(max_bs, max_blocks, dtype=torch.int32, device=dev),
-            outputs=torch.zeros(max_bs, hidden, dtype=self.dtype, device=dev),
-        )
+        self.max_blocks = cdiv(c.max_model_len, self.block_size)
+        self.graph_inputs = torch.zeros(max_bs * (4 + self.max_blocks), dtype=torch.int32, device=self.device)
+        self.graph_outputs = torch.zeros(max_bs, c.hf_config.hidden_size, dtype=self.dtype, device=self.device)
         self.graph_sizes = sorted({b for b in [1, 2, 4, 8, *range(16, max_bs + 1, 16), max_bs] if b <= max_bs})
         pool = None
         for bs in reversed(self.graph_sizes):
             graph = torch.cuda.CUDAGraph()
-            ctx = Context(is_prefill=False, slot_mapping=g["slot_mapping"][:bs],
-                          context_lens=g["context_lens"][:bs], block_tables=g["block_tables"][:bs])
+            input_ids, positions, ctx = self.decode_views(self.graph_inputs, bs, self.max_blocks)
+            ctx.slot_mapping.fill_(-1)   # capture writes no KV
             with forward_context(ctx):
-                g["outputs"][:bs] = self.model(g["input_ids"][:bs], g["positions"][:bs])   # warm-up
+                self.graph_outputs[:bs] = self.model(input_ids, positions)   # warm-up
                 with torch.cuda.graph(graph, pool):
-                    g["outputs"][:bs] = self.model(g["input_ids"][:bs], g["positions"][:bs])
+                    self.graph_outputs[:bs] = self.model(input_ids, positions)
             pool = pool or graph.pool()
             self.graphs[bs] = graph
             torch.cuda.synchronize()
