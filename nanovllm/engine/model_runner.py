@@ -72,7 +72,7 @@ class ModelRunner:
                 else:
                     load_model(self.model, config.model)
             self.model.eval()
-            self.sampler = Sampler()
+            self.sampler = Sampler(config.seed)
             self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
             if self.use_cuda:
                 with self._timed("warm-up (and compile)"):
@@ -209,7 +209,8 @@ class ModelRunner:
 
     def prepare_sample(self, batch: ScheduledBatch) -> SamplingTensors | None:
         seqs = [seq for seq, n in zip(batch.seqs, batch.num_new_tokens) if batch.samples(seq, n)]
-        return build_sampling_tensors(seqs, self._tensor, self.config.hf_config.vocab_size)
+        rng = self.sampler.rng if self.use_cuda else None   # the fused kernel's seeds (CUDA only)
+        return build_sampling_tensors(seqs, self._tensor, self.config.hf_config.vocab_size, rng)
 
     # ---- running --------------------------------------------------------------------------
 
@@ -231,7 +232,8 @@ class ModelRunner:
     @torch.inference_mode()
     def forward_step(self, step: StepInput) -> torch.Tensor | None:
         """Run the model on one step; every rank runs it (its collectives need them all).
-        Returns the logits of the sampling positions, [num_sampling_seqs, vocab] fp32 on every
+        Returns the logits of the sampling positions, [num_sampling_seqs, vocab] in the model's
+        dtype (the sampler's torch path converts to fp32; the fused kernel reads bf16) on every
         rank, or None when no sequence samples."""
         with tp_group(self.group):
             if step.is_prefill:
@@ -243,7 +245,7 @@ class ModelRunner:
                 hidden = hidden[logits_indices]
             else:
                 hidden = self.run_decode(step)
-            return self.model.compute_logits(hidden).float()
+            return self.model.compute_logits(hidden)
 
     def run_decode(self, step: StepInput) -> torch.Tensor:
         n = step.num_seqs

@@ -1,5 +1,6 @@
 """Turns the sampling parameters of one step's sequences into the sampler's SamplingTensors, and
 the sampler's output into host lists (SampledTokens)."""
+import random
 from dataclasses import dataclass
 
 import torch
@@ -35,9 +36,11 @@ def step_seed(seed: int, index: int, step: int) -> int:
     return xxhash.xxh64_intdigest(f"{seed}/{index}/{step}".encode())
 
 
-def build_sampling_tensors(seqs: list[Sequence], to_tensor, vocab_size: int) -> SamplingTensors | None:
+def build_sampling_tensors(seqs: list[Sequence], to_tensor, vocab_size: int,
+                           rng: random.Random | None = None) -> SamplingTensors | None:
     """seqs: the sequences that sample this step, in row order; to_tensor(list, dtype) puts a list
-    on the runner's device. None when the batch is plain greedy (the sampler takes the argmax)."""
+    on the runner's device. None when the batch is plain greedy (the sampler takes the argmax).
+    rng: given where the fused sampling kernel can run (CUDA); it draws the seeds of unseeded rows."""
     params = [seq.sampling_params for seq in seqs]
     banned = [(row, t) for row, seq in enumerate(seqs)
               if seq.num_completion_tokens < seq.sampling_params.min_tokens for t in seq.min_tokens_banned]
@@ -62,6 +65,9 @@ def build_sampling_tensors(seqs: list[Sequence], to_tensor, vocab_size: int) -> 
         t.min_p = column([p.min_p for p in params], used=any(p.min_p > 0 for p in params))
         t.seeds = [(row, step_seed(p.seed, seq.index, seq.num_completion_tokens))
                    for row, (seq, p) in enumerate(zip(seqs, params)) if p.seed is not None and not p.greedy] or None
+        only_temperature = t.top_k is None and t.top_p is None and t.min_p is None
+        if rng is not None and only_temperature and not penalized and not banned and not asked:
+            t.row_seeds = to_tensor(_row_seeds(params, t.seeds, rng), torch.int64)
     if penalized:
         t.output_tokens = _padded([seq.completion_token_ids if p.has_penalties else [] for seq, p in zip(seqs, params)],
                                   vocab_size, to_tensor)
@@ -75,6 +81,15 @@ def build_sampling_tensors(seqs: list[Sequence], to_tensor, vocab_size: int) -> 
         rows, tokens = zip(*banned)
         t.banned = (to_tensor(list(rows), torch.int64), to_tensor(list(tokens), torch.int64))
     return t
+
+
+def _row_seeds(params, seeds: list[tuple[int, int]] | None, rng: random.Random) -> list[int]:
+    """Every row's seed for the fused kernel: the seeded rows' step seeds, fresh draws for the
+    other sampling rows, 0 for greedy rows (unused). 63 bits: they travel as int64."""
+    row_seeds = [0 if p.greedy else rng.getrandbits(63) for p in params]
+    for row, seed in seeds or ():
+        row_seeds[row] = seed & (2 ** 63 - 1)
+    return row_seeds
 
 
 def _padded(rows: list[list[int]], pad: int, to_tensor) -> torch.Tensor:

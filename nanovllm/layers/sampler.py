@@ -1,5 +1,7 @@
 """The sampler: penalties, temperature, min-p / top-k / top-p truncation and the draw, as batch-wide
-tensor operations; optional logprobs of the raw model output (vLLM v1's default logprobs_mode)."""
+tensor operations; optional logprobs of the raw model output (vLLM v1's default logprobs_mode).
+A CUDA step that needs nothing but temperature takes the fused Triton kernel (kernels/sampling.py)."""
+import random
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +24,8 @@ class SamplingTensors:
     prompt_tokens: torch.Tensor | None = None   # [n, max_prompt] int64, padded with ids >= vocab
     banned: tuple[torch.Tensor, torch.Tensor] | None = None   # (rows, token ids) to forbid (min_tokens)
     seeds: list[tuple[int, int]] | None = None  # (row, seed of this step) for seeded rows
+    row_seeds: torch.Tensor | None = None       # [n] int64, every row's seed of this step; set
+                                                # only when temperature is the only knob (fused path)
     max_logprobs: int | None = None             # top-k width of the logprobs; None: no row asked
     num_logprobs: list[int | None] | None = None   # host: each row's `logprobs` (None: not asked)
 
@@ -37,14 +41,21 @@ class SamplerOutput:
 
 class Sampler(nn.Module):
 
-    def __init__(self):
+    def __init__(self, seed: int = 0):
         super().__init__()
         self._generators: dict[torch.device, torch.Generator] = {}
+        # Draws the fused path's seeds of unseeded rows on the host (no device sync); seeded from
+        # the engine's config seed, so a run repeats with the same config.
+        self.rng = random.Random(seed)
 
     def forward(self, logits: torch.Tensor, params: SamplingTensors | None) -> SamplerOutput:
-        # logits: [n, vocab] fp32 -> SamplerOutput; params None means a plain greedy batch
+        # logits: [n, vocab] in the model's dtype -> SamplerOutput; params None: plain greedy batch
         if params is None:
-            return SamplerOutput(logits.argmax(dim=-1))
+            return SamplerOutput(logits.argmax(dim=-1))   # exact in bf16 too
+        if params.row_seeds is not None and logits.is_cuda:
+            from nanovllm.kernels.sampling import gumbel_max_sample   # triton: imported on CUDA only
+            return SamplerOutput(gumbel_max_sample(logits, params.temperatures, params.row_seeds))
+        logits = logits.float()
         # vLLM v1 reports logprobs of the raw model output, before penalties and temperature.
         raw_logprobs = torch.log_softmax(logits, dim=-1) if params.max_logprobs is not None else None
         logits = apply_penalties(logits.clone(), params)

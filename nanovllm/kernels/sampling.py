@@ -1,0 +1,79 @@
+"""Fused temperature sampling: one pass over the logits, no fp32 copy, no noise tensor.
+
+Gumbel-max: argmax_i(logits_i / T + g_i), g_i = -log(-log(u_i)), u_i ~ U(0, 1), picks token i with
+probability softmax(logits / T)_i; it is the sampler's exponential race argmax(p_i / E_i) in log
+space (E_i = -log(u_i)). The uniforms come from Triton's counter-based Philox, keyed by a per-row
+seed, so a row's token depends only on its logits, temperature and seed, never on the batch.
+
+One program per row streams the whole vocabulary (151936 bf16 values for Qwen3 is ~300 KB): for a
+large batch that fills the GPU; for a small one a row costs a few tens of µs, below a decode step's
+other work, so a split over the vocabulary with a second reduce launch was not worth its code.
+"""
+import torch
+import triton
+import triton.language as tl
+
+# Columns per loop step are 4 * QUARTER: one Philox call gives four uniforms per counter. The
+# draw for a given seed depends on this constant (it maps counters to columns), so keep it fixed.
+QUARTER = 1024
+U_MIN = tl.constexpr(1e-10)          # u clamped to [U_MIN, U_MAX]: -log(-log(u)) stays finite
+U_MAX = tl.constexpr(1.0 - 1e-7)
+
+
+@triton.jit
+def _scan(row_ptr, cols, vocab, bits, inv_t, noise_weight, best, best_col):
+    """Score the columns `cols` (logits / T + Gumbel noise from the random `bits`) and keep each
+    lane's best. Strict >: a lane sees its columns in increasing order, so the lowest index wins
+    ties, like torch.argmax."""
+    x = tl.load(row_ptr + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
+    u = tl.minimum(tl.maximum(tl.uint_to_uniform_float(bits), U_MIN), U_MAX)
+    score = x * inv_t + noise_weight * -tl.log(-tl.log(u))
+    take = score > best
+    return tl.where(take, score, best), tl.where(take, cols, best_col)
+
+
+@triton.jit
+def _gumbel_max_kernel(logits_ptr, temp_ptr, seed_ptr, out_ptr, vocab, stride, offset,
+                       QUARTER: tl.constexpr):
+    row = tl.program_id(0)
+    temp = tl.load(temp_ptr + row)
+    seed = tl.load(seed_ptr + row)
+    # Greedy rows (T = 0) score the plain logits: scale 1, no noise.
+    inv_t = 1.0 / tl.where(temp > 0, temp, 1.0)
+    noise_weight = tl.where(temp > 0, 1.0, 0.0)
+    row_ptr = logits_ptr + row.to(tl.int64) * stride
+    lanes = tl.arange(0, QUARTER)
+    zero = tl.zeros([QUARTER], tl.uint32)
+    best = tl.full([QUARTER], float("-inf"), tl.float32)
+    best_col = tl.zeros([QUARTER], tl.int32)
+    for start in range(0, vocab, 4 * QUARTER):
+        # Philox counter (start / 4 + lane, offset) gives the four uniforms of columns
+        # start + k * QUARTER + lane, k = 0..3: every column has its own counter and word.
+        counter = (start // 4 + lanes).to(tl.uint32)
+        r0, r1, r2, r3 = tl.philox(seed, counter, zero + offset, zero, zero)
+        best, best_col = _scan(row_ptr, start + lanes, vocab, r0, inv_t, noise_weight, best, best_col)
+        best, best_col = _scan(row_ptr, start + QUARTER + lanes, vocab, r1, inv_t, noise_weight, best, best_col)
+        best, best_col = _scan(row_ptr, start + 2 * QUARTER + lanes, vocab, r2, inv_t, noise_weight, best, best_col)
+        best, best_col = _scan(row_ptr, start + 3 * QUARTER + lanes, vocab, r3, inv_t, noise_weight, best, best_col)
+    top = tl.max(best, axis=0)
+    token = tl.min(tl.where(best == top, best_col, vocab), axis=0)
+    tl.store(out_ptr + row, token.to(tl.int64))
+
+
+def gumbel_max_sample(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor,
+                      offset: int = 0, quarter: int = QUARTER) -> torch.Tensor:
+    """logits: [n, vocab] bf16/fp16/fp32, rows contiguous; temperatures: [n] fp32, 0 = greedy
+    (argmax); seeds: [n] int64, the row's Philox key; offset: a second counter word, so one seed
+    can serve independent draws (the sampler passes 0: its seeds are already per step); quarter:
+    a power of two, columns per Philox stream per loop step (tests shrink it for the interpreter).
+    Returns token_ids: [n] int64. No host sync."""
+    n, vocab = logits.shape
+    assert logits.stride(1) == 1 and temperatures.shape == (n,) and seeds.shape == (n,)
+    assert temperatures.dtype == torch.float32 and seeds.dtype == torch.int64
+    assert temperatures.is_contiguous() and seeds.is_contiguous()   # read as row-indexed arrays
+    assert 0 <= offset < 2 ** 31 and quarter & (quarter - 1) == 0
+    out = torch.empty(n, dtype=torch.int64, device=logits.device)
+    if n:
+        _gumbel_max_kernel[(n,)](logits, temperatures, seeds, out, vocab, logits.stride(0), offset,
+                                 QUARTER=quarter, num_warps=8)
+    return out
