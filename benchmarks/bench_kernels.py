@@ -3,6 +3,8 @@
 Decode is memory bound: its figure of merit is bytes moved (K+V of every context, q, out) per second, as
 a fraction of the H200's 4.8 TB/s and of a plain device-to-device copy measured here.
 Prefill is compute bound: TFLOP/s of causal attention.
+Sampling (vocab 151936, bf16 logits, T=0.6): the fused Gumbel-max kernel against the sampler's torch
+path (which converts to fp32 first); its bytes are one read of the bf16 logits.
 
     PYTHONPATH=. python benchmarks/bench_kernels.py [--json PATH]
 """
@@ -14,6 +16,8 @@ import triton.testing
 
 from nanovllm.kernels import ATTENTION_BACKEND, paged_decode_attention, prefill_attention
 from nanovllm.kernels.decode_attention import paged_decode_attention_triton
+from nanovllm.kernels.sampling import gumbel_max_sample
+from nanovllm.layers.sampler import Sampler, SamplingTensors
 
 H, HKV, D, BLOCK = 16, 8, 128, 256
 PEAK_BW = 4.8e12
@@ -54,6 +58,18 @@ def prefill_case(num_seqs, seq_len):
     return ms, flops / (ms * 1e-3)
 
 
+def sampling_case(n, fused, vocab=151936):
+    logits = torch.randn(n, vocab, device="cuda", dtype=torch.bfloat16)
+    temps = torch.full((n,), 0.6, device="cuda")
+    seeds = torch.arange(n, device="cuda")
+    if fused:
+        ms = median_ms(lambda: gumbel_max_sample(logits, temps, seeds))
+    else:
+        sampler, params = Sampler(), SamplingTensors(temperatures=temps, all_greedy=False)
+        ms = median_ms(lambda: sampler(logits, params))
+    return ms, logits.numel() * 2 / (ms * 1e-3)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--json", help="write the results here")
@@ -73,6 +89,11 @@ def main():
     ms, flops = prefill_case(16, 1024)
     rows.append(dict(case="prefill 16x1024", ms=ms, flops_per_s=flops))
     print(f"{'prefill 16 x 1024 tokens':40s} {ms:9.4f}   {flops / 1e12:.1f} TFLOP/s")
+    for n, fused in [(256, True), (256, False), (1, True)]:
+        ms, bw = sampling_case(n, fused)
+        label = f"sample {'fused' if fused else 'torch'} n={n} vocab=151936"
+        rows.append(dict(case=label, ms=ms, bytes_per_s=bw, of_peak=bw / PEAK_BW, of_copy=bw / copy_bw))
+        print(f"{label:40s} {ms:9.4f} {bw / 1e12:7.2f} {bw / PEAK_BW:7.1%} {bw / copy_bw:8.1%}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(backend=ATTENTION_BACKEND, copy_bytes_per_s=copy_bw, results=rows), f, indent=1)
