@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanovllm import SamplingParams
+from conftest import random_prompts
+from nanovllm import LLM, SamplingParams
 from nanovllm.engine.sampling_inputs import build_sampling_tensors, step_seed
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.sampler import Sampler
@@ -173,6 +174,36 @@ def test_gpu_fused_sampler_at_qwen3_vocab():
     assert gumbel_max_sample(logits[5:6], temps[5:6], seeds[5:6]).item() == \
         gumbel_max_sample(logits, temps, seeds)[5].item()
     print_timing(logits, temps, seeds)
+
+
+@cuda
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gpu_engine_takes_the_fused_path_reproducibly(qwen3_dir, dtype, monkeypatch):
+    """Temperature-only requests on CUDA: a seeded one ignores its batch (fp32: in bf16 another
+    batch size rounds the logits differently, which may flip a near-tie), and the same config
+    seed repeats an unseeded run."""
+    import nanovllm.kernels.sampling as kernel
+    calls = []
+    fused = kernel.gumbel_max_sample
+    monkeypatch.setattr(kernel, "gumbel_max_sample", lambda *a, **k: calls.append(1) or fused(*a, **k))
+    prompts = random_prompts(4, [7, 12, 5, 9], seed=3)
+    seeded = SamplingParams(temperature=0.8, seed=7, max_tokens=12, ignore_eos=True)
+    free = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+    def run(llm, prompts, params):
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    llm = LLM(qwen3_dir, device="cuda", dtype=dtype, kvcache_block_size=16, num_kvcache_blocks=64)
+    alone = run(llm, prompts[:1], seeded)[0]
+    batched = run(llm, prompts, [seeded, free, greedy, free])[0]
+    assert batched == alone or dtype == "bfloat16"
+    assert calls   # the fused kernel did the drawing
+    first = run(LLM(qwen3_dir, device="cuda", dtype=dtype, kvcache_block_size=16, num_kvcache_blocks=64,
+                    seed=5), prompts, free)
+    again = run(LLM(qwen3_dir, device="cuda", dtype=dtype, kvcache_block_size=16, num_kvcache_blocks=64,
+                    seed=5), prompts, free)
+    assert first == again
 
 
 def print_timing(logits, temps, seeds):
