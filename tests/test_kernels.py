@@ -197,3 +197,16 @@ def test_interp_decode_more_splits_than_tiles():
     out = paged_decode_attention_triton(q, k_cache, v_cache, tables, ctx, 0.2, num_splits=8, block_n=16)
     torch.testing.assert_close(out, paged_decode_attention_ref(q, k_cache, v_cache, tables, ctx, 0.2),
                                atol=1e-5, rtol=1e-5)
+
+
+@interp
+def test_interp_decode_head_dim_below_16_is_padded():
+    # tl.dot needs K >= 16: a head_dim of 8 (tiny test models) runs on a padded, masked tile.
+    from nanovllm.kernels.decode_attention import paged_decode_attention_triton
+    lens = [5, 9]
+    k_cache, v_cache, tables = make_paged(lens, 4, num_kv_heads=2, head_dim=8, seed=5)
+    ctx = torch.tensor(lens, dtype=torch.int32)
+    q = torch.randn(2, 2, 8)
+    out = paged_decode_attention_triton(q, k_cache, v_cache, tables, ctx, 0.3, num_splits=2, block_n=16)
+    torch.testing.assert_close(out, paged_decode_attention_ref(q, k_cache, v_cache, tables, ctx, 0.3),
+                               atol=1e-5, rtol=1e-5)

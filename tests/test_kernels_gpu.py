@@ -154,3 +154,19 @@ def test_prefill_with_cached_prefix_matches_reference(block_size):
 
 def test_prefill_fp32_on_cuda_matches_reference():
     check_prefill(prefill_case([3, 40], [3, 90], 16, dtype=torch.float32), dict(atol=1e-4, rtol=1e-4))
+
+
+@pytest.mark.parametrize("head_dim", [8, 64])
+def test_decode_small_head_dims(head_dim):
+    """head_dim below 16 needs a padded tile (tl.dot wants K >= 16): it once failed to compile."""
+    from nanovllm.kernels.decode_attention import paged_decode_attention_triton
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    lens = [1, 40, 300]
+    k_cache = torch.randn(40, 16, 4, head_dim, device="cuda", generator=gen)
+    v_cache = torch.randn_like(k_cache)
+    tables = torch.randperm(40, device="cuda", generator=gen)[:3 * 13].int().view(3, 13)
+    ctx = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    q = torch.randn(3, 8, head_dim, device="cuda", generator=gen)
+    out = paged_decode_attention_triton(q, k_cache, v_cache, tables, ctx, head_dim ** -0.5)
+    ref = paged_decode_attention_ref(q, k_cache, v_cache, tables, ctx, head_dim ** -0.5)
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
