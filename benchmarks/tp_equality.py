@@ -3,7 +3,6 @@ how far each TP=2 token is from transformers' argmax. Usage: PYTHONPATH=. python
 import os, sys, time
 sys.path.insert(0, "tests")
 os.environ["NANOVLLM_COMPILE"] = "0"
-import torch
 from conftest import HFOracle, make_model, random_prompts
 from nanovllm import LLM, SamplingParams
 

@@ -1,5 +1,9 @@
-"""Tiny random Hugging Face models saved to temp folders, and the transformers oracle."""
+"""Tiny random Hugging Face models saved to temp folders, the transformers oracle, and helpers
+shared by the test files."""
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -73,3 +77,48 @@ class HFOracle:
 def random_prompts(n: int, lengths, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(3, VOCAB, (length,), generator=g).tolist() for length in lengths][:n]
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """The tiny models run far faster on one thread, above all on a shared, busy machine
+    (use with `pytestmark = pytest.mark.usefixtures("one_torch_thread")`)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def tokens(outputs) -> list[list[int]]:
+    """The first completion's token ids of each RequestOutput."""
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def assert_clean(llm):
+    """No queued sequences; every KV block free (cached prefix blocks sit in the free list, reclaimable)."""
+    sched = llm.scheduler
+    bm = sched.block_manager
+    assert not sched.waiting and not sched.running
+    assert bm.num_free_blocks == bm.num_blocks
+    assert all(b.ref_count == 0 for b in bm.blocks)
+
+
+REPO = Path(__file__).resolve().parents[1]
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+# Triton kernel tests named `test_interp_*` run only in a subprocess with TRITON_INTERPRET=1: the
+# variable must be set before the kernel modules are imported, and other test files import them first.
+interp = pytest.mark.skipif(not INTERPRETED, reason="runs in the interpreter subprocess")
+
+
+def run_interpreted_tests(test_file: str):
+    """Run test_file's `interp_` tests under the Triton interpreter; fail with their output."""
+    if INTERPRETED:
+        pytest.skip("already in the interpreter")
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                             test_file, "-k", "interp_"], env=env, cwd=REPO,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    assert " passed" in result.stdout and "skipped" not in result.stdout.splitlines()[-1]

@@ -6,22 +6,16 @@ imported, and other test modules may import them first, so `test_triton_kernels_
 re-runs this file's `interp` tests in a subprocess with the variable set.
 """
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from conftest import interp, run_interpreted_tests
 from nanovllm.kernels import ATTENTION_BACKEND, paged_decode_attention, prefill_attention, store_kvcache
 from nanovllm.kernels.prefill_attention import gather_kv_varlen
 from nanovllm.kernels.reference import (causal_mask, gather_paged_kv, paged_decode_attention_ref,
                                         prefill_attention_ref, store_kvcache_ref)
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-interp = pytest.mark.skipif(not INTERPRETED, reason="runs in the interpreter subprocess")
-REPO = Path(__file__).resolve().parents[1]
 
 
 def naive_attention(q, k, v, scale):
@@ -143,16 +137,7 @@ def test_backend_on_cpu_tensors_is_the_reference():
 
 
 def test_triton_kernels_under_interpreter():
-    if INTERPRETED:
-        pytest.skip("already in the interpreter")
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                             __file__, "-k", "interp_"], env=env, cwd=REPO,
-                            capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
-    assert " passed" in result.stdout and "skipped" not in result.stdout.splitlines()[-1]
+    run_interpreted_tests(__file__)
 
 
 # ---- Triton kernels under the interpreter (fp32, tiny shapes) ----

@@ -10,31 +10,12 @@ import torch
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine.sequence import Sequence
-from conftest import random_prompts
+from conftest import assert_clean, random_prompts, tokens
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """The tiny model runs far faster on one thread, above all on a shared, busy machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-def assert_clean(llm):
-    """No queued sequences; every KV block free (cached prefix blocks sit in the free list, reclaimable)."""
-    sched = llm.scheduler
-    bm = sched.block_manager
-    assert not sched.waiting and not sched.running
-    assert bm.num_free_blocks == bm.num_blocks
-    assert all(b.ref_count == 0 for b in bm.blocks)
-
-
-def tokens(outputs) -> list[list[int]]:
-    return [list(o.outputs[0].token_ids) for o in outputs]
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 # ---- max_model_len ------------------------------------------------------------------------

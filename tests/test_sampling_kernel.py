@@ -6,26 +6,19 @@ triton compiles the kernel). The interpreter runs ~30 ms per row, so its distrib
 1000 draws; the GPU test (skipped without CUDA) takes many more at Qwen3's vocabulary and prints
 the kernel's time against the torch path's.
 """
-import os
 import random
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import random_prompts
+from conftest import interp, random_prompts, run_interpreted_tests
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine.sampling_inputs import build_sampling_tensors, step_seed
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.sampler import Sampler
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-interp = pytest.mark.skipif(not INTERPRETED, reason="runs in the interpreter subprocess")
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-REPO = Path(__file__).resolve().parents[1]
 LOGITS8 = [1.0, 2.0, 0.5, -0.5, 2.2, 2.2, 0.0, 1.5]   # two tied maxima: greedy picks 4
 
 
@@ -76,16 +69,7 @@ def test_cpu_logits_take_the_torch_path_even_with_row_seeds():
 # ---- the kernel under the interpreter ----------------------------------------------------------
 
 def test_sampling_kernel_under_interpreter():
-    if INTERPRETED:
-        pytest.skip("already in the interpreter")
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                             __file__, "-k", "interp_"], env=env, cwd=REPO,
-                            capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
-    assert " passed" in result.stdout and "skipped" not in result.stdout.splitlines()[-1]
+    run_interpreted_tests(__file__)
 
 
 @interp

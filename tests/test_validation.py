@@ -5,27 +5,20 @@ as a fresh engine would.
 `python tests/test_validation.py` prints the table of docs/reliability.md from these cases."""
 import numpy as np
 import pytest
-import torch
 
 from nanovllm import LLM, SamplingParams
 
 try:
-    from conftest import make_model, random_prompts
+    from conftest import assert_clean, make_model, random_prompts, tokens
 except ImportError:   # run as a script from the repository root
-    from tests.conftest import make_model, random_prompts
+    from tests.conftest import assert_clean, make_model, random_prompts, tokens
 
 ENGINE = dict(kvcache_block_size=16, num_kvcache_blocks=4, max_model_len=100)   # cache: 64 tokens
 GREEDY = SamplingParams(temperature=0, max_tokens=4)
 GOOD = random_prompts(2, [5, 30], seed=1)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """The tiny model runs far faster on one thread, above all on a shared, busy machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 # (what, prompts, sampling_params, exception, a regex the message must match)
 BAD_INPUTS = [
@@ -70,19 +63,6 @@ BAD_PARAMS = [
     ("temperature=nan", dict(temperature=float("nan")), r"temperature must be a number >= 0"),
     ("ignore_eos=1", dict(ignore_eos=1), r"ignore_eos must be True or False, got 1"),
 ]
-
-
-def assert_clean(llm):
-    """No queued sequences; every KV block free (cached prefix blocks sit in the free list)."""
-    sched = llm.scheduler
-    bm = sched.block_manager
-    assert not sched.waiting and not sched.running
-    assert bm.num_free_blocks == bm.num_blocks
-    assert all(b.ref_count == 0 for b in bm.blocks)
-
-
-def tokens(outputs) -> list[list[int]]:
-    return [list(o.outputs[0].token_ids) for o in outputs]
 
 
 @pytest.fixture(scope="module")
