@@ -217,7 +217,8 @@ def test_bad_option_values(qwen3_dir, options, message):
 
 
 def test_kv_cache_too_small_says_what_to_raise(qwen3_dir):
-    with pytest.raises(ValueError, match=r"no memory left for the KV cache .*kv_cache_memory_bytes"):
+    with pytest.raises(ValueError, match=r"kv_cache_memory_bytes=100 is less than one KV block "
+                                         r"\(8192 bytes per block of 16 tokens\): raise it"):
         LLM(qwen3_dir, kvcache_block_size=16, kv_cache_memory_bytes=100)
 
 

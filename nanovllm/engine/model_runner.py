@@ -145,10 +145,14 @@ class ModelRunner:
         # Every rank's scheduler view is rank 0's, so all ranks must hold the same number of blocks.
         num_blocks = min_across_ranks(num_blocks, self.device)
         if num_blocks < 1:
+            per_block = f"{self.kv_bytes_per_block()} bytes per block of {self.block_size} tokens"
+            if self.config.kv_cache_memory_bytes is not None:
+                raise ValueError(f"kv_cache_memory_bytes={self.config.kv_cache_memory_bytes} is less than one "
+                                 f"KV block ({per_block}): raise it")
             raise ValueError(
-                f"no memory left for the KV cache ({self.kv_bytes_per_block()} bytes per block of "
-                f"{self.block_size} tokens): raise gpu_memory_utilization (now {self.config.gpu_memory_utilization}), "
-                "lower max_num_batched_tokens, or set kv_cache_memory_bytes / num_kvcache_blocks")
+                f"no memory left for the KV cache ({per_block}): raise gpu_memory_utilization "
+                f"(now {self.config.gpu_memory_utilization}), lower max_num_batched_tokens, "
+                "or set kv_cache_memory_bytes / num_kvcache_blocks")
         attn = self.attention_layers[0]
         # kv_cache: [2 (k, v), num_layers, num_blocks, block_size, num_kv_heads, head_dim]
         self.kv_cache = torch.zeros(2, len(self.attention_layers), num_blocks, self.block_size,
