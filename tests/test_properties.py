@@ -52,7 +52,7 @@ class FakeRunner:
 
     def run(self, batch) -> list[int]:
         out = []
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+        for seq, n, samples in zip(batch.seqs, batch.num_new_tokens, batch.samples):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
             assert 0 < n and end <= seq.num_tokens and len(seq.block_table) * self.bs >= end
             for pos in range(start, end):
@@ -60,7 +60,7 @@ class FakeRunner:
             # Attention reads every earlier position: all must hold this sequence's tokens.
             assert [self.kv[self.slot(seq, p)] for p in range(end)] == seq.token_ids[:end], \
                 f"seq {seq.seq_id}: KV cache does not hold its tokens"
-            if batch.samples(seq, n):
+            if samples:
                 out.append(next_token(seq.token_ids[:end]))
         return out
 

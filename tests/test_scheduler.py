@@ -12,7 +12,7 @@ def make(num_blocks=64, block_size=4, max_num_seqs=8, max_tokens_per_step=64, ma
 
 def fake_tokens(batch):
     """A token per sampled sequence that depends only on its tokens (so recompute is invisible)."""
-    return [1 + sum(s.token_ids) % 97 for s, n in zip(batch.seqs, batch.num_new_tokens) if batch.samples(s, n)]
+    return [1 + sum(s.token_ids) % 97 for s in batch.sampling_seqs]
 
 
 def run(sched, max_steps=10_000):

@@ -89,18 +89,21 @@ class LLMEngine:
                 raise ValueError(f"{where}: the model folder has no tokenizer, so prompts must be token-id lists")
             ids = self.tokenizer.encode(prompt)
         elif isinstance(prompt, (list, tuple)):
-            bad = next((i for i, t in enumerate(prompt) if not _is_token_id(t)), None)
-            if bad is not None:
-                raise TypeError(f"{where}: a token-id prompt must be a flat list of ints; item {bad} is "
-                                f"{type(prompt[bad]).__name__} {prompt[bad]!r}")
-            ids = [int(t) for t in prompt]   # numpy integers become plain ints
+            if all(type(t) is int for t in prompt):   # the common case, checked fast (bench: 144k ids)
+                ids = list(prompt)
+            else:
+                bad = next((i for i, t in enumerate(prompt) if not _is_token_id(t)), None)
+                if bad is not None:
+                    raise TypeError(f"{where}: a token-id prompt must be a flat list of ints; item {bad} is "
+                                    f"{type(prompt[bad]).__name__} {prompt[bad]!r}")
+                ids = [int(t) for t in prompt]   # numpy integers become plain ints
         else:
             raise TypeError(f"{where}: expected a string or a list of token ids, got {type(prompt).__name__}")
         vocab = self.config.hf_config.vocab_size
         if not ids:
             raise ValueError(f"{where} is empty" + (" (its text has no tokens)" if isinstance(prompt, str) else ""))
-        bad = next((i for i, t in enumerate(ids) if not 0 <= t < vocab), None)
-        if bad is not None:
+        if min(ids) < 0 or max(ids) >= vocab:
+            bad = next(i for i, t in enumerate(ids) if not 0 <= t < vocab)
             raise ValueError(f"{where}: token id {ids[bad]} at position {bad} is outside the model's "
                              f"vocabulary [0, {vocab})")
         if len(ids) > self.config.max_model_len:
@@ -139,7 +142,7 @@ class LLMEngine:
     def step(self) -> tuple[list[Sequence], ScheduledBatch]:
         """Schedule one batch, run it, apply the results; return the sequences that finished."""
         batch = self.scheduler.schedule()
-        sampled_seqs = [seq for seq, n in zip(batch.seqs, batch.num_new_tokens) if batch.samples(seq, n)]
+        sampled_seqs = batch.sampling_seqs
         try:
             sampled = self.model_runner.run(batch)
         except Exception as e:

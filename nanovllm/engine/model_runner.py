@@ -224,9 +224,8 @@ class ModelRunner:
         return input_ids, positions, ctx
 
     def prepare_sample(self, batch: ScheduledBatch) -> SamplingTensors | None:
-        seqs = [seq for seq, n in zip(batch.seqs, batch.num_new_tokens) if batch.samples(seq, n)]
         rng = self.sampler.rng if self.use_cuda else None   # the fused kernel's seeds (CUDA only)
-        return build_sampling_tensors(seqs, self._tensor, self.config.hf_config.vocab_size, rng)
+        return build_sampling_tensors(batch.sampling_seqs, self._tensor, self.config.hf_config.vocab_size, rng)
 
     # ---- running --------------------------------------------------------------------------
 

@@ -14,14 +14,21 @@ class ScheduledBatch:
     # Sequences ended while scheduling (they outgrew the whole KV cache); not run, but reported
     # by postprocess with the step's other finished sequences.
     finished: list[Sequence] = field(default_factory=list)
+    # Per sequence: does this step reach the end of its tokens, so a token is sampled for it? Fixed
+    # when the batch is made (postprocess then advances num_computed_tokens).
+    samples: list[bool] = field(init=False)
+
+    def __post_init__(self):
+        self.samples = [seq.num_computed_tokens + n == seq.num_tokens for seq, n in zip(self.seqs, self.num_new_tokens)]
 
     @property
     def num_tokens(self) -> int:
         return sum(self.num_new_tokens)
 
-    def samples(self, seq: Sequence, n: int) -> bool:
-        """Does this step reach the end of seq's tokens (so a token is sampled for it)?"""
-        return seq.num_computed_tokens + n == seq.num_tokens
+    @property
+    def sampling_seqs(self) -> list[Sequence]:
+        """The sequences a token is sampled for, in batch order (the order of the sampled tokens)."""
+        return [seq for seq, samples in zip(self.seqs, self.samples) if samples]
 
 
 class Scheduler:
@@ -111,8 +118,7 @@ class Scheduler:
         its end, in batch order; with their logprobs when given); return the sequences that finished."""
         finished, sampled = list(batch.finished), iter(token_ids)
         sampled_logprobs = iter(logprobs) if logprobs is not None else None
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            samples = batch.samples(seq, n)
+        for seq, n, samples in zip(batch.seqs, batch.num_new_tokens, batch.samples):
             seq.num_computed_tokens += n
             self.block_manager.register_computed(seq)
             if not samples:

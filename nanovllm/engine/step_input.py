@@ -26,7 +26,7 @@ class StepInput:
             starts=starts,
             token_ids=[seq.token_ids[s:s + n] for seq, s, n in zip(batch.seqs, starts, batch.num_new_tokens)],
             block_tables=[seq.block_table for seq in batch.seqs],
-            samples=[batch.samples(seq, n) for seq, n in zip(batch.seqs, batch.num_new_tokens)],
+            samples=batch.samples,
         )
 
     @property
