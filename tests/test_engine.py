@@ -135,3 +135,15 @@ def test_unknown_option_and_bad_values(qwen3_dir):
 def test_max_model_len_capped_by_model(qwen3_dir):
     llm = LLM(qwen3_dir, max_model_len=100_000, num_kvcache_blocks=4)
     assert llm.config.max_model_len == 1024
+
+
+def test_vllm_prompt_dicts(qwen3_dir):
+    llm = LLM(qwen3_dir, kvcache_block_size=16, num_kvcache_blocks=32)
+    plain = llm.generate(["w5 w6 w7", [9, 10]], GREEDY, use_tqdm=False)
+    dicts = llm.generate([{"prompt": "w5 w6 w7"}, {"prompt_token_ids": [9, 10]}], GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in dicts] == [o.outputs[0].token_ids for o in plain]
+    assert dicts[0].prompt == "w5 w6 w7" and dicts[1].prompt is None and dicts[1].prompt_token_ids == [9, 10]
+    single = llm.generate({"prompt_token_ids": [9, 10]}, GREEDY, use_tqdm=False)
+    assert single[0].outputs[0].token_ids == plain[1].outputs[0].token_ids
+    with pytest.raises(TypeError, match="prompt 1: a prompt dict must have exactly one key"):
+        llm.generate([{"prompt": "w5"}, {"text": "w5"}], GREEDY, use_tqdm=False)

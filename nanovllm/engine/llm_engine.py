@@ -84,6 +84,7 @@ class LLMEngine:
     def _token_ids(self, prompt, index: int) -> list[int]:
         """Validate one prompt and return its token ids; errors name the prompt's index."""
         where = f"prompt {index}"
+        prompt = _unwrap_prompt_dict(prompt, where)
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError(f"{where}: the model folder has no tokenizer, so prompts must be token-id lists")
@@ -228,6 +229,7 @@ class LLMEngine:
 
     def _output(self, seqs: list[Sequence], prompt) -> RequestOutput:
         first = seqs[0]
+        prompt = _unwrap_prompt_dict(prompt, "")
         return RequestOutput(str(first.seq_id), prompt if isinstance(prompt, str) else None,
                              first.prompt_token_ids, [self._completion(seq) for seq in seqs], finished=True)
 
@@ -264,12 +266,24 @@ def _is_token_id(t) -> bool:
     return isinstance(t, numbers.Integral) and not isinstance(t, bool)
 
 
+def _unwrap_prompt_dict(prompt, where: str):
+    """vLLM's prompt dicts: {"prompt": text} (TextPrompt) or {"prompt_token_ids": ids} (TokensPrompt)."""
+    if not isinstance(prompt, dict):
+        return prompt
+    if set(prompt) == {"prompt"} and isinstance(prompt["prompt"], str):
+        return prompt["prompt"]
+    if set(prompt) == {"prompt_token_ids"} and isinstance(prompt["prompt_token_ids"], (list, tuple)):
+        return prompt["prompt_token_ids"]
+    raise TypeError(f"{where}: a prompt dict must have exactly one key, 'prompt' (a string) or "
+                    f"'prompt_token_ids' (a list of ints); got {prompt!r:.80}")
+
+
 def _as_prompt_list(prompts) -> list:
-    """A single prompt (string or token-id list) or a list of prompts -> a list of prompts. A list
-    that starts with a number is one token-id prompt (so [5, 6.0] is reported as a bad item of
-    prompt 0, not as a bad prompt 0)."""
-    if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
-                                    and isinstance(prompts[0], numbers.Number)):
+    """A single prompt (string, token-id list or vLLM prompt dict) or a list of prompts -> a list of
+    prompts. A list that starts with a number is one token-id prompt (so [5, 6.0] is reported as a
+    bad item of prompt 0, not as a bad prompt 0)."""
+    if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
+                                            and isinstance(prompts[0], numbers.Number)):
         return [prompts]
     if not isinstance(prompts, (list, tuple)):
         raise TypeError(f"prompts must be a string, a list of token ids, or a list of those; got {type(prompts).__name__}")
