@@ -14,6 +14,7 @@ class Config:
     gpu_memory_utilization: float = 0.9        # share of GPU memory the engine may fill (CUDA)
     tensor_parallel_size: int = 1
     enforce_eager: bool = False                 # True: no CUDA graphs
+    enable_prefix_caching: bool = True          # share the KV blocks of identical prompt prefixes
     kvcache_block_size: int = 256               # tokens per KV-cache block
     num_kvcache_blocks: int | None = None       # fixed number of KV blocks (any device)
     kv_cache_memory_bytes: int | None = None    # KV-cache budget in bytes (any device; CPU default below)
@@ -51,8 +52,9 @@ class Config:
             raise ValueError(f"gpu_memory_utilization must be a number in (0, 1], got {self.gpu_memory_utilization!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if not isinstance(self.enforce_eager, bool):
-            raise ValueError(f"enforce_eager must be True or False, got {self.enforce_eager!r}")
+        for name in ("enforce_eager", "enable_prefix_caching"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         _check_choice(self, "device", ("auto", "cuda", "cpu"))
         _check_choice(self, "dtype", ("auto", "float32", "bfloat16", "float16"))
         _check_choice(self, "load_format", ("auto", "dummy"))

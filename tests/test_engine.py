@@ -50,6 +50,22 @@ def test_shared_prefix_runs_twice_and_hits_cache(qwen3_dir, oracle):
     check(oracle, prompts, second)
 
 
+def test_prefix_caching_can_be_turned_off(qwen3_dir):
+    prompts = [random_prompts(1, [40], seed=9)[0]] * 2
+    runs = {}
+    for enabled in (True, False):
+        llm = LLM(qwen3_dir, kvcache_block_size=16, num_kvcache_blocks=32, enable_prefix_caching=enabled)
+        llm.generate(prompts[:1], GREEDY, use_tqdm=False)
+        computed, original_run = [], llm.model_runner.run
+        llm.model_runner.run = lambda b: (computed.extend(b.num_new_tokens if b.is_prefill else []), original_run(b))[1]
+        runs[enabled] = (llm.generate(prompts[1:], GREEDY, use_tqdm=False)[0].outputs[0].token_ids, sum(computed))
+        assert bool(llm.scheduler.block_manager.hash_to_block_id) == enabled
+    assert runs[True][0] == runs[False][0]
+    assert runs[True][1] == 40 - 32 and runs[False][1] == 40   # two cached blocks of 16, or none
+    with pytest.raises(ValueError, match="enable_prefix_caching must be True or False"):
+        LLM(qwen3_dir, enable_prefix_caching="yes")
+
+
 def test_tiny_kv_cache_preempts_and_stays_correct(qwen3_dir, oracle):
     prompts = random_prompts(6, [10, 20, 30, 12, 25, 7], seed=4)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)

@@ -33,8 +33,9 @@ class BlockManager:
     to the free list but keeps its hash and tokens, so a later identical prefix can revive it until
     the block is handed out for other data (free blocks are reused least recently freed first)."""
 
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
         self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.hash_to_block_id: dict[int, int] = {}
@@ -53,6 +54,8 @@ class BlockManager:
         last block): there must be logits to sample from."""
         bs = self.block_size
         ids, hashes, h = [], [], None
+        if not self.enable_prefix_caching:
+            return ids, hashes
         for i in range((seq.num_tokens - 1) // bs):
             tokens = seq.token_ids[i * bs:(i + 1) * bs]
             h = hash_block(tokens, h)
@@ -101,6 +104,8 @@ class BlockManager:
 
     def register_computed(self, seq):
         """Hash the blocks that became full and computed, so later prompts can share them."""
+        if not self.enable_prefix_caching:
+            return
         bs = self.block_size
         while len(seq.block_hashes) < seq.num_computed_tokens // bs:
             i = len(seq.block_hashes)

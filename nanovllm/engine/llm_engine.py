@@ -47,7 +47,7 @@ class LLMEngine:
         c = self.config
         self.scheduler = Scheduler(c.max_num_seqs, c.max_num_batched_tokens, c.max_model_len,
                                    self.model_runner.num_kvcache_blocks, c.kvcache_block_size,
-                                   eos_token_ids(c, self.tokenizer))
+                                   eos_token_ids(c, self.tokenizer), c.enable_prefix_caching)
 
     def _start_runners(self) -> TPWorkers | None:
         """Rank 0's ModelRunner here; with tensor_parallel_size > 1 also ranks 1..N-1 in spawned
