@@ -115,8 +115,8 @@ def run_interpreted_tests(test_file: str):
     if INTERPRETED:
         pytest.skip("already in the interpreter")
     if torch.cuda.is_available():
-        # The GPU tests run the compiled kernels there. (The GPU machine's triton 3.6 interpreter
-        # also fails on numpy >= 2.4 scalars: `int()` of a 1-element array, in any kernel's loop.)
+        # The GPU tests run the compiled kernels there. (Also, triton 3.6's interpreter, the GPU
+        # machine's version, failed there; here it fails with numpy 2.4: `int()` of a 1-element array.)
         pytest.skip("a GPU is present: the *_gpu tests run the compiled kernels")
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1",
