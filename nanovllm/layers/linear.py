@@ -5,18 +5,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.utils.distributed import all_reduce, tp_rank, tp_size
+from nanovllm.utils.loader import default_weight_loader
 
 
 def _divide(n: int, d: int, what: str) -> int:
     if n % d:
         raise ValueError(f"{what} ({n}) is not divisible by tensor_parallel_size ({d})")
     return n // d
-
-
-def _copy(param: nn.Parameter, shard: torch.Tensor):
-    if param.shape != shard.shape:
-        raise ValueError(f"shape mismatch: parameter {tuple(param.shape)}, checkpoint shard {tuple(shard.shape)}")
-    param.data.copy_(shard)
 
 
 def _shard(loaded: torch.Tensor, dim: int, size: int, rank: int, world: int) -> torch.Tensor:
@@ -45,7 +40,7 @@ class LinearBase(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None):
         if self.tp_dim is not None and param.dim() > self.tp_dim:   # a row-parallel bias is whole
             loaded = _shard(loaded, self.tp_dim, param.size(self.tp_dim), self.tp_rank, self.tp_size)
-        _copy(param, loaded)
+        default_weight_loader(param, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
@@ -74,7 +69,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int):
         size = self.output_sizes[shard_id] // self.tp_size
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
-        _copy(param.data.narrow(0, offset, size), _shard(loaded, 0, size, self.tp_rank, self.tp_size))
+        default_weight_loader(param.data.narrow(0, offset, size), _shard(loaded, 0, size, self.tp_rank, self.tp_size))
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -90,7 +85,7 @@ class QKVParallelLinear(ColumnParallelLinear):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str):
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         size, offset = {"q": (q, 0), "k": (kv, q), "v": (kv, q + kv)}[shard_id]
-        _copy(param.data.narrow(0, offset, size), _shard(loaded, 0, size, self.tp_rank, self.tp_size))
+        default_weight_loader(param.data.narrow(0, offset, size), _shard(loaded, 0, size, self.tp_rank, self.tp_size))
 
 
 class RowParallelLinear(LinearBase):

@@ -9,7 +9,8 @@ from safetensors import safe_open
 from torch import nn
 
 
-def _default_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id=None):
+def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor, shard_id=None):
+    """Copy a checkpoint tensor into a parameter (or a slice of one) of exactly its shape."""
     if param.shape != loaded.shape:
         raise ValueError(f"shape mismatch: expected {tuple(param.shape)}, checkpoint has {tuple(loaded.shape)}")
     param.data.copy_(loaded)
@@ -56,7 +57,7 @@ def load_model(model: nn.Module, path: str):
                         continue
                     raise ValueError(f"checkpoint tensor {ckpt_name!r} ({file}) matches no model parameter")
                 param = params[name]
-                loader = getattr(param, "weight_loader", _default_loader)
+                loader = getattr(param, "weight_loader", default_weight_loader)
                 try:
                     loader(param, f.get_tensor(ckpt_name), *(() if shard_id is None else (shard_id,)))
                 except ValueError as e:
