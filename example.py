@@ -18,11 +18,10 @@ def main():
     llm = LLM(args.model)   # picks CUDA when available, else CPU
     questions = ["What is the capital of France?", "Give me three tips for staying focused while studying.",
                  "Write a haiku about the sea."]
-    prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
-                                                 add_generation_prompt=True) for q in questions]
-    outputs = llm.generate(prompts, SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens))
-    for prompt, output in zip(prompts, outputs):
-        print(f"\nPrompt: {prompt!r}\nCompletion: {output['text']!r}")
+    conversations = [[{"role": "user", "content": q}] for q in questions]
+    outputs = llm.chat(conversations, SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens))
+    for output in outputs:   # output.prompt is the conversation rendered by the chat template
+        print(f"\nPrompt: {output.prompt!r}\nCompletion: {output['text']!r}")
 
 
 if __name__ == "__main__":
