@@ -15,6 +15,7 @@ class Config:
     tensor_parallel_size: int = 1
     enforce_eager: bool = False                 # True: no CUDA graphs
     enable_prefix_caching: bool = True          # share the KV blocks of identical prompt prefixes
+    async_scheduling: bool = True               # schedule step N+1 while the device runs step N
     kvcache_block_size: int = 256               # tokens per KV-cache block
     num_kvcache_blocks: int | None = None       # fixed number of KV blocks (any device)
     kv_cache_memory_bytes: int | None = None    # KV-cache budget in bytes (any device; CPU default below)
@@ -52,7 +53,7 @@ class Config:
             raise ValueError(f"gpu_memory_utilization must be a number in (0, 1], got {self.gpu_memory_utilization!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        for name in ("enforce_eager", "enable_prefix_caching"):
+        for name in ("enforce_eager", "enable_prefix_caching", "async_scheduling"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         _check_choice(self, "device", ("auto", "cuda", "cpu"))

@@ -34,14 +34,14 @@ def test_shared_prefix_runs_twice_and_hits_cache(qwen3_dir, oracle):
     bm = llm.scheduler.block_manager
     cached_before = len(bm.hash_to_block_id)
     computed = []
-    original_run = llm.model_runner.run
+    original_run = llm.model_runner.launch
 
     def spy(batch):
         if batch.is_prefill:
             computed.extend(batch.num_new_tokens)
         return original_run(batch)
 
-    llm.model_runner.run = spy
+    llm.model_runner.launch = spy
     second = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert cached_before >= 4
     # Every prompt reuses the prefix; the block-aligned, fully cached one still computes its last block.
@@ -56,8 +56,8 @@ def test_prefix_caching_can_be_turned_off(qwen3_dir):
     for enabled in (True, False):
         llm = LLM(qwen3_dir, kvcache_block_size=16, num_kvcache_blocks=32, enable_prefix_caching=enabled)
         llm.generate(prompts[:1], GREEDY, use_tqdm=False)
-        computed, original_run = [], llm.model_runner.run
-        llm.model_runner.run = lambda b: (computed.extend(b.num_new_tokens if b.is_prefill else []), original_run(b))[1]
+        computed, original_run = [], llm.model_runner.launch
+        llm.model_runner.launch = lambda b: (computed.extend(b.num_new_tokens if b.is_prefill else []), original_run(b))[1]
         runs[enabled] = (llm.generate(prompts[1:], GREEDY, use_tqdm=False)[0].outputs[0].token_ids, sum(computed))
         assert bool(llm.scheduler.block_manager.hash_to_block_id) == enabled
     assert runs[True][0] == runs[False][0]
@@ -84,8 +84,8 @@ def test_chunked_prefill_below_prompt_length(qwen3_dir, oracle):
     prompts = random_prompts(3, [200, 90, 45], seed=5)
     llm = LLM(qwen3_dir, kvcache_block_size=16, num_kvcache_blocks=64, max_num_batched_tokens=64)
     sizes = []
-    original_run = llm.model_runner.run
-    llm.model_runner.run = lambda b: (sizes.append(b.num_tokens), original_run(b))[1]
+    original_run = llm.model_runner.launch
+    llm.model_runner.launch = lambda b: (sizes.append(b.num_tokens), original_run(b))[1]
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert max(sizes) <= 64
     check(oracle, prompts, outs)

@@ -73,14 +73,14 @@ def test_prefix_cache_hits_match_transformers(variant):
 
 
 def _record_prefill_tokens(llm) -> list[int]:
-    computed, run = [], llm.model_runner.run
+    computed, run = [], llm.model_runner.launch
 
     def recording_run(batch):
         if batch.is_prefill:
             computed.extend(batch.num_new_tokens)
         return run(batch)
 
-    llm.model_runner.run = recording_run
+    llm.model_runner.launch = recording_run
     return computed
 
 

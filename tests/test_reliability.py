@@ -74,7 +74,7 @@ def reference(qwen3_dir):
 def test_failure_in_the_middle_of_generate_leaves_a_clean_engine(qwen3_dir, reference, monkeypatch, fail_at, error):
     opts, prompts, expected = reference
     llm = LLM(qwen3_dir, **opts)
-    real_run, calls = llm.model_runner.run, []
+    real_run, calls = llm.model_runner.launch, []
 
     def flaky_run(batch):
         calls.append(batch)
@@ -82,7 +82,7 @@ def test_failure_in_the_middle_of_generate_leaves_a_clean_engine(qwen3_dir, refe
             raise error("injected")
         return real_run(batch)
 
-    monkeypatch.setattr(llm.model_runner, "run", flaky_run)
+    monkeypatch.setattr(llm.model_runner, "launch", flaky_run)
     with pytest.raises(error, match="injected"):
         llm.generate(prompts, GREEDY, use_tqdm=False)
     assert_clean(llm)

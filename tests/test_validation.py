@@ -78,8 +78,8 @@ def test_bad_input_is_refused_and_the_engine_stays_usable(engine_and_reference, 
                                                           what, prompts, params, exc, message):
     llm, reference = engine_and_reference
     calls = []
-    real_run = llm.model_runner.run
-    monkeypatch.setattr(llm.model_runner, "run", lambda batch: calls.append(batch) or real_run(batch))
+    real_run = llm.model_runner.launch
+    monkeypatch.setattr(llm.model_runner, "launch", lambda batch: calls.append(batch) or real_run(batch))
     with pytest.raises(exc, match=message):
         llm.generate(prompts, params, use_tqdm=False)
     assert not calls, "a model step ran although the call was refused"

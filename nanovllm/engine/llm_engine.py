@@ -9,6 +9,7 @@ from transformers import AutoTokenizer, GenerationConfig
 from nanovllm.config import Config
 from nanovllm.engine.block_manager import cdiv
 from nanovllm.engine.model_runner import ModelRunner
+from nanovllm.engine.sampling_inputs import PendingSample
 from nanovllm.engine.scheduler import ScheduledBatch, Scheduler
 from nanovllm.engine.sequence import Sequence, TokenLogprobs
 from nanovllm.engine.tp_worker import TPWorkers
@@ -48,6 +49,8 @@ class LLMEngine:
         self.scheduler = Scheduler(c.max_num_seqs, c.max_num_batched_tokens, c.max_model_len,
                                    self.model_runner.num_kvcache_blocks, c.kvcache_block_size,
                                    eos_token_ids(c, self.tokenizer), c.enable_prefix_caching)
+        # The launched batch whose tokens have not been applied yet (see step).
+        self._in_flight: tuple[ScheduledBatch, PendingSample] | None = None
 
     def _start_runners(self) -> TPWorkers | None:
         """Rank 0's ModelRunner here; with tensor_parallel_size > 1 also ranks 1..N-1 in spawned
@@ -141,17 +144,53 @@ class LLMEngine:
     # ---- stepping -------------------------------------------------------------------------
 
     def step(self) -> tuple[list[Sequence], ScheduledBatch]:
-        """Schedule one batch, run it, apply the results; return the sequences that finished."""
+        """Schedule one batch and launch it; then apply the results of the batch launched before
+        it. The host so does its bookkeeping while the device computes, and waits only for
+        tokens of the previous batch (async_scheduling; otherwise each batch is applied at once).
+        Returns the sequences that finished, and the batch launched."""
+        finished = []
+        if self._in_flight and not self._can_run_ahead(self._in_flight[0]):
+            finished += self._apply(*self._in_flight)
+            self._in_flight = None
         batch = self.scheduler.schedule()
-        sampled_seqs = batch.sampling_seqs
-        try:
-            sampled = self.model_runner.run(batch)
-        except Exception as e:
-            if self.workers is not None:
-                self.workers.raise_if_died(e)   # a collective failed because a worker died: say so
-            raise
-        finished = self.scheduler.postprocess(batch, sampled.token_ids, sampled.logprobs)
-        return finished + self._apply_stop_strings(sampled_seqs), batch
+        launched = None
+        if batch.seqs:
+            try:
+                launched = batch, self.model_runner.launch(batch)
+            except Exception as e:
+                if self.workers is not None:
+                    self.workers.raise_if_died(e)   # a collective failed because a worker died: say so
+                raise
+            self.scheduler.advance(batch)
+        else:
+            finished += batch.finished   # sequences ended while scheduling, with nothing to run
+        if self._in_flight:
+            finished += self._apply(*self._in_flight)
+        self._in_flight = launched
+        if launched and not self.config.async_scheduling:
+            finished += self._apply(*launched)
+            self._in_flight = None
+        return finished, batch
+
+    def _can_run_ahead(self, batch: ScheduledBatch) -> bool:
+        """May the next batch be launched before this one's tokens are on the host? Not with
+        penalties: their token counts are built on the host from the known tokens."""
+        return self.config.async_scheduling and not any(
+            seq.sampling_params.has_penalties for seq in batch.sampling_seqs)
+
+    def _apply(self, batch: ScheduledBatch, pending: PendingSample) -> list[Sequence]:
+        """Wait for a launched batch's tokens and apply them; return the sequences that finished."""
+        sampled = pending.result()
+        got_token = [seq for seq in batch.sampling_seqs if not seq.is_finished]
+        finished = self.scheduler.complete(batch, sampled.token_ids, sampled.logprobs)
+        return finished + self._apply_stop_strings(got_token)
+
+    def _drain(self):
+        """Apply the batch still in flight, if any (results for finished sequences are dropped)."""
+        if self._in_flight:
+            batch, pending = self._in_flight
+            self._in_flight = None
+            self._apply(batch, pending)
 
     def _apply_stop_strings(self, seqs: list[Sequence]) -> list[Sequence]:
         """Detokenize the new tokens of sequences with stop strings; finish those whose text now
@@ -176,7 +215,7 @@ class LLMEngine:
         return finished
 
     def is_finished(self) -> bool:
-        return self.scheduler.is_finished()
+        return self.scheduler.is_finished() and self._in_flight is None
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
@@ -189,7 +228,9 @@ class LLMEngine:
             self.scheduler.add(seq)
         try:
             self._run_until_done(seqs, use_tqdm)
+            self._drain()
         except BaseException:
+            self._in_flight = None
             self.scheduler.abort_all()   # leave the engine empty and usable
             raise
         return [self._output(request, p) for request, p in zip(requests, prompts)]

@@ -8,14 +8,14 @@ import torch
 
 from nanovllm.config import Config
 from nanovllm.engine.block_manager import cdiv
-from nanovllm.engine.sampling_inputs import SampledTokens, build_sampling_tensors
+from nanovllm.engine.sampling_inputs import PendingSample, SampledTokens, build_sampling_tensors
 from nanovllm.engine.scheduler import ScheduledBatch
 from nanovllm.engine.step_input import StepInput
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.sampler import Sampler, SamplingTensors
 from nanovllm.models import get_model_class
 from nanovllm.utils.context import Context, forward_context
-from nanovllm.utils.distributed import TPGroup, min_across_ranks, tp_group
+from nanovllm.utils.distributed import TPGroup, broadcast, min_across_ranks, tp_group
 from nanovllm.utils.loader import load_dummy_weights, load_model
 
 logger = logging.getLogger(__name__)
@@ -85,6 +85,10 @@ class ModelRunner:
                     load_model(self.model, config.model)
             self.model.eval()
             self.sampler = Sampler(config.seed)
+            # The last step's sampled token ids on the device, row i for its i-th sampling sequence:
+            # a step launched before they reach the host reads its input tokens from here.
+            self.sampled_tokens = torch.zeros(max(config.max_num_seqs, 1), dtype=torch.int64, device=self.device)
+            self.pending_rows: dict[int, int] = {}   # rank 0: seq_id -> row of sampled_tokens
             self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
             if self.use_cuda:
                 with self._timed("warm-up (and compile)"):
@@ -201,25 +205,29 @@ class ModelRunner:
 
     def prepare_decode(self, step: StepInput, rows: int, width: int) -> torch.Tensor:
         """All decode inputs in one int32 host buffer, so a step needs a single host-to-device copy:
-        [input_ids | positions | slots | context_lens | block_tables (rows x width)]. Rows past the
-        batch are padding (slot -1, length 0: the kernels skip them). Decode computes each
-        sequence's last token, at position `start` (= num_tokens - 1)."""
+        [input_ids | positions | slots | context_lens | token_rows | block_tables (rows x width)].
+        Rows past the batch are padding (slot -1, length 0: the kernels skip them). Decode computes
+        each sequence's last token, at position `start` (= num_tokens - 1)."""
         bs, pad = self.block_size, rows - step.num_seqs
         flat = [ids[0] for ids in step.token_ids] + [0] * pad
         flat += step.starts + [0] * pad
         flat += [table[pos // bs] * bs + pos % bs for pos, table in zip(step.starts, step.block_tables)]
         flat += [-1] * pad
         flat += [pos + 1 for pos in step.starts] + [0] * pad
+        flat += (step.token_rows or [-1] * step.num_seqs) + [-1] * pad
         for table in step.block_tables:
             flat += table
             flat += [0] * (width - len(table))
         flat += [0] * (pad * width)
         return torch.tensor(flat, dtype=torch.int32, pin_memory=self.use_cuda)
 
-    @staticmethod
-    def decode_views(flat: torch.Tensor, rows: int, width: int):
-        """(input_ids, positions, Context) as views of a prepare_decode buffer (on the device)."""
-        input_ids, positions, slots, lens, tables = flat[:rows * (4 + width)].split([rows] * 4 + [rows * width])
+    def decode_views(self, flat: torch.Tensor, rows: int, width: int):
+        """(input_ids, positions, Context) from a prepare_decode buffer on the device. An input
+        whose token row is set comes from sampled_tokens (the previous step's, still pending)."""
+        input_ids, positions, slots, lens, token_rows, tables = \
+            flat[:rows * (5 + width)].split([rows] * 5 + [rows * width])
+        pending = self.sampled_tokens.index_select(0, token_rows.clamp(min=0))
+        input_ids = torch.where(token_rows >= 0, pending, input_ids)
         ctx = Context(is_prefill=False, slot_mapping=slots, context_lens=lens, block_tables=tables.view(rows, width))
         return input_ids, positions, ctx
 
@@ -230,19 +238,38 @@ class ModelRunner:
     # ---- running --------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> SampledTokens:
-        """Compute the batch; return one sampled token (and its logprobs when the sequence asked)
-        per sequence that reached its end."""
+    def launch(self, batch: ScheduledBatch) -> PendingSample:
+        """Queue the batch's model step and sampling on the device and return at once; the
+        PendingSample's result() waits for one sampled token (and its logprobs when the sequence
+        asked) per sequence that reached its end. The sampled tokens also stay on the device, where
+        the next step reads the inputs of sequences whose token is still pending."""
         if not batch.seqs:
-            return SampledTokens([])
+            return PendingSample(None, None)
         sampling = self.prepare_sample(batch)
-        step = StepInput.of(batch)
+        step = StepInput.of(batch, self.pending_rows)
         if self.workers is not None:
             self.workers.run_step(step)   # ranks 1..N-1 run the same step (they only skip sampling)
         logits = self.forward_step(step)
         if logits is None:   # only mid-prompt chunks: nothing to sample
-            return SampledTokens([])
-        return SampledTokens.from_sampler(self.sampler(logits, sampling), sampling)
+            return PendingSample(None, None)
+        out = self.sampler(logits, sampling)
+        self.keep_sampled(out.token_ids)
+        self.pending_rows = {seq.seq_id: row for row, seq in enumerate(batch.sampling_seqs)}
+        return PendingSample(out, sampling)
+
+    def run(self, batch: ScheduledBatch) -> SampledTokens:
+        """launch and wait: the batch's sampled tokens on the host."""
+        return self.launch(batch).result()
+
+    def keep_sampled(self, token_ids: torch.Tensor | None, n: int | None = None):
+        """Store a step's sampled tokens in sampled_tokens; with tensor parallelism rank 0 sends
+        them to the other ranks (which pass token_ids=None and the row count n)."""
+        n = token_ids.numel() if token_ids is not None else n
+        if token_ids is not None:
+            self.sampled_tokens[:n].copy_(token_ids)
+        if self.group is not None and self.group.size > 1:
+            with tp_group(self.group):
+                broadcast(self.sampled_tokens[:n])
 
     @torch.inference_mode()
     def forward_step(self, step: StepInput) -> torch.Tensor | None:
@@ -284,14 +311,16 @@ class ModelRunner:
         c = self.config
         max_bs = min(c.max_num_seqs, 512)
         self.max_blocks = cdiv(c.max_model_len, self.block_size)
-        self.graph_inputs = torch.zeros(max_bs * (4 + self.max_blocks), dtype=torch.int32, device=self.device)
+        self.graph_inputs = torch.zeros(max_bs * (5 + self.max_blocks), dtype=torch.int32, device=self.device)
         self.graph_outputs = torch.zeros(max_bs, c.hf_config.hidden_size, dtype=self.dtype, device=self.device)
         self.graph_sizes = graph_batch_sizes(max_bs)
         pool = None
         for bs in reversed(self.graph_sizes):
             graph = torch.cuda.CUDAGraph()
+            self.graph_inputs.zero_()
+            self.graph_inputs[2 * bs:3 * bs].fill_(-1)   # slots: capture writes no KV
+            self.graph_inputs[4 * bs:5 * bs].fill_(-1)   # token rows: no pending tokens
             input_ids, positions, ctx = self.decode_views(self.graph_inputs, bs, self.max_blocks)
-            ctx.slot_mapping.fill_(-1)   # capture writes no KV
             with forward_context(ctx):
                 self.graph_outputs[:bs] = self.model(input_ids, positions)   # warm-up
                 with torch.cuda.graph(graph, pool):

@@ -12,21 +12,42 @@ from nanovllm.layers.sampler import SamplerOutput, SamplingTensors
 
 @dataclass
 class SampledTokens:
-    """What the runner returns for one step, in the order of the sequences that sampled."""
+    """What a step gives the host, in the order of the sequences that sampled."""
     token_ids: list[int]
     logprobs: list[TokenLogprobs | None] | None = None   # None when no sequence asked
 
-    @classmethod
-    def from_sampler(cls, out: SamplerOutput, sampling: SamplingTensors | None) -> "SampledTokens":
-        token_ids = out.token_ids.tolist()
-        if out.sampled_logprobs is None:
-            return cls(token_ids)
-        # One device-to-host copy per tensor, then per-row trimming to each request's k.
-        logprob, rank = out.sampled_logprobs.tolist(), out.ranks.tolist()
-        top_lp, top_ids = out.top_logprobs.tolist(), out.top_ids.tolist()
+
+class PendingSample:
+    """A launched step's sampler output on its way to the host: the device-to-host copies are
+    queued right behind the sampler (into pinned memory), so waiting for them does not wait for
+    work queued later, such as the next step."""
+
+    def __init__(self, out: SamplerOutput | None, sampling: SamplingTensors | None):
+        self.num_logprobs = sampling.num_logprobs if sampling is not None else None
+        self.host, self.event = None, None
+        if out is None:
+            return
+        tensors = [out.token_ids]
+        if out.sampled_logprobs is not None:
+            tensors += [out.sampled_logprobs, out.ranks, out.top_logprobs, out.top_ids]
+        self.host = [t.to("cpu", non_blocking=True) for t in tensors]
+        if out.token_ids.is_cuda:
+            self.event = torch.cuda.Event()
+            self.event.record()
+
+    def result(self) -> SampledTokens:
+        if self.host is None:
+            return SampledTokens([])
+        if self.event is not None:
+            self.event.synchronize()
+        token_ids = self.host[0].tolist()
+        if len(self.host) == 1:
+            return SampledTokens(token_ids)
+        # Then per-row trimming to each request's k.
+        logprob, rank, top_lp, top_ids = (t.tolist() for t in self.host[1:])
         rows = [None if k is None else TokenLogprobs(logprob[i], rank[i], top_ids[i][:k], top_lp[i][:k])
-                for i, k in enumerate(sampling.num_logprobs)]
-        return cls(token_ids, rows)
+                for i, k in enumerate(self.num_logprobs)]
+        return SampledTokens(token_ids, rows)
 
 
 def step_seed(seed: int, index: int, step: int) -> int:
@@ -43,7 +64,7 @@ def build_sampling_tensors(seqs: list[Sequence], to_tensor, vocab_size: int,
     rng: given where the fused sampling kernel can run (CUDA); it draws the seeds of unseeded rows."""
     params = [seq.sampling_params for seq in seqs]
     banned = [(row, t) for row, seq in enumerate(seqs)
-              if seq.num_completion_tokens < seq.sampling_params.min_tokens for t in seq.min_tokens_banned]
+              if seq.output_index < seq.sampling_params.min_tokens for t in seq.min_tokens_banned]
     asked = [p.logprobs for p in params if p.logprobs is not None]
     penalized = any(p.has_penalties for p in params)
     all_greedy = all(p.greedy for p in params)
@@ -63,7 +84,7 @@ def build_sampling_tensors(seqs: list[Sequence], to_tensor, vocab_size: int,
                          any(p.top_k > 0 for p in params))
         t.top_p = column([p.top_p for p in params], used=any(p.top_p < 1 for p in params))
         t.min_p = column([p.min_p for p in params], used=any(p.min_p > 0 for p in params))
-        t.seeds = [(row, step_seed(p.seed, seq.index, seq.num_completion_tokens))
+        t.seeds = [(row, step_seed(p.seed, seq.index, seq.output_index))
                    for row, (seq, p) in enumerate(zip(seqs, params)) if p.seed is not None and not p.greedy] or None
         only_temperature = t.top_k is None and t.top_p is None and t.min_p is None
         if rng is not None and only_temperature and not penalized and not banned and not asked:

@@ -86,8 +86,12 @@ class Scheduler:
     def _schedule_decode(self) -> ScheduledBatch:
         seqs = []
         # Each decode sequence computes one token, so the token budget caps the batch too.
+        done = []   # their pending token is their last: nothing more to compute
         while self.running and len(seqs) < min(self.max_num_seqs, self.max_num_batched_tokens):
             seq = self.running.popleft()
+            if seq.num_pending and self.length_reached(seq, seq.num_tokens):
+                done.append(seq)
+                continue
             while not self.block_manager.can_append(seq):
                 if self.running:
                     self._preempt(self.running.pop())   # the newest sequence makes room
@@ -97,7 +101,7 @@ class Scheduler:
             else:
                 self.block_manager.may_append(seq)
                 seqs.append(seq)
-        self.running.extendleft(reversed(seqs))
+        self.running.extendleft(reversed(seqs + done))
         return ScheduledBatch(seqs, [1] * len(seqs), is_prefill=False)
 
     def _preempt(self, seq: Sequence):
@@ -114,21 +118,38 @@ class Scheduler:
 
     def postprocess(self, batch: ScheduledBatch, token_ids: list[int],
                     logprobs: list | None = None) -> list[Sequence]:
-        """Record what the step computed; append the sampled tokens (one per sequence that reached
-        its end, in batch order; with their logprobs when given); return the sequences that finished."""
-        finished, sampled = list(batch.finished), iter(token_ids)
-        sampled_logprobs = iter(logprobs) if logprobs is not None else None
+        """advance then complete: apply a step whose tokens are already on the host."""
+        self.advance(batch)
+        return self.complete(batch, token_ids, logprobs)
+
+    def advance(self, batch: ScheduledBatch):
+        """Right after the batch is launched: its tokens are computed (in stream order) and each
+        sequence that samples has one pending token, so the next batch can be scheduled before
+        this one's tokens reach the host."""
         for seq, n, samples in zip(batch.seqs, batch.num_new_tokens, batch.samples):
             seq.num_computed_tokens += n
-            self.block_manager.register_computed(seq)
-            if not samples:
+            seq.num_pending += samples
+
+    def complete(self, batch: ScheduledBatch, token_ids: list[int],
+                 logprobs: list | None = None) -> list[Sequence]:
+        """The batch's sampled tokens reached the host (one per sequence that sampled, in batch
+        order; with their logprobs when given): append them, register the blocks now full, and
+        return the sequences that finished. A sequence that finished (or was preempted) after this
+        batch was launched just drops its pending token."""
+        finished, sampled = list(batch.finished), iter(token_ids)
+        sampled_logprobs = iter(logprobs if logprobs is not None else [None] * len(token_ids))
+        for seq, samples in zip(batch.seqs, batch.samples):
+            token_id = next(sampled) if samples else None
+            token_logprobs = next(sampled_logprobs) if samples else None
+            if seq.is_finished:
                 continue
-            token_id = next(sampled)
-            seq.append_token(token_id, next(sampled_logprobs) if sampled_logprobs else None)
-            reason = self._stop_reason(seq, token_id)
+            if samples:
+                seq.num_pending -= 1
+                seq.append_token(token_id, token_logprobs)
+            self.block_manager.register_computed(seq)
+            reason = self._stop_reason(seq, token_id) if samples else None
             if reason:
-                self.running.remove(seq)
-                self._finish(seq, reason)
+                self.finish(seq, reason, seq.stop_reason)
                 finished.append(seq)
         return finished
 
@@ -141,13 +162,18 @@ class Scheduler:
             if token_id in params.stop_token_ids:
                 seq.stop_reason = token_id
                 return "stop"
-        if (params.max_tokens is not None and seq.num_completion_tokens >= params.max_tokens) \
-                or seq.num_tokens >= self.max_model_len:
+        if self.length_reached(seq, len(seq.token_ids)):
             return "length"
         return None
 
+    def length_reached(self, seq: Sequence, num_tokens: int) -> bool:
+        """Does a sequence of num_tokens tokens end by max_tokens or max_model_len?"""
+        max_tokens = seq.sampling_params.max_tokens
+        return (max_tokens is not None and num_tokens - seq.num_prompt_tokens >= max_tokens) \
+            or num_tokens >= self.max_model_len
+
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None):
-        """End a sequence for a reason found outside postprocess (a stop string): free its blocks."""
+        """End a sequence (also for a reason found outside complete: a stop string); free its blocks."""
         if seq.is_finished:
             return
         if seq in self.running:
@@ -160,7 +186,9 @@ class Scheduler:
     def _finish(self, seq: Sequence, reason: str):
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
-        self.block_manager.deallocate(seq)
+        seq.num_pending = 0   # a token still in flight is dropped
+        if seq.block_table:
+            self.block_manager.deallocate(seq)
 
     def abort_all(self) -> list[Sequence]:
         """Drop every queued sequence and free its blocks (after an error in a step)."""
@@ -169,6 +197,7 @@ class Scheduler:
             if seq.block_table:
                 self.block_manager.deallocate(seq)
             seq.status = SequenceStatus.FINISHED
+            seq.num_pending = 0
         self.waiting.clear()
         self.running.clear()
         return seqs

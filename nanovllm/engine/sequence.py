@@ -32,8 +32,11 @@ class Sequence:
         self.token_ids = list(token_ids)
         self.num_prompt_tokens = len(self.token_ids)
         self.sampling_params = sampling_params
-        # Invariant: token_ids[:num_computed_tokens] have their K/V in the blocks of block_table.
+        # Invariant: the first num_computed_tokens tokens have their K/V in the blocks of block_table.
         self.num_computed_tokens = 0
+        # Tokens sampled on the device whose ids the host has not seen yet (0, or 1 while the engine
+        # runs one step ahead). They count in num_tokens but are not in token_ids.
+        self.num_pending = 0
         self.block_table: list[int] = []
         # block_hashes[i] is the prefix-cache hash of block i; only full, computed blocks have one.
         self.block_hashes: list[int] = []
@@ -47,15 +50,22 @@ class Sequence:
         self.detokenizer: IncrementalDetokenizer | None = IncrementalDetokenizer() if p.stop else None
 
     def __len__(self):
-        return len(self.token_ids)
+        return self.num_tokens
 
     @property
     def num_tokens(self) -> int:
-        return len(self.token_ids)
+        """Tokens the KV cache must hold: the known ones and the pending one."""
+        return len(self.token_ids) + self.num_pending
 
     @property
     def num_completion_tokens(self) -> int:
+        """Output tokens the host knows."""
         return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_index(self) -> int:
+        """The index, among the outputs, of the token the next step samples for this sequence."""
+        return self.num_tokens - self.num_prompt_tokens
 
     @property
     def prompt_token_ids(self) -> list[int]:

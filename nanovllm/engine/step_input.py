@@ -2,7 +2,9 @@
 
 Rank 0 builds it from the ScheduledBatch and sends it to the other ranks (pickled through shared
 memory), so it is flat lists of ints rather than Sequence objects: a decode step carries one token
-per sequence, never the whole history."""
+per sequence, never the whole history. When the engine runs a step ahead, a decode sequence's input
+token may still be on the device only: then its id here is 0 and `token_rows` says which row of the
+previous step's sampled tokens (kept on every rank's device) holds it."""
 from dataclasses import dataclass
 
 from nanovllm.engine.scheduler import ScheduledBatch
@@ -16,18 +18,23 @@ class StepInput:
     token_ids: list[list[int]]     # tokens each sequence computes now: a prefill chunk, or [last token]
     block_tables: list[list[int]]
     samples: list[bool]            # this step reaches the sequence's end, so its logits are sampled
+    token_rows: list[int] | None = None   # decode: row of the previous step's sampled tokens that is
+                                          # this sequence's input (-1: the id is in token_ids)
 
     @classmethod
-    def of(cls, batch: ScheduledBatch) -> "StepInput":
-        starts = [seq.num_computed_tokens for seq in batch.seqs]
-        return cls(
-            is_prefill=batch.is_prefill,
-            seq_ids=[seq.seq_id for seq in batch.seqs],
-            starts=starts,
-            token_ids=[seq.token_ids[s:s + n] for seq, s, n in zip(batch.seqs, starts, batch.num_new_tokens)],
-            block_tables=[seq.block_table for seq in batch.seqs],
-            samples=batch.samples,
-        )
+    def of(cls, batch: ScheduledBatch, pending_rows: dict[int, int] | None = None) -> "StepInput":
+        """pending_rows: seq_id -> row in the previous step's sampled tokens, for the sequences
+        whose newest token is pending (decode only: a prompt is all known tokens)."""
+        seqs = batch.seqs
+        starts = [seq.num_computed_tokens for seq in seqs]
+        token_ids = [seq.token_ids[s:s + n] for seq, s, n in zip(seqs, starts, batch.num_new_tokens)]
+        token_rows = None
+        if any(seq.num_pending for seq in seqs):
+            assert not batch.is_prefill and pending_rows is not None
+            token_rows = [pending_rows[seq.seq_id] if seq.num_pending else -1 for seq in seqs]
+            token_ids = [ids or [0] for ids in token_ids]
+        return cls(batch.is_prefill, [seq.seq_id for seq in seqs], starts, token_ids,
+                   [seq.block_table for seq in seqs], batch.samples, token_rows)
 
     @property
     def num_seqs(self) -> int:

@@ -158,7 +158,8 @@ def worker_main(config: Config, rank: int, port: int, channel: ShmChannel, error
             command, arg = channel.read(rank - 1, _check_parent)
             if command == "exit":
                 break
-            runner.forward_step(arg)
+            if runner.forward_step(arg) is not None:
+                runner.keep_sampled(None, sum(arg.samples))   # receive rank 0's sampled tokens
     except BaseException:
         try:
             errors.send(traceback.format_exc())

@@ -81,6 +81,16 @@ def all_reduce(x: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
     return x
 
 
+def broadcast(x: torch.Tensor, src: int = 0) -> torch.Tensor:
+    """In place: every rank's x becomes rank src's."""
+    group = _current.get()
+    if group and group.size > 1:
+        opts = dist.BroadcastOptions()
+        opts.rootRank = src
+        group.backend.broadcast([x], opts).wait()
+    return x
+
+
 def gather_last_dim(x: torch.Tensor) -> torch.Tensor:
     """Concatenate each rank's shard of the last dimension (every rank gets the whole)."""
     group = _current.get()
