@@ -92,22 +92,32 @@ def kernel_profile(model, lines, steps=5):
     runner = llm.model_runner
     for prompt in prompts:
         llm.add_request(prompt, params)
-    while llm.step()[1].is_prefill:   # run the prefills (and one decode step)
-        pass
     torch.cuda.synchronize()
+    t = time.perf_counter()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        prefills = 0
+        while llm.step()[1].is_prefill:   # the prefills (and, launched behind them, one decode step)
+            prefills += 1
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - t
+    kernel_table(prof, lines, f"kernels of the {prefills} prefill steps (+1 decode), wall {wall * 1e3:.0f} ms", 1)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             llm.step()
         torch.cuda.synchronize()
     while not llm.is_finished():
         llm.step()
+    kernel_table(prof, lines, f"kernels of {steps} eager decode steps at batch 256", steps)
+    del runner
+
+
+def kernel_table(prof, lines, title, steps):
     events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
     total = sum(e.self_device_time_total for e in events)
-    lines.append(f"\nkernels of {steps} eager decode steps at batch 256 (GPU time {total / steps / 1e3:.2f} ms/step)")
+    lines.append(f"\n{title} (GPU time {total / steps / 1e3:.2f} ms per step)")
     for e in sorted(events, key=lambda e: -e.self_device_time_total)[:18]:
         lines.append(f"{e.key[:70]:70s} {e.self_device_time_total / steps / 1e3:7.3f} ms "
                      f"{e.self_device_time_total / total:6.1%}")
-    del runner
 
 
 def main():

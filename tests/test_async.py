@@ -11,7 +11,7 @@ from nanovllm.engine.sampling_inputs import PendingSample
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 PROMPTS = random_prompts(6, [1, 9, 17, 40, 70, 130], seed=21)
-OPTS = dict(kvcache_block_size=8, num_kvcache_blocks=200, max_num_batched_tokens=128)
+OPTS = dict(device="cpu", kvcache_block_size=8, num_kvcache_blocks=200, max_num_batched_tokens=128)
 
 
 @pytest.fixture(scope="module")

@@ -74,3 +74,18 @@ def test_bf16_default_dtype_and_block_256(qwen3_dir, oracle):
     prompts = random_prompts(4, [300, 5, 270, 40], seed=8)
     for prompt, out in zip(prompts, llm.generate(prompts, GREEDY, use_tqdm=False)):
         oracle.assert_greedy(prompt, out.outputs[0].token_ids, atol=ATOL["bfloat16"])
+
+
+def test_async_scheduling_matches_one_step_at_a_time(qwen3_dir):
+    """With CUDA graphs the pending input tokens come from the device inside the graph; stop
+    tokens end sequences while their next step is already launched."""
+    prompts = random_prompts(12, [3 + 11 * i for i in range(12)], seed=9)
+    params = SamplingParams(temperature=0, max_tokens=24, stop_token_ids=list(range(3, 40)))
+    runs = []
+    for run_ahead in (True, False):
+        llm = LLM(qwen3_dir, device="cuda", dtype="float32", kvcache_block_size=16, num_kvcache_blocks=256,
+                  async_scheduling=run_ahead)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        runs.append([(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs])
+    assert runs[0] == runs[1]
+    assert any(reason == "stop" for _, reason in runs[0]) and any(reason == "length" for _, reason in runs[0])
