@@ -89,24 +89,18 @@ def one_torch_thread():
     torch.set_num_threads(n)
 
 
-def _ordered_bits(x: torch.Tensor) -> torch.Tensor:
-    """A 16-bit float's bits as an int that counts ulps across zero (+0 and -0 both 0)."""
-    bits = x.view(torch.int16).int()
-    magnitude = bits & 0x7FFF
-    return torch.where(bits < 0, -magnitude, magnitude)
-
-
-def assert_within_one_ulp(out: torch.Tensor, ref: torch.Tensor, max_fraction: float = 0.01):
-    """Equal, but for values at most one unit in the last place apart on a small fraction: what a
-    different fp32 summation order does to a value later rounded to a 16-bit type. A rounding step
-    left out shows up as many more mismatches."""
+def assert_nearly_equal(out: torch.Tensor, ref: torch.Tensor, max_fraction: float = 0.01):
+    """fp32: within 1e-6. 16-bit: bit-for-bit equal on all but a small fraction of values, and those
+    close: a different fp32 summation order can flip the rounding of an intermediate value (one ulp),
+    which can be a few ulps of an output where two rotated terms cancel. A rounding step left out
+    or added shows up as many more mismatches."""
     assert out.shape == ref.shape and out.dtype == ref.dtype
     if out.dtype == torch.float32:
         torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-6)
         return
-    ulps = (_ordered_bits(out) - _ordered_bits(ref)).abs()
-    assert ulps.max() <= 1, f"{int((ulps > 1).sum())} values more than one ulp apart"
-    assert (ulps > 0).float().mean() <= max_fraction, f"{int((ulps > 0).sum())} of {ulps.numel()} differ"
+    differ = out != ref
+    assert differ.float().mean() <= max_fraction, f"{int(differ.sum())} of {out.numel()} values differ"
+    torch.testing.assert_close(out.float(), ref.float(), atol=2 ** -5, rtol=2 ** -7)
 
 
 def tokens(outputs) -> list[list[int]]:

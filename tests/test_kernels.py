@@ -10,12 +10,13 @@ import math
 import pytest
 import torch
 
-from conftest import interp, run_interpreted_tests
-from nanovllm.kernels import ATTENTION_BACKEND, paged_decode_attention, prefill_attention, store_kvcache
+from conftest import assert_nearly_equal, interp, run_interpreted_tests
+from nanovllm.kernels import (ATTENTION_BACKEND, paged_decode_attention, prefill_attention, qk_norm_rope_store,
+                              store_kvcache)
 from nanovllm.kernels.prefill_attention import gather_kv_varlen
 from nanovllm.kernels.reference import (causal_mask, gather_paged_kv, paged_decode_attention_ref,
-                                        prefill_attention_ref, store_kvcache_ref)
-
+                                        prefill_attention_ref, qk_norm_rope_store_ref, store_kvcache_ref)
+from nanovllm.layers.rotary_embedding import RotaryEmbedding
 
 
 def naive_attention(q, k, v, scale):
@@ -136,6 +137,52 @@ def test_backend_on_cpu_tensors_is_the_reference():
     assert torch.equal(k_cache[1, 1], kp[1]) and torch.equal(k_cache[0], before[0])
 
 
+def qk_case(num_tokens, num_heads, num_kv_heads, head_dim, dtype=torch.float32, norm=True, seed=0):
+    """Arguments of qk_norm_rope_store after head_dim: qkv, weights, eps, cos/sin, positions, slots
+    (some -1), and a random paged cache (block size 4) with room to spare."""
+    gen = torch.Generator().manual_seed(seed)
+    qkv = (torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen) * 2).to(dtype)
+    weights = [(torch.rand(head_dim, generator=gen) + 0.5).to(dtype) if norm else None for _ in range(2)]
+    cos_sin = RotaryEmbedding(head_dim, 4096, 10000.0).cos_sin_cache
+    positions = torch.randint(0, 4096, (num_tokens,), generator=gen)
+    num_blocks = num_tokens // 4 + 3
+    slots = torch.randperm(num_blocks * 4, generator=gen)[:num_tokens].int()
+    slots[1::3] = -1
+    k_cache = torch.randn(num_blocks, 4, num_kv_heads, head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks, 4, num_kv_heads, head_dim, generator=gen).to(dtype)
+    return [qkv, *weights, 1e-6, cos_sin, positions, slots, k_cache, v_cache]
+
+
+def test_qk_norm_rope_store_ref_is_the_layers_path():
+    # The reference is the layers' own ops: q/k RMSNorm per head, then rotary, then the store.
+    from nanovllm.layers.layernorm import RMSNorm
+    qkv, q_w, k_w, eps, cos_sin, positions, slots, k_cache, v_cache = qk_case(6, 4, 2, 16)
+    q, k, v = qk_norm_rope_store_ref(qkv, q_w, k_w, eps, cos_sin, positions, slots, k_cache, v_cache, 4, 2, 16)
+    norm = RMSNorm(16, eps)
+    norm.weight.data = q_w
+    q_normed = norm(qkv[:, :64].reshape(-1, 16)).view(6, 4, 16)
+    norm.weight.data = k_w
+    k_normed = norm(qkv[:, 64:96].reshape(-1, 16)).view(6, 2, 16)
+    rope = RotaryEmbedding(16, 4096, 10000.0)
+    q_ref, k_ref = rope(positions, q_normed, k_normed)
+    assert torch.equal(q, q_ref) and torch.equal(k, k_ref) and torch.equal(v, qkv[:, 96:].view(6, 2, 16))
+    keep = slots >= 0
+    assert torch.equal(k_cache.view(-1, 2, 16)[slots[keep].long()], k[keep])
+    assert torch.equal(v_cache.view(-1, 2, 16)[slots[keep].long()], v[keep])
+
+
+def test_qk_norm_rope_store_on_cpu_is_the_reference_and_skips_an_empty_cache():
+    args = qk_case(5, 4, 2, 16)
+    k_ref, v_ref = args[-2].clone(), args[-1].clone()
+    q, k, v = qk_norm_rope_store(*args, 4, 2, 16)
+    q_ref, kk_ref, _ = qk_norm_rope_store_ref(*args[:-2], k_ref, v_ref, 4, 2, 16)
+    assert torch.equal(q, q_ref) and torch.equal(k, kk_ref) and torch.equal(args[-2], k_ref)
+    # The warm-up run: no cache bound yet and no slot mapping.
+    empty = torch.tensor([])
+    q2, k2, _ = qk_norm_rope_store(*args[:6], None, empty, empty, 4, 2, 16)
+    assert torch.equal(q2, q) and torch.equal(k2, k)
+
+
 def test_triton_kernels_under_interpreter():
     run_interpreted_tests(__file__)
 
@@ -195,3 +242,57 @@ def test_interp_decode_head_dim_below_16_is_padded():
     out = paged_decode_attention_triton(q, k_cache, v_cache, tables, ctx, 0.3, num_splits=2, block_n=16)
     torch.testing.assert_close(out, paged_decode_attention_ref(q, k_cache, v_cache, tables, ctx, 0.3),
                                atol=1e-5, rtol=1e-5)
+
+
+def check_qk_norm_rope_store(args, num_heads, num_kv_heads, head_dim):
+    """The Triton kernel against the reference: outputs, and the cache written exactly at the
+    slots of the rows that are not -1, untouched elsewhere."""
+    from nanovllm.kernels.qk_norm_rope import qk_norm_rope_store_triton
+    *inputs, k_cache, v_cache = args
+    slots = inputs[6]
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    q_ref, kk_ref, v_view_ref = qk_norm_rope_store_ref(*inputs, k_ref, v_ref, num_heads, num_kv_heads, head_dim)
+    k_out, v_out = k_cache.clone(), v_cache.clone()
+    q, k, v = qk_norm_rope_store_triton(*inputs, k_out, v_out, num_heads, num_kv_heads, head_dim)
+    assert q.shape == (len(slots), num_heads, head_dim) and k.shape == (len(slots), num_kv_heads, head_dim)
+    assert_nearly_equal(q, q_ref)
+    assert_nearly_equal(k, kk_ref)
+    assert torch.equal(v, v_view_ref)
+    written = torch.zeros(k_cache.shape[0] * k_cache.shape[1], dtype=torch.bool)
+    written[slots[slots >= 0].long()] = True
+    flat = lambda c: c.view(-1, num_kv_heads, head_dim)  # noqa: E731
+    assert torch.equal(flat(k_out)[~written], flat(k_cache)[~written])
+    assert torch.equal(flat(v_out)[~written], flat(v_cache)[~written])
+    assert torch.equal(flat(k_out)[slots[slots >= 0].long()], k[slots >= 0])   # the kernel's own k, exactly
+    assert_nearly_equal(k_out, k_ref)
+    assert torch.equal(v_out, v_ref)
+
+
+@interp
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("norm", [True, False])
+@pytest.mark.parametrize("num_tokens,num_heads,num_kv_heads", [(3, 4, 2), (40, 4, 2), (9, 2, 2)])
+def test_interp_qk_norm_rope_store_matches_reference(dtype, norm, num_tokens, num_heads, num_kv_heads):
+    # decode-like and prefill-like token counts; GQA and as many KV heads as query heads
+    args = qk_case(num_tokens, num_heads, num_kv_heads, 16, dtype, norm)
+    check_qk_norm_rope_store(args, num_heads, num_kv_heads, 16)
+
+
+@interp
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(3, 1, 24), (2, 1, 8), (4, 2, 128)])
+def test_interp_qk_norm_rope_store_odd_shapes(num_heads, num_kv_heads, head_dim):
+    # head counts and half head_dims that are not powers of two fill a masked tile; Qwen3's head_dim
+    check_qk_norm_rope_store(qk_case(5, num_heads, num_kv_heads, head_dim, torch.bfloat16, seed=1),
+                             num_heads, num_kv_heads, head_dim)
+
+
+@interp
+def test_interp_qk_norm_rope_store_without_a_cache():
+    # The warm-up run binds no cache: nothing is stored, slot_mapping may be None.
+    from nanovllm.kernels.qk_norm_rope import qk_norm_rope_store_triton
+    args = qk_case(4, 4, 2, 16)
+    q_ref, k_ref, _ = qk_norm_rope_store_ref(*args, 4, 2, 16)
+    empty = torch.tensor([])
+    q, k, v = qk_norm_rope_store_triton(*args[:6], None, empty, empty, 4, 2, 16)
+    assert_nearly_equal(q, q_ref)
+    assert_nearly_equal(k, k_ref)

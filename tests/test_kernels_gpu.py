@@ -7,9 +7,12 @@ import torch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
-from nanovllm.kernels import ATTENTION_BACKEND, paged_decode_attention, prefill_attention, store_kvcache  # noqa: E402
+from conftest import assert_nearly_equal  # noqa: E402
+from nanovllm.kernels import (ATTENTION_BACKEND, paged_decode_attention, prefill_attention,  # noqa: E402
+                              qk_norm_rope_store, store_kvcache)
 from nanovllm.kernels.reference import (gather_paged_kv, paged_decode_attention_ref,  # noqa: E402
-                                        prefill_attention_ref, store_kvcache_ref)
+                                        prefill_attention_ref, qk_norm_rope_store_ref, store_kvcache_ref)
+from nanovllm.layers.rotary_embedding import RotaryEmbedding  # noqa: E402
 
 H, HKV, D = 16, 8, 128
 SCALE = D ** -0.5
@@ -170,3 +173,60 @@ def test_decode_small_head_dims(head_dim):
     out = paged_decode_attention_triton(q, k_cache, v_cache, tables, ctx, head_dim ** -0.5)
     ref = paged_decode_attention_ref(q, k_cache, v_cache, tables, ctx, head_dim ** -0.5)
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
+def qk_case(num_tokens, dtype, norm, seed=0, block_size=256):
+    """qk_norm_rope_store's arguments at Qwen3-0.6B's shapes (rope theta 1e6), a fifth of the slots -1."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    qkv = (torch.randn(num_tokens, (H + 2 * HKV) * D, device="cuda", generator=gen) * 2).to(dtype)
+    weights = [(torch.rand(D, device="cuda", generator=gen) + 0.5).to(dtype) if norm else None for _ in range(2)]
+    cos_sin = RotaryEmbedding(D, 40960, 1e6).cos_sin_cache.cuda()
+    positions = torch.randint(0, 40960, (num_tokens,), device="cuda", generator=gen)
+    num_blocks = num_tokens // block_size + 3
+    slots = torch.randperm(num_blocks * block_size, device="cuda", generator=gen)[:num_tokens].int()
+    slots[::5] = -1
+    k_cache = torch.randn(num_blocks, block_size, HKV, D, device="cuda", generator=gen).to(dtype)
+    return [qkv, *weights, 1e-6, cos_sin, positions, slots, k_cache, torch.randn_like(k_cache)]
+
+
+@pytest.mark.parametrize("num_tokens", [1, 256, 16384])
+@pytest.mark.parametrize("dtype,norm", [(torch.bfloat16, True), (torch.bfloat16, False), (torch.float32, True)])
+def test_qk_norm_rope_store_matches_reference(num_tokens, dtype, norm, monkeypatch):
+    """The fused kernel against the eager torch ops (transformers' roundings): equal, up to one ulp on
+    a few values; the cache written only at the slots. Eager, not torch.compile'd: inductor drops
+    RMSNorm's cast to bf16 before the weight multiply, so it rounds differently on ~30% of values."""
+    from nanovllm.kernels.qk_norm_rope import qk_norm_rope_store_triton
+    from nanovllm.layers import compile as compile_module
+    *inputs, k_cache, v_cache = qk_case(num_tokens, dtype, norm)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    monkeypatch.setattr(compile_module, "ENABLED", False)
+    q_ref, kk_ref, _ = qk_norm_rope_store_ref(*inputs, k_ref, v_ref, H, HKV, D)
+    for fn in (qk_norm_rope_store_triton, qk_norm_rope_store):   # the kernel, the dispatching entry point
+        k_out, v_out = k_cache.clone(), v_cache.clone()
+        q, k, v = fn(*inputs, k_out, v_out, H, HKV, D)
+        assert_nearly_equal(q, q_ref)
+        assert_nearly_equal(k, kk_ref)
+        assert_nearly_equal(k_out, k_ref)
+        assert torch.equal(v_out, v_ref)
+        assert torch.equal(v, inputs[0][:, (H + HKV) * D:].view(-1, HKV, D))
+
+
+def test_qk_norm_rope_store_cuda_graph_replay_matches_eager():
+    from nanovllm.kernels.qk_norm_rope import qk_norm_rope_store_triton
+    *inputs, k_cache, v_cache = qk_case(64, torch.bfloat16, True)
+    qkv, positions, slots = inputs[0], inputs[5], inputs[6]
+    qk_norm_rope_store_triton(*inputs, k_cache, v_cache, H, HKV, D)   # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        q, k, _ = qk_norm_rope_store_triton(*inputs, k_cache, v_cache, H, HKV, D)
+    for step in range(3):
+        qkv.copy_(torch.randn_like(qkv))
+        positions.copy_(torch.randint(0, 40960, positions.shape, device="cuda"))
+        slots.copy_(torch.randperm(k_cache.shape[0] * k_cache.shape[1], device="cuda")[:64].int())
+        slots[step::4] = -1
+        k_eager, v_eager = k_cache.clone(), v_cache.clone()
+        q_eager, kk_eager, _ = qk_norm_rope_store_triton(*inputs, k_eager, v_eager, H, HKV, D)
+        graph.replay()
+        assert torch.equal(q, q_eager) and torch.equal(k, kk_eager)
+        assert torch.equal(k_cache, k_eager) and torch.equal(v_cache, v_eager)

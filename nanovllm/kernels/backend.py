@@ -1,10 +1,11 @@
-"""The attention back end, chosen once at import, and the three entry points the Attention layer calls.
+"""The attention back end, chosen once at import, and the entry points the Attention layer calls.
 
 ATTENTION_BACKEND names the CUDA path:
   "flash-attn": flash-attn's varlen and kv-cache kernels (paged cache needs block_size % 256 == 0;
-                other block sizes use the Triton decode kernel and a gathered prefill);
-  "triton":     the project's Triton decode and store kernels, torch's built-in FlashAttention-2 for
-                prefill (fp16/bf16; fp32 and other misfits take the reference);
+                other block sizes use the Triton decode kernel and a gathered prefill), the project's
+                Triton KV-store and q/k norm + rotary kernels;
+  "triton":     the project's Triton decode, KV-store and q/k norm + rotary kernels, torch's built-in
+                FlashAttention-2 for prefill (fp16/bf16; fp32 and other misfits take the reference);
   "torch":      the plain torch reference everywhere.
 CPU tensors always take the torch reference, whatever was chosen.
 NANOVLLM_ATTENTION_BACKEND=flash-attn|triton|torch forces the choice.
@@ -15,7 +16,7 @@ import os
 import torch
 
 from nanovllm.kernels.reference import (paged_decode_attention_ref, prefill_attention_ref,
-                                        store_kvcache_ref)
+                                        qk_norm_rope_store_ref, store_kvcache_ref)
 
 BACKENDS = ("flash-attn", "triton", "torch")
 
@@ -48,6 +49,7 @@ if ATTENTION_BACKEND != "torch":
     from nanovllm.kernels.decode_attention import paged_decode_attention_triton
     from nanovllm.kernels.prefill_attention import (aten_flash_usable, gather_kv_varlen,
                                                     prefill_attention_aten)
+    from nanovllm.kernels.qk_norm_rope import qk_norm_rope_store_triton
     from nanovllm.kernels.store_kvcache import store_kvcache_triton
 if ATTENTION_BACKEND == "flash-attn":
     from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
@@ -60,6 +62,19 @@ def _fast(t: torch.Tensor) -> bool:
 def _flash_pages(k_cache: torch.Tensor) -> bool:
     """flash-attn reads a paged cache only when its block size is a multiple of 256."""
     return ATTENTION_BACKEND == "flash-attn" and k_cache.shape[1] % 256 == 0
+
+
+def qk_norm_rope_store(qkv: torch.Tensor, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
+                       eps: float, cos_sin_cache: torch.Tensor, positions: torch.Tensor,
+                       slot_mapping: torch.Tensor | None, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       num_heads: int, num_kv_heads: int, head_dim: int):
+    """Per-head q/k RMSNorm (weights None: none), rotary, and the K/V write into the cache (skipped
+    while the cache is empty); one fused kernel on CUDA. CUDA-graph safe.
+    qkv: [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]
+    -> q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]"""
+    fn = qk_norm_rope_store_triton if _fast(qkv) else qk_norm_rope_store_ref
+    return fn(qkv, q_weight, k_weight, eps, cos_sin_cache, positions, slot_mapping, k_cache, v_cache,
+              num_heads, num_kv_heads, head_dim)
 
 
 def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,

@@ -1,9 +1,35 @@
-"""Plain torch attention and KV-store: the CPU path and the oracle of the kernel tests.
+"""Plain torch attention, KV-store and q/k norm + rotary: the CPU path and the oracle of the kernel tests.
 
-Every function computes in fp32 and returns the dtype of its query. Query head h reads KV head
+The attention functions compute in fp32 and return the dtype of their query. Query head h reads KV head
 h // (num_heads // num_kv_heads), the grouping of Hugging Face's `repeat_kv`.
 """
 import torch
+
+from nanovllm.layers.layernorm import rms_norm
+from nanovllm.layers.rotary_embedding import apply_rotary
+
+
+def qk_norm_rope_store_ref(qkv: torch.Tensor, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
+                           eps: float, cos_sin_cache: torch.Tensor, positions: torch.Tensor,
+                           slot_mapping: torch.Tensor | None, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           num_heads: int, num_kv_heads: int, head_dim: int):
+    """The layers' own ops, one after another: per-head RMSNorm of q and k (when weights are given),
+    rotary, then the K/V store (skipped while the cache is empty, as in the warm-up run).
+    qkv: [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]
+    -> q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]"""
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    q = q.view(-1, num_heads, head_dim)
+    k = k.view(-1, num_kv_heads, head_dim)
+    v = v.view(-1, num_kv_heads, head_dim)
+    if q_weight is not None:
+        # Normalised as [tokens * heads, head_dim] rows: the same 2-D shape as every other RMSNorm.
+        q = rms_norm(q.reshape(-1, head_dim), q_weight, eps).view(q.shape)
+        k = rms_norm(k.reshape(-1, head_dim), k_weight, eps).view(k.shape)
+    q, k = apply_rotary(positions, q, k, cos_sin_cache)
+    if k_cache.numel():
+        store_kvcache_ref(k, v, k_cache, v_cache, slot_mapping)
+    return q, k, v
 
 
 def store_kvcache_ref(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,

@@ -1,14 +1,18 @@
 import torch
 from torch import nn
 
-from nanovllm.kernels import paged_decode_attention, prefill_attention, store_kvcache
+from nanovllm.kernels import paged_decode_attention, prefill_attention, qk_norm_rope_store
+from nanovllm.layers.layernorm import RMSNorm
+from nanovllm.layers.rotary_embedding import RotaryEmbedding
 from nanovllm.utils.context import get_context
 
 
 class Attention(nn.Module):
-    """Writes the new tokens' K/V into the paged cache (through slot_mapping), then attends over
-    the cache: prefill (possibly after a cached prefix or earlier chunks) or one-token decode.
-    The back end (flash-attn, Triton, torch) is chosen once, in nanovllm.kernels."""
+    """From the qkv projection to the attention output: per-head q/k RMSNorm (Qwen3), rotary and
+    the new tokens' K/V write into the paged cache (through slot_mapping), then attention over the
+    cache: prefill (possibly after a cached prefix or earlier chunks) or one-token decode.
+    The back end (flash-attn, Triton, torch) is chosen once, in nanovllm.kernels; on CUDA the
+    norms, rotary and store are one fused kernel."""
 
     def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int):
         super().__init__()
@@ -18,11 +22,14 @@ class Attention(nn.Module):
         # [num_blocks, block_size, num_kv_heads, head_dim]. Empty during the warm-up run.
         self.k_cache = self.v_cache = torch.tensor([])
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
+    def forward(self, positions: torch.Tensor, qkv: torch.Tensor, rotary_emb: RotaryEmbedding,
+                q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None) -> torch.Tensor:
+        # qkv: [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim] -> [num_tokens, num_heads, head_dim]
         ctx = get_context()
-        if self.k_cache.numel():
-            store_kvcache(k, v, self.k_cache, self.v_cache, ctx.slot_mapping)
+        q_weight, k_weight, eps = (None, None, 0.0) if q_norm is None else (q_norm.weight, k_norm.weight, q_norm.eps)
+        q, k, v = qk_norm_rope_store(qkv, q_weight, k_weight, eps, rotary_emb.cos_sin_cache, positions,
+                                     ctx.slot_mapping, self.k_cache, self.v_cache,
+                                     self.num_heads, self.num_kv_heads, self.head_dim)
         if ctx.is_prefill:
             return prefill_attention(q, k, v, self.k_cache, self.v_cache, ctx.cu_seqlens_q, ctx.cu_seqlens_k,
                                      ctx.max_seqlen_q, ctx.max_seqlen_k, ctx.block_tables, self.scale)

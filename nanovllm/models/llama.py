@@ -47,17 +47,10 @@ class LlamaAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         # x: [num_tokens, hidden] -> [num_tokens, hidden]
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            # Normalised as [tokens * heads, head_dim] rows: the same 2-D shape as every other RMSNorm.
-            q = self.q_norm(q.reshape(-1, self.head_dim)).view(q.shape)
-            k = self.k_norm(k.reshape(-1, self.head_dim)).view(k.shape)
-        q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v).flatten(1))
+        # The attention layer applies q_norm / k_norm (Qwen3) and rotary itself: on CUDA they are
+        # fused with its KV-cache write into one kernel.
+        out = self.attn(positions, self.qkv_proj(x), self.rotary_emb, self.q_norm, self.k_norm)
+        return self.o_proj(out.flatten(1))
 
 
 class LlamaMLP(nn.Module):
