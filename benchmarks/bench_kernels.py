@@ -3,6 +3,8 @@
 Decode is memory bound: its figure of merit is bytes moved (K+V of every context, q, out) per second, as
 a fraction of the H200's 4.8 TB/s and of a plain device-to-device copy measured here.
 Prefill is compute bound: TFLOP/s of causal attention.
+q/k RMSNorm + rotary + KV store: the fused kernel against the separate ops it replaced (two
+compiled RMSNorms, compiled rotary, the Triton store), captured in a CUDA graph.
 Sampling (vocab 151936, bf16 logits, T=0.6): the fused Gumbel-max kernel against the sampler's torch
 path (which converts to fp32 first); its bytes are one read of the bf16 logits.
 
@@ -16,6 +18,10 @@ import triton.testing
 
 from nanovllm.kernels import ATTENTION_BACKEND, paged_decode_attention, prefill_attention
 from nanovllm.kernels.decode_attention import paged_decode_attention_triton
+from nanovllm.kernels.qk_norm_rope import qk_norm_rope_store_triton
+from nanovllm.kernels.store_kvcache import store_kvcache_triton
+from nanovllm.layers.layernorm import rms_norm
+from nanovllm.layers.rotary_embedding import RotaryEmbedding, apply_rotary
 from nanovllm.kernels.sampling import gumbel_max_sample
 from nanovllm.layers.sampler import Sampler, SamplingTensors
 
@@ -58,6 +64,31 @@ def prefill_case(num_seqs, seq_len):
     return ms, flops / (ms * 1e-3)
 
 
+def qk_norm_rope_case(num_tokens, fused):
+    qkv = torch.randn(num_tokens, (H + 2 * HKV) * D, device="cuda", dtype=torch.bfloat16)
+    q_w, k_w = (torch.rand(D, device="cuda", dtype=torch.bfloat16) + 0.5 for _ in range(2))
+    cos_sin = RotaryEmbedding(D, 40960, 1e6).cos_sin_cache.cuda()
+    positions = torch.randint(0, 40960, (num_tokens,), device="cuda")
+    blocks = num_tokens // BLOCK + 2
+    slots = torch.randperm(blocks * BLOCK, device="cuda")[:num_tokens].int()
+    k_cache = torch.zeros(blocks, BLOCK, HKV, D, device="cuda", dtype=torch.bfloat16)
+    v_cache = torch.zeros_like(k_cache)
+
+    def separate():
+        q, k, v = qkv.split([H * D, HKV * D, HKV * D], dim=-1)
+        q = rms_norm(q.reshape(-1, D), q_w, 1e-6).view(-1, H, D)
+        k = rms_norm(k.reshape(-1, D), k_w, 1e-6).view(-1, HKV, D)
+        q, k = apply_rotary(positions, q, k, cos_sin)
+        store_kvcache_triton(k, v.view(-1, HKV, D), k_cache, v_cache, slots)
+
+    def one_kernel():
+        qk_norm_rope_store_triton(qkv, q_w, k_w, 1e-6, cos_sin, positions, slots, k_cache, v_cache, H, HKV, D)
+    fn = one_kernel if fused else separate
+    fn()   # compile outside the capture
+    # bytes of the fused kernel: read qkv; write q, k and the cache's k and v rows
+    return median_ms(fn, graph=True), 2 * num_tokens * D * ((H + 2 * HKV) + (H + 3 * HKV))
+
+
 def sampling_case(n, fused, vocab=151936):
     logits = torch.randn(n, vocab, device="cuda", dtype=torch.bfloat16)
     temps = torch.full((n,), 0.6, device="cuda")
@@ -89,6 +120,13 @@ def main():
     ms, flops = prefill_case(16, 1024)
     rows.append(dict(case="prefill 16x1024", ms=ms, flops_per_s=flops))
     print(f"{'prefill 16 x 1024 tokens':40s} {ms:9.4f}   {flops / 1e12:.1f} TFLOP/s")
+    for num_tokens in (256, 16384):
+        for fused in (True, False):
+            ms, nbytes = qk_norm_rope_case(num_tokens, fused)
+            label = f"qk norm+rope+store {'fused' if fused else 'separate'} T={num_tokens}"
+            bw = nbytes / (ms * 1e-3)
+            rows.append(dict(case=label, ms=ms, bytes_per_s=bw, of_peak=bw / PEAK_BW, of_copy=bw / copy_bw))
+            print(f"{label:40s} {ms:9.4f} {bw / 1e12:7.2f} {bw / PEAK_BW:7.1%} {bw / copy_bw:8.1%}")
     for n, fused in [(256, True), (256, False), (1, True)]:
         ms, bw = sampling_case(n, fused)
         label = f"sample {'fused' if fused else 'torch'} n={n} vocab=151936"

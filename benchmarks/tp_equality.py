@@ -1,26 +1,41 @@
 """TP=2 against TP=1 on two GPUs: the greedy tokens of a tiny fp32 Qwen3 (8 heads, head_dim 8), and
-how far each TP=2 token is from transformers' argmax. Usage: PYTHONPATH=. python benchmarks/tp_equality.py"""
-import os, sys, time
+how far each TP=2 token is from transformers' argmax, with each engine's start-up phases.
+
+    PYTHONPATH=. python benchmarks/tp_equality.py            # eager, no torch.compile
+    PYTHONPATH=. python benchmarks/tp_equality.py --graphs   # CUDA graphs and torch.compile
+
+To see where a hang sits, add benchmarks/hang_dump to PYTHONPATH and set HANG_DUMP_AFTER=<seconds>:
+every Python process, the spawned workers too, then prints its threads' tracebacks after that long."""
+import argparse
+import os
+import sys
+import time
+
 sys.path.insert(0, "tests")
-os.environ["NANOVLLM_COMPILE"] = "0"
-from conftest import HFOracle, make_model, random_prompts
-from nanovllm import LLM, SamplingParams
 
 if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--graphs", action="store_true", help="CUDA graphs and torch.compile (default: eager)")
+    args = parser.parse_args()
+    if not args.graphs:
+        os.environ["NANOVLLM_COMPILE"] = "0"
+    from conftest import HFOracle, make_model, random_prompts
+    from nanovllm import LLM, SamplingParams
     t = time.time()
     path = make_model("/tmp/tp8h", "qwen3", num_attention_heads=8, num_key_value_heads=8, head_dim=8)
     prompts = random_prompts(8, [1, 5, 17, 33, 64, 150, 300, 40], seed=11)
     g = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     opts = dict(device="cuda", kvcache_block_size=16, num_kvcache_blocks=96, max_num_batched_tokens=256,
-                dtype="float32", enforce_eager=True)
+                dtype="float32", enforce_eager=not args.graphs)
     res = {}
     for tp in (1, 2):
         llm = LLM(path, tensor_parallel_size=tp, **opts)
+        print(f"tp {tp} started at {time.time() - t:.1f}s: " + ", ".join(
+            f"{k} {v:.1f}s" for k, v in llm.model_runner.startup_seconds.items()), flush=True)
         res[tp] = [o.outputs[0].token_ids for o in llm.generate(prompts, g, use_tqdm=False)]
-        if tp > 1:
-            llm.shutdown()
+        llm.shutdown()
         del llm
-        print("tp", tp, "done", round(time.time() - t, 1), flush=True)
+        print(f"tp {tp} done at {time.time() - t:.1f}s", flush=True)
     oracle = HFOracle(path)
     for i, (p, a, b) in enumerate(zip(prompts, res[1], res[2])):
         lg = oracle.logits(p + b)[len(p) - 1:-1]

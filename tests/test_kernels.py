@@ -13,7 +13,7 @@ import torch
 from conftest import assert_nearly_equal, interp, run_interpreted_tests
 from nanovllm.kernels import (ATTENTION_BACKEND, paged_decode_attention, prefill_attention, qk_norm_rope_store,
                               store_kvcache)
-from nanovllm.kernels.prefill_attention import gather_kv_varlen
+from nanovllm.kernels.flash_prefill import gather_kv_varlen, paged_kv_slots
 from nanovllm.kernels.reference import (causal_mask, gather_paged_kv, paged_decode_attention_ref,
                                         prefill_attention_ref, qk_norm_rope_store_ref, store_kvcache_ref)
 from nanovllm.layers.rotary_embedding import RotaryEmbedding
@@ -115,7 +115,7 @@ def test_gather_kv_varlen_concatenates_each_sequence():
     k_lens = [5, 1, 12]
     k_cache, v_cache, tables = make_paged(k_lens, 4, num_kv_heads=2, head_dim=8, seed=2)
     cu_k = torch.tensor([0, 5, 6, 18], dtype=torch.int32)
-    k, v = gather_kv_varlen(k_cache, v_cache, tables, cu_k)
+    k, v = gather_kv_varlen(k_cache, v_cache, paged_kv_slots(tables, cu_k, 18, block_size=4))
     assert torch.equal(k, torch.cat([gather_paged_kv(k_cache, tables[i], n) for i, n in enumerate(k_lens)]))
     assert torch.equal(v, torch.cat([gather_paged_kv(v_cache, tables[i], n) for i, n in enumerate(k_lens)]))
 

@@ -49,7 +49,7 @@ def test_backend_is_a_gpu_backend():
 
 
 def test_aten_flash_attention_is_usable():
-    from nanovllm.kernels.prefill_attention import aten_flash_mode
+    from nanovllm.kernels.flash_prefill import aten_flash_mode
     assert aten_flash_mode(torch.device("cuda")) in ("gqa", "expand")
 
 
@@ -164,7 +164,7 @@ def test_decode_small_head_dims(head_dim):
     """head_dim below 16 needs a padded tile (tl.dot wants K >= 16): it once failed to compile."""
     from nanovllm.kernels.decode_attention import paged_decode_attention_triton
     gen = torch.Generator(device="cuda").manual_seed(3)
-    lens = [1, 40, 300]
+    lens = [1, 40, 208]   # the tables hold 13 blocks of 16 tokens
     k_cache = torch.randn(40, 16, 4, head_dim, device="cuda", generator=gen)
     v_cache = torch.randn_like(k_cache)
     tables = torch.randperm(40, device="cuda", generator=gen)[:3 * 13].int().view(3, 13)

@@ -11,6 +11,7 @@ from nanovllm.engine.block_manager import cdiv
 from nanovllm.engine.sampling_inputs import PendingSample, SampledTokens, build_sampling_tensors
 from nanovllm.engine.scheduler import ScheduledBatch
 from nanovllm.engine.step_input import StepInput
+from nanovllm.kernels.flash_prefill import paged_kv_slots
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.sampler import Sampler, SamplingTensors
 from nanovllm.models import get_model_class
@@ -194,12 +195,16 @@ class ModelRunner:
             cu_k.append(cu_k[-1] + end)
             if samples:
                 logits_indices.append(cu_q[-1] - 1)
-        has_prefix = any(step.starts)
+        cu_seqlens_k = self._tensor(cu_k, torch.int32)
+        block_tables = kv_slots = None
+        if any(step.starts):   # some sequence has a cached prefix: keys are read from the pages
+            block_tables = self._block_tables(step.block_tables)
+            kv_slots = paged_kv_slots(block_tables, cu_seqlens_k, cu_k[-1], self.block_size)
         ctx = Context(is_prefill=True, cu_seqlens_q=self._tensor(cu_q, torch.int32),
-                      cu_seqlens_k=self._tensor(cu_k, torch.int32), max_seqlen_q=max(map(len, step.token_ids)),
+                      cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max(map(len, step.token_ids)),
                       max_seqlen_k=max(b - a for a, b in zip(cu_k, cu_k[1:])),
                       slot_mapping=self._tensor(slots, torch.int32),
-                      block_tables=self._block_tables(step.block_tables) if has_prefix else None)
+                      block_tables=block_tables, kv_slots=kv_slots)
         return (self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64), ctx,
                 self._tensor(logits_indices, torch.int64))
 
@@ -220,6 +225,13 @@ class ModelRunner:
             flat += [0] * (width - len(table))
         flat += [0] * (pad * width)
         return torch.tensor(flat, dtype=torch.int32, pin_memory=self.use_cuda)
+
+    def decode_forward(self, flat: torch.Tensor, rows: int, width: int) -> torch.Tensor:
+        """The model on a prepare_decode buffer (on the device): eager, or recorded into a graph,
+        where the pending-token lookup of decode_views must be recorded too."""
+        input_ids, positions, ctx = self.decode_views(flat, rows, width)
+        with forward_context(ctx):
+            return self.model(input_ids, positions)
 
     def decode_views(self, flat: torch.Tensor, rows: int, width: int):
         """(input_ids, positions, Context) from a prepare_decode buffer on the device. An input
@@ -295,9 +307,7 @@ class ModelRunner:
         if graph_bs is None:
             width = max(map(len, step.block_tables))
             flat = self.prepare_decode(step, n, width).to(self.device, non_blocking=True)
-            input_ids, positions, ctx = self.decode_views(flat, n, width)
-            with forward_context(ctx):
-                return self.model(input_ids, positions)
+            return self.decode_forward(flat, n, width)
         host = self.prepare_decode(step, graph_bs, self.max_blocks)
         self.graph_inputs[:host.numel()].copy_(host, non_blocking=True)   # the graph reads these views
         self.graphs[graph_bs].replay()
@@ -320,11 +330,9 @@ class ModelRunner:
             self.graph_inputs.zero_()
             self.graph_inputs[2 * bs:3 * bs].fill_(-1)   # slots: capture writes no KV
             self.graph_inputs[4 * bs:5 * bs].fill_(-1)   # token rows: no pending tokens
-            input_ids, positions, ctx = self.decode_views(self.graph_inputs, bs, self.max_blocks)
-            with forward_context(ctx):
-                self.graph_outputs[:bs] = self.model(input_ids, positions)   # warm-up
-                with torch.cuda.graph(graph, pool):
-                    self.graph_outputs[:bs] = self.model(input_ids, positions)
+            self.graph_outputs[:bs] = self.decode_forward(self.graph_inputs, bs, self.max_blocks)   # warm-up
+            with torch.cuda.graph(graph, pool):
+                self.graph_outputs[:bs] = self.decode_forward(self.graph_inputs, bs, self.max_blocks)
             pool = pool or graph.pool()
             self.graphs[bs] = graph
             torch.cuda.synchronize()

@@ -47,8 +47,8 @@ ATTENTION_BACKEND = _choose_backend()
 
 if ATTENTION_BACKEND != "torch":
     from nanovllm.kernels.decode_attention import paged_decode_attention_triton
-    from nanovllm.kernels.prefill_attention import (aten_flash_usable, gather_kv_varlen,
-                                                    prefill_attention_aten)
+    from nanovllm.kernels.flash_prefill import (aten_flash_usable, gather_kv_varlen, paged_kv_slots,
+                                                prefill_attention_aten)
     from nanovllm.kernels.qk_norm_rope import qk_norm_rope_store_triton
     from nanovllm.kernels.store_kvcache import store_kvcache_triton
 if ATTENTION_BACKEND == "flash-attn":
@@ -103,16 +103,20 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       k_cache: torch.Tensor, v_cache: torch.Tensor,
                       cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
                       max_seqlen_q: int, max_seqlen_k: int,
-                      block_tables: torch.Tensor | None, scale: float) -> torch.Tensor:
+                      block_tables: torch.Tensor | None, scale: float,
+                      kv_slots: torch.Tensor | None = None) -> torch.Tensor:
     # q: [total_q, num_heads, head_dim]; k, v: [total_q, num_kv_heads, head_dim], already in the cache.
-    # block_tables None: no cached prefix, use k, v; otherwise read keys from the pages.
+    # block_tables None: no cached prefix, use k, v; otherwise read keys from the pages, gathered
+    # (where the kernel cannot read pages) through kv_slots (paged_kv_slots, computed once per step).
     args = (q, k, v, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
             block_tables, scale)
     if not _fast(q):
         return prefill_attention_ref(*args)
+    if block_tables is not None and kv_slots is None:   # a caller other than the runner: one host sync
+        kv_slots = paged_kv_slots(block_tables, cu_seqlens_k, int(cu_seqlens_k[-1]), k_cache.shape[1])
     if ATTENTION_BACKEND == "flash-attn" and q.dtype != torch.float32:
         if block_tables is not None and not _flash_pages(k_cache):
-            k, v = gather_kv_varlen(k_cache, v_cache, block_tables, cu_seqlens_k)
+            k, v = gather_kv_varlen(k_cache, v_cache, kv_slots)
             block_tables = None
         elif block_tables is not None:
             k, v = k_cache, v_cache
@@ -120,5 +124,5 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                       max_seqlen_k, softmax_scale=scale, causal=True,
                                       block_table=block_tables)
     if aten_flash_usable(q):
-        return prefill_attention_aten(*args)
+        return prefill_attention_aten(*args, kv_slots)
     return prefill_attention_ref(*args)

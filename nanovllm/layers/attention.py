@@ -32,5 +32,5 @@ class Attention(nn.Module):
                                      self.num_heads, self.num_kv_heads, self.head_dim)
         if ctx.is_prefill:
             return prefill_attention(q, k, v, self.k_cache, self.v_cache, ctx.cu_seqlens_q, ctx.cu_seqlens_k,
-                                     ctx.max_seqlen_q, ctx.max_seqlen_k, ctx.block_tables, self.scale)
+                                     ctx.max_seqlen_q, ctx.max_seqlen_k, ctx.block_tables, self.scale, ctx.kv_slots)
         return paged_decode_attention(q, self.k_cache, self.v_cache, ctx.block_tables, ctx.context_lens, self.scale)

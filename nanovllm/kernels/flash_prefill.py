@@ -71,21 +71,24 @@ def aten_flash_usable(q: torch.Tensor) -> bool:
             and q.shape[-1] % 8 == 0 and aten_flash_mode(q.device) is not None)
 
 
-def gather_kv_varlen(k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                     cu_seqlens_k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    # -> k, v: [total_k, num_kv_heads, head_dim], sequence i at cu_seqlens_k[i]:cu_seqlens_k[i+1]
-    # One host sync (total_k); prefill is never captured in a CUDA graph.
-    _, block_size, num_kv_heads, head_dim = k_cache.shape
+def paged_kv_slots(block_tables: torch.Tensor, cu_seqlens_k: torch.Tensor, total_k: int,
+                   block_size: int) -> torch.Tensor:
+    """The cache slot of every key token, sequence i's at cu_seqlens_k[i]:cu_seqlens_k[i+1]:
+    [total_k] int64. total_k (= cu_seqlens_k[-1]) comes from the host, so this never syncs; the
+    runner computes it once per prefill step, not once per layer."""
     cu = cu_seqlens_k.long()
-    k_lens = cu[1:] - cu[:-1]
-    total_k = int(cu[-1].item())
-    seq_ids = torch.repeat_interleave(torch.arange(len(k_lens), device=cu.device), k_lens,
+    seq_ids = torch.repeat_interleave(torch.arange(len(cu) - 1, device=cu.device), cu[1:] - cu[:-1],
                                       output_size=total_k)
     pos = torch.arange(total_k, device=cu.device) - cu[seq_ids]
-    blocks = block_tables.long()[seq_ids, pos // block_size]
-    slots = blocks * block_size + pos % block_size
-    k = k_cache.view(-1, num_kv_heads, head_dim).index_select(0, slots)
-    v = v_cache.view(-1, num_kv_heads, head_dim).index_select(0, slots)
+    return block_tables.long()[seq_ids, pos // block_size] * block_size + pos % block_size
+
+
+def gather_kv_varlen(k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     kv_slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    # -> k, v: [total_k, num_kv_heads, head_dim], the rows of paged_kv_slots
+    _, _, num_kv_heads, head_dim = k_cache.shape
+    k = k_cache.view(-1, num_kv_heads, head_dim).index_select(0, kv_slots)
+    v = v_cache.view(-1, num_kv_heads, head_dim).index_select(0, kv_slots)
     return k, v
 
 
@@ -93,10 +96,11 @@ def prefill_attention_aten(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            k_cache: torch.Tensor, v_cache: torch.Tensor,
                            cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
                            max_seqlen_q: int, max_seqlen_k: int,
-                           block_tables: torch.Tensor | None, scale: float) -> torch.Tensor:
+                           block_tables: torch.Tensor | None, scale: float,
+                           kv_slots: torch.Tensor | None = None) -> torch.Tensor:
     # The interface of backend.prefill_attention; only when aten_flash_usable(q).
     if block_tables is not None:
-        k, v = gather_kv_varlen(k_cache, v_cache, block_tables, cu_seqlens_k)
+        k, v = gather_kv_varlen(k_cache, v_cache, kv_slots)
     group = q.shape[1] // k.shape[1]
     if group > 1 and aten_flash_mode(q.device) == "expand":
         k = k.repeat_interleave(group, dim=1)
