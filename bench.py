@@ -43,6 +43,7 @@ def main():
     p.add_argument("--max-output-len", type=int, default=1024)
     p.add_argument("--temperature", type=float, default=0.6)
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--no-async-scheduling", action="store_true", help="apply each step before the next is launched")
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--prefix-cache", action="store_true",
                    help="also measure prefill of 256 prompts sharing a 2,000-token prefix, cached vs not")
@@ -52,7 +53,8 @@ def main():
     dummy = not glob.glob(os.path.join(args.model, "*.safetensors"))
     t = time.perf_counter()
     llm = LLM(args.model, enforce_eager=args.enforce_eager, max_model_len=4096,
-              tensor_parallel_size=args.tensor_parallel_size, load_format="dummy" if dummy else "auto")
+              tensor_parallel_size=args.tensor_parallel_size, load_format="dummy" if dummy else "auto",
+              async_scheduling=not args.no_async_scheduling)
     startup = time.perf_counter() - t
 
     prompts, params = workload(args.num_seqs, args.max_input_len, args.max_output_len, args.temperature)
@@ -60,7 +62,8 @@ def main():
     seconds = timed_generate(llm, prompts, params)
     tokens = sum(sp.max_tokens for sp in params)
     record = dict(model=args.model, dummy_weights=dummy, temperature=args.temperature,
-                  enforce_eager=args.enforce_eager, tp=args.tensor_parallel_size, startup_s=round(startup, 2),
+                  enforce_eager=args.enforce_eager, async_scheduling=not args.no_async_scheduling,
+                  tp=args.tensor_parallel_size, startup_s=round(startup, 2),
                   output_tokens=tokens, seconds=round(seconds, 3), tokens_per_s=round(tokens / seconds, 1),
                   # The limit is the one-H200 limit of this workload on the Qwen3-0.6B shapes only.
                   fraction_of_h200_limit=round(tokens / seconds / H200_LIMIT_TOKENS_PER_S, 3)

@@ -1,20 +1,36 @@
 #!/usr/bin/env bash
-# The GPU check, in two device calls on nvidia-h200-x2:
-#   bash benchmarks/final_gpu.sh tests   GPU tests (one GPU, then TP over two), kernel and 0.6B benchmarks
-#   bash benchmarks/final_gpu.sh tp      bench.py at TP=1 and TP=2 on the Qwen3-8B shapes (dummy weights)
+# The GPU check, in two device calls on nvidia-h200-x2 (each under 10 minutes; outputs in $OUT):
+#   bash benchmarks/final_gpu.sh perf   GPU tests on GPU 1 while GPU 0 runs bench.py (async scheduling
+#                                       on and off, greedy, prefix cache), the kernel benchmarks and the profile
+#   bash benchmarks/final_gpu.sh tp     TP=2 with CUDA graphs against TP=1 (tracebacks of every process if it
+#                                       hangs), tests/test_tp_gpu.py, bench.py on the Qwen3-8B shapes at TP=1, 2
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name --format=csv,noheader | sort | uniq -c
-if [[ $1 == tests ]]; then
-  timeout 200 python -m pytest -q tests/test_kernels_gpu.py tests/test_gpu_engine.py tests/test_sampling_kernel.py \
-    -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "passed|failed|error|FAIL" | tail -8
-  timeout 150 python -m pytest -q tests/test_tp_gpu.py -p no:cacheprovider 2>&1 | tee "$OUT/tp_tests.log" \
-    | grep -E "passed|failed|error|FAIL" | tail -8
-  timeout 40 python benchmarks/bench_kernels.py --json "$OUT/kernels.json" 2>&1 | grep -v -i warn | tail -14
-  timeout 110 python bench.py --json "$OUT/bench_t06.json" --prefix-cache 2>&1 | grep -v -i warn | tail -2
-  timeout 70 python bench.py --temperature 0 --json "$OUT/bench_greedy.json" 2>&1 | grep -v -i warn | tail -1
+git log --oneline -1 2>/dev/null
+bench() {  # label, then bench.py's arguments
+  local label=$1; shift
+  CUDA_VISIBLE_DEVICES=0 timeout 120 python bench.py --json "$OUT/bench_$label.json" "$@" 2>&1 | grep -v -i warn \
+    | tail -2 | sed "s/^/[$label] /"
+}
+if [[ $1 == perf ]]; then
+  CUDA_VISIBLE_DEVICES=1 timeout 420 python -m pytest -q tests/test_kernels_gpu.py tests/test_gpu_engine.py \
+    tests/test_sampling_kernel.py -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1 &
+  tests=$!
+  bench t06 --prefix-cache
+  bench t06_sync --no-async-scheduling
+  bench greedy --temperature 0
+  CUDA_VISIBLE_DEVICES=0 timeout 60 python benchmarks/bench_kernels.py --json "$OUT/kernels.json" 2>&1 | grep -v -i warn | tail -18
+  CUDA_VISIBLE_DEVICES=0 timeout 150 python benchmarks/profile_bench.py --out "$OUT/profile.txt" 2>&1 | grep -v -i warn | tail -50
+  wait $tests
+  grep -E "passed|failed" "$OUT/gpu_tests.log" | tail -2
+  grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | head -12
 fi
 if [[ $1 == tp ]]; then
+  PYTHONPATH=benchmarks/hang_dump:. HANG_DUMP_AFTER=100 timeout 150 python benchmarks/tp_equality.py --graphs 2>&1 \
+    | grep -v -i warn | tail -60
+  timeout 300 python -m pytest -q tests/test_tp_gpu.py -p no:cacheprovider --durations=0 > "$OUT/tp_tests.log" 2>&1
+  grep -E "passed|failed|s call" "$OUT/tp_tests.log" | tail -12
   for tp in 1 2; do
     timeout 150 python bench.py --model configs/qwen3-8b --tensor-parallel-size $tp --json "$OUT/bench_8b_tp$tp.json" \
       2>&1 | grep -v -i warn | tail -1
