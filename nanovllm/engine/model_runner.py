@@ -335,4 +335,6 @@ class ModelRunner:
                 self.graph_outputs[:bs] = self.decode_forward(self.graph_inputs, bs, self.max_blocks)
             pool = pool or graph.pool()
             self.graphs[bs] = graph
+            if self.group is not None:
+                self.group.graphs.append(graph)   # reset before the group is destroyed
             torch.cuda.synchronize()

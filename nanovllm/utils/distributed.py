@@ -7,7 +7,7 @@ model; outside any group the world size is 1."""
 import datetime
 from contextlib import contextmanager
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -21,6 +21,7 @@ class TPGroup:
     size: int
     backend: object   # a c10d backend: ProcessGroupNCCL on CUDA, ProcessGroupGloo on CPU
     store: object     # the TCPStore the backend rendezvoused through (kept alive with it)
+    graphs: list = field(default_factory=list)   # CUDA graphs that captured this group's collectives
 
 
 _current: ContextVar[TPGroup | None] = ContextVar("tp_group", default=None)
@@ -57,7 +58,14 @@ def init_tp_group(store: dist.TCPStore, rank: int, size: int, device: torch.devi
 
 
 def destroy_tp_group(group: TPGroup | None):
-    if group is not None and hasattr(group.backend, "shutdown"):
+    """Release the group. The CUDA graphs that captured its collectives are reset first: NCCL will
+    not destroy a communicator while a captured graph still holds it (the shutdown would hang)."""
+    if group is None:
+        return
+    for graph in group.graphs:
+        graph.reset()
+    group.graphs.clear()
+    if hasattr(group.backend, "shutdown"):
         group.backend.shutdown()
 
 
