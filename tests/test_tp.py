@@ -127,3 +127,25 @@ def test_killed_worker_raises_instead_of_hanging(llama_tp2):
     llama_tp2.shutdown()
     assert not any(p.pid in workers.pids for p in multiprocessing.active_children())
     assert not _segment_exists(workers.channel.name)
+
+
+def test_destroying_a_group_resets_its_captured_graphs_first():
+    """NCCL cannot destroy a communicator while a CUDA graph that captured its collectives lives:
+    the group resets those graphs before it shuts its backend down."""
+    from nanovllm.utils.distributed import TPGroup, destroy_tp_group
+    calls = []
+
+    class Recorder:
+        def __init__(self, name):
+            self.name = name
+
+        def reset(self):
+            calls.append(f"reset {self.name}")
+
+        def shutdown(self):
+            calls.append(f"shutdown {self.name}")
+
+    group = TPGroup(0, 2, Recorder("backend"), store=None)
+    group.graphs.extend([Recorder("graph 8"), Recorder("graph 16")])
+    destroy_tp_group(group)
+    assert calls == ["reset graph 8", "reset graph 16", "shutdown backend"] and not group.graphs
