@@ -64,6 +64,24 @@ class FakeRunner:
                 out.append(next_token(seq.token_ids[:end]))
         return out
 
+    def launch(self, batch) -> list[int]:
+        """As run, for an engine one step ahead: a sequence's newest token may still be pending,
+        known only to the runner (as the real one keeps it on the device)."""
+        out, last = [], getattr(self, "last", {})
+        for seq, n, samples in zip(batch.seqs, batch.num_new_tokens, batch.samples):
+            tokens = seq.token_ids + ([last[seq.seq_id]] if seq.num_pending else [])
+            assert seq.num_pending <= 1 and len(tokens) == seq.num_tokens
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+            assert 0 < n and end <= seq.num_tokens and len(seq.block_table) * self.bs >= end
+            for pos in range(start, end):
+                self.kv[self.slot(seq, pos)] = tokens[pos]
+            assert [self.kv[self.slot(seq, p)] for p in range(end)] == tokens[:end], \
+                f"seq {seq.seq_id}: KV cache does not hold its tokens"
+            if samples:
+                out.append(next_token(tokens[:end]))
+        self.last = {seq.seq_id: t for seq, t in zip(batch.sampling_seqs, out)}
+        return out
+
 
 def chain_hashes(token_ids: list[int], bs: int) -> dict[int, tuple]:
     """hash of block i (chained) -> the tokens of blocks 0..i, for each full block."""
@@ -91,8 +109,8 @@ def check_block_manager(sched: Scheduler, runner: FakeRunner, all_seqs: list[Seq
     for seq in live:
         assert len(set(seq.block_table)) == len(seq.block_table)
         assert seq.num_computed_tokens <= len(seq.block_table) * bs
-        assert [runner.kv[runner.slot(seq, p)] for p in range(seq.num_computed_tokens)] == \
-            seq.token_ids[:seq.num_computed_tokens]
+        known = min(seq.num_computed_tokens, len(seq.token_ids))   # a pending token's id is not known here
+        assert [runner.kv[runner.slot(seq, p)] for p in range(known)] == seq.token_ids[:known]
         expected = list(chain_hashes(seq.token_ids, bs))
         assert seq.block_hashes == expected[:len(seq.block_hashes)]
         assert len(seq.block_hashes) <= seq.num_computed_tokens // bs
@@ -116,6 +134,11 @@ def check_batch(sched: Scheduler, batch):
     assert batch.num_tokens <= sched.max_num_batched_tokens
     assert len(batch.seqs) <= sched.max_num_seqs
     assert len(sched.running) <= sched.max_num_seqs
+    for seq, samples in zip(batch.seqs, batch.samples):
+        # Nothing is computed past the model's length, nor sampled past max_tokens (a sequence whose
+        # pending token is its last is not scheduled again).
+        assert seq.num_tokens <= sched.max_model_len
+        assert not samples or seq.output_index < seq.sampling_params.max_tokens
     for seq in batch.seqs:
         assert not seq.is_finished
         assert seq.status == (SequenceStatus.RUNNING if seq in sched.running else SequenceStatus.WAITING)
@@ -142,7 +165,9 @@ def workloads(draw):
                 max_num_batched_tokens=draw(st.integers(1, 64)))
 
 
-def run_workload(w: dict) -> list[Sequence]:
+def run_workload(w: dict, run_ahead: bool = False) -> list[Sequence]:
+    """run_ahead: drive the scheduler as the engine's async scheduling does: schedule and launch
+    step N+1 (advance), then complete step N."""
     sched = Scheduler(w["max_num_seqs"], w["max_num_batched_tokens"], w["max_model_len"],
                       w["num_blocks"], w["block_size"], {EOS})
     runner = FakeRunner(w["num_blocks"], w["block_size"])
@@ -150,8 +175,19 @@ def run_workload(w: dict) -> list[Sequence]:
     seqs: list[Sequence] = []
     stop_at: dict[int, int] = {}
     reported: list[int] = []
+    in_flight = None
     step = 0
-    while pending or not sched.is_finished():
+
+    def complete(batch, tokens):
+        got_token = [seq for seq in batch.sampling_seqs if not seq.is_finished]
+        finished = [seq.seq_id for seq in sched.complete(batch, tokens)]
+        for seq in got_token:   # the engine ends sequences on stop strings this way
+            if not seq.is_finished and seq.num_completion_tokens >= stop_at.get(seq.seq_id, 1 << 30):
+                sched.finish(seq, "stop", "<stop string>")
+                finished.append(seq.seq_id)
+        return finished
+
+    while pending or not sched.is_finished() or in_flight:
         while pending and pending[0][0] <= step:
             _, prompt, params, stop = pending.pop(0)
             seqs.append(Sequence(prompt, params))
@@ -160,11 +196,19 @@ def run_workload(w: dict) -> list[Sequence]:
             sched.add(seqs[-1])
         batch = sched.schedule()
         check_batch(sched, batch)
-        reported += [seq.seq_id for seq in sched.postprocess(batch, runner.run(batch))]
-        for seq in batch.seqs:   # the engine ends sequences on stop strings this way
-            if not seq.is_finished and seq.num_completion_tokens >= stop_at.get(seq.seq_id, 1 << 30):
-                sched.finish(seq, "stop", "<stop string>")
-                reported.append(seq.seq_id)
+        if run_ahead:
+            launched = (batch, runner.launch(batch)) if batch.seqs else None
+            if launched:
+                sched.advance(batch)
+            else:
+                reported += [seq.seq_id for seq in batch.finished]
+            if in_flight:
+                reported += complete(*in_flight)
+            in_flight = launched
+        else:
+            tokens = runner.run(batch)
+            sched.advance(batch)
+            reported += complete(batch, tokens)
         check_block_manager(sched, runner, seqs)
         step += 1
         assert step < 5000, "the scheduler stopped making progress"
@@ -192,6 +236,17 @@ def test_scheduler_invariants_and_outputs_match_a_plain_loop(w):
         else:   # it can never fit in the whole cache: stopped early, never hangs
             assert seq.finish_reason == "length"
             assert seq.completion_token_ids == ref[:seq.num_completion_tokens]
+
+
+@PROPERTY
+@given(workloads())
+def test_running_one_step_ahead_gives_the_same_outputs(w):
+    """Async scheduling: sequences that end (EOS, length, stop strings) or are preempted while their
+    next step is already launched; same tokens and reasons as one step at a time, same invariants."""
+    ahead, plain = run_workload(w, run_ahead=True), run_workload(w)
+    assert [(s.completion_token_ids, s.finish_reason) for s in ahead] == \
+        [(s.completion_token_ids, s.finish_reason) for s in plain]
+    assert all(s.num_pending == 0 for s in ahead)
 
 
 @PROPERTY
