@@ -3,8 +3,11 @@
 Decode is memory bound: its figure of merit is bytes moved (K+V of every context, q, out) per second, as
 a fraction of the H200's 4.8 TB/s and of a plain device-to-device copy measured here.
 Prefill is compute bound: TFLOP/s of causal attention.
-q/k RMSNorm + rotary + KV store: the fused kernel against the separate ops it replaced (two
-compiled RMSNorms, compiled rotary, the Triton store), captured in a CUDA graph.
+q/k RMSNorm + rotary + KV store: the fused kernel against separate ops (two RMSNorm kernels, eager
+torch rotary, the Triton store), captured in a CUDA graph.
+RMSNorm, RMSNorm fused with the residual add, SiLU-and-mul (hidden 1024, intermediate 3072): the
+Triton kernels against eager torch (kernels/reference.py), in CUDA graphs; bytes are one read of
+the inputs and one write of the outputs.
 Sampling (vocab 151936, bf16 logits, T=0.6): the fused Gumbel-max kernel against the sampler's torch
 path (which converts to fp32 first); its bytes are one read of the bf16 logits.
 
@@ -18,9 +21,10 @@ import triton.testing
 
 from nanovllm.kernels import ATTENTION_BACKEND, paged_decode_attention, prefill_attention
 from nanovllm.kernels.decode_attention import paged_decode_attention_triton
+from nanovllm.kernels.norm_act import add_rms_norm_triton, rms_norm_triton, silu_and_mul_triton
 from nanovllm.kernels.qk_norm_rope import qk_norm_rope_store_triton
+from nanovllm.kernels.reference import add_rms_norm_ref, rms_norm_ref, silu_and_mul_ref
 from nanovllm.kernels.store_kvcache import store_kvcache_triton
-from nanovllm.layers.layernorm import rms_norm
 from nanovllm.layers.rotary_embedding import RotaryEmbedding, apply_rotary
 from nanovllm.kernels.sampling import gumbel_max_sample
 from nanovllm.layers.sampler import Sampler, SamplingTensors
@@ -76,8 +80,8 @@ def qk_norm_rope_case(num_tokens, fused):
 
     def separate():
         q, k, v = qkv.split([H * D, HKV * D, HKV * D], dim=-1)
-        q = rms_norm(q.reshape(-1, D), q_w, 1e-6).view(-1, H, D)
-        k = rms_norm(k.reshape(-1, D), k_w, 1e-6).view(-1, HKV, D)
+        q = rms_norm_triton(q.reshape(-1, D), q_w, 1e-6).view(-1, H, D)
+        k = rms_norm_triton(k.reshape(-1, D), k_w, 1e-6).view(-1, HKV, D)
         q, k = apply_rotary(positions, q, k, cos_sin)
         store_kvcache_triton(k, v.view(-1, HKV, D), k_cache, v_cache, slots)
 
@@ -87,6 +91,29 @@ def qk_norm_rope_case(num_tokens, fused):
     fn()   # compile outside the capture
     # bytes of the fused kernel: read qkv; write q, k and the cache's k and v rows
     return median_ms(fn, graph=True), 2 * num_tokens * D * ((H + 2 * HKV) + (H + 3 * HKV))
+
+
+HIDDEN, INTER = 1024, 3072
+
+
+def norm_act_case(op, num_tokens, triton_kernel):
+    """One of rms_norm, add_rms_norm, silu_and_mul at Qwen3-0.6B's sizes, in a CUDA graph."""
+    x = torch.randn(num_tokens, HIDDEN, device="cuda", dtype=torch.bfloat16)
+    residual = torch.randn_like(x)
+    weight = torch.rand(HIDDEN, device="cuda", dtype=torch.bfloat16) + 0.5
+    gate_up = torch.randn(num_tokens, 2 * INTER, device="cuda", dtype=torch.bfloat16)
+    cases = {   # op: (triton, eager torch, bytes read and written)
+        "rms_norm": (lambda: rms_norm_triton(x, weight, 1e-6), lambda: rms_norm_ref(x, weight, 1e-6),
+                     2 * 2 * x.numel()),
+        "add_rms_norm": (lambda: add_rms_norm_triton(x, residual, weight, 1e-6),
+                         lambda: add_rms_norm_ref(x, residual, weight, 1e-6), 4 * 2 * x.numel()),
+        "silu_and_mul": (lambda: silu_and_mul_triton(gate_up), lambda: silu_and_mul_ref(gate_up),
+                         3 * 2 * num_tokens * INTER),
+    }
+    fast, eager, nbytes = cases[op]
+    fn = fast if triton_kernel else eager
+    fn()   # compile outside the capture
+    return median_ms(fn, graph=True), nbytes
 
 
 def sampling_case(n, fused, vocab=151936):
@@ -127,6 +154,14 @@ def main():
             bw = nbytes / (ms * 1e-3)
             rows.append(dict(case=label, ms=ms, bytes_per_s=bw, of_peak=bw / PEAK_BW, of_copy=bw / copy_bw))
             print(f"{label:40s} {ms:9.4f} {bw / 1e12:7.2f} {bw / PEAK_BW:7.1%} {bw / copy_bw:8.1%}")
+    for op in ("rms_norm", "add_rms_norm", "silu_and_mul"):
+        for num_tokens in (256, 16384):
+            for triton_kernel in (True, False):
+                ms, nbytes = norm_act_case(op, num_tokens, triton_kernel)
+                label = f"{op} {'triton' if triton_kernel else 'torch'} T={num_tokens}"
+                bw = nbytes / (ms * 1e-3)
+                rows.append(dict(case=label, ms=ms, bytes_per_s=bw, of_peak=bw / PEAK_BW, of_copy=bw / copy_bw))
+                print(f"{label:40s} {ms:9.4f} {bw / 1e12:7.2f} {bw / PEAK_BW:7.1%} {bw / copy_bw:8.1%}")
     for n, fused in [(256, True), (256, False), (1, True)]:
         ms, bw = sampling_case(n, fused)
         label = f"sample {'fused' if fused else 'torch'} n={n} vocab=151936"

@@ -1,13 +1,12 @@
 """TP=2 against TP=1 on two GPUs: the greedy tokens of a tiny fp32 Qwen3 (8 heads, head_dim 8), and
 how far each TP=2 token is from transformers' argmax, with each engine's start-up phases.
 
-    PYTHONPATH=. python benchmarks/tp_equality.py            # eager, no torch.compile
-    PYTHONPATH=. python benchmarks/tp_equality.py --graphs   # CUDA graphs and torch.compile
+    PYTHONPATH=. python benchmarks/tp_equality.py            # eager
+    PYTHONPATH=. python benchmarks/tp_equality.py --graphs   # with CUDA graphs
 
 To see where a hang sits, add benchmarks/hang_dump to PYTHONPATH and set HANG_DUMP_AFTER=<seconds>:
 every Python process, the spawned workers too, then prints its threads' tracebacks after that long."""
 import argparse
-import os
 import sys
 import time
 
@@ -15,10 +14,8 @@ sys.path.insert(0, "tests")
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
-    parser.add_argument("--graphs", action="store_true", help="CUDA graphs and torch.compile (default: eager)")
+    parser.add_argument("--graphs", action="store_true", help="CUDA graphs (default: eager)")
     args = parser.parse_args()
-    if not args.graphs:
-        os.environ["NANOVLLM_COMPILE"] = "0"
     from conftest import HFOracle, make_model, random_prompts
     from nanovllm import LLM, SamplingParams
     t = time.time()

@@ -1,9 +1,13 @@
-"""Layers against transformers' Qwen3 modules (fp32, CPU, world size 1)."""
+"""Layers against transformers' Qwen3 modules (fp32, CPU, world size 1); the RMSNorm and SiLU-and-mul
+Triton kernels against eager torch under the Triton interpreter (conftest.run_interpreted_tests)."""
 import pytest
 import torch
 from transformers import Qwen3Config
 from transformers.models.qwen3 import modeling_qwen3 as hf
 
+from conftest import interp, run_interpreted_tests
+from nanovllm.kernels import add_rms_norm, rms_norm, silu_and_mul
+from nanovllm.kernels.reference import add_rms_norm_ref, rms_norm_ref, silu_and_mul_ref
 from nanovllm.layers.activation import SiluAndMul
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.layernorm import RMSNorm
@@ -96,20 +100,100 @@ def test_embedding_and_lm_head():
     torch.testing.assert_close(head(x), x @ w.T)
 
 
-@pytest.mark.parametrize("name", ["rms_norm", "add_rms_norm", "silu_and_mul"])
-def test_compiled_ops_round_like_eager_torch(name):
-    """The CUDA path compiles these ops with COMPILE_OPTIONS; compiled the same way here (inductor's
-    CPU back end), bf16 outputs must equal eager torch's bit for bit: without
-    emulate_precision_casts about a quarter of them are one ulp off."""
-    from nanovllm.layers import activation, layernorm
-    from nanovllm.layers.compile import COMPILE_OPTIONS
-    fn = {"rms_norm": layernorm.rms_norm, "add_rms_norm": layernorm.add_rms_norm,
-          "silu_and_mul": activation.silu_and_mul}[name].__wrapped__
-    g = torch.Generator().manual_seed(0)
-    x, r = (torch.randn(64, 512, generator=g).to(torch.bfloat16) for _ in range(2))
-    w = (torch.rand(512, generator=g) + 0.5).to(torch.bfloat16)
-    args = {"rms_norm": (x, w, 1e-6), "add_rms_norm": (x, r, w, 1e-6), "silu_and_mul": (x,)}[name]
-    eager, compiled = fn(*args), torch.compile(fn, **COMPILE_OPTIONS)(*args)
-    if not isinstance(eager, tuple):
-        eager, compiled = (eager,), (compiled,)
-    assert all(torch.equal(a, b) for a, b in zip(eager, compiled, strict=True))
+def test_norm_and_activation_on_cpu_are_the_reference():
+    # CPU tensors take the plain torch code whatever the back end: CPU results never depend on Triton.
+    x, r = torch.randn(3, 64).bfloat16(), torch.randn(3, 64).bfloat16()
+    w = torch.rand(64).bfloat16()
+    assert torch.equal(rms_norm(x, w, 1e-6), rms_norm_ref(x, w, 1e-6))
+    assert all(torch.equal(a, b) for a, b in zip(add_rms_norm(x, r, w, 1e-6), add_rms_norm_ref(x, r, w, 1e-6)))
+    assert torch.equal(silu_and_mul(x), silu_and_mul_ref(x))
+
+
+def test_triton_kernels_under_interpreter():
+    run_interpreted_tests(__file__)
+
+
+# ---- RMSNorm and SiLU-and-mul kernels under the Triton interpreter, against eager torch ----
+
+def norm_inputs(num_tokens, hidden, dtype, seed=0):
+    """x and residual rows of large (3e4), tiny (1e-4: mean square below eps) and unit magnitude,
+    and a weight in [0.5, 1.5)."""
+    g = torch.Generator().manual_seed(seed)
+    scale = torch.tensor([3e4, 1e-4, 1.0])[torch.arange(num_tokens) % 3, None]
+    x = (torch.randn(num_tokens, hidden, generator=g) * 2 * scale).to(dtype)
+    residual = (torch.randn(num_tokens, hidden, generator=g) * scale).to(dtype)
+    weight = (torch.rand(hidden, generator=g) + 0.5).to(dtype)
+    return x, residual, weight
+
+
+def assert_same(out, ref):
+    """16-bit: bit for bit; fp32: within 1e-6 (numpy's and torch's fp32 sums add in another order)."""
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    if out.dtype == torch.float32:
+        torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-6)
+    else:
+        assert torch.equal(out, ref), f"{int((out != ref).sum())} of {out.numel()} values differ"
+
+
+@interp
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("num_tokens", [1, 3, 64])
+@pytest.mark.parametrize("hidden", [64, 96, 1024])
+def test_interp_rms_norm_matches_eager_torch(dtype, num_tokens, hidden):
+    from nanovllm.kernels.norm_act import add_rms_norm_triton, rms_norm_triton
+    x, residual, weight = norm_inputs(num_tokens, hidden, dtype)
+    assert_same(rms_norm_triton(x, weight, 1e-6), rms_norm_ref(x, weight, 1e-6))
+    out, res_out = add_rms_norm_triton(x, residual, weight, 1e-6)
+    ref, res_ref = add_rms_norm_ref(x, residual, weight, 1e-6)
+    assert torch.equal(res_out, res_ref)   # one rounded add: exact in every dtype
+    assert_same(out, ref)
+
+
+@interp
+def test_interp_rms_norm_matches_transformers_in_bf16():
+    from nanovllm.kernels.norm_act import rms_norm_triton
+    x, _, weight = norm_inputs(9, 96, torch.bfloat16, seed=1)
+    ref = hf.Qwen3RMSNorm(96, eps=1e-6).bfloat16()
+    ref.weight.data.copy_(weight)
+    assert torch.equal(rms_norm_triton(x, weight, 1e-6), ref(x))
+
+
+@interp
+def test_interp_rms_norm_strided_rows_and_fp32_weight():
+    # A row stride wider than hidden (a column slice) is read in place; a bf16 x with an fp32
+    # weight gives fp32, as eager torch's type promotion does.
+    from nanovllm.kernels.norm_act import add_rms_norm_triton, rms_norm_triton
+    wide, residual, _ = norm_inputs(5, 160, torch.bfloat16, seed=2)
+    x, weight = wide[:, 32:128], torch.rand(96) + 0.5
+    out = rms_norm_triton(x, weight, 1e-5)
+    assert out.dtype == torch.float32
+    assert torch.equal(out, rms_norm_ref(x, weight, 1e-5))
+    out, res_out = add_rms_norm_triton(x, residual[:, :96], weight, 1e-5)
+    ref, res_ref = add_rms_norm_ref(x, residual[:, :96], weight, 1e-5)
+    assert torch.equal(out, ref) and torch.equal(res_out, res_ref)
+    assert rms_norm_triton(x[:0], weight, 1e-5).shape == (0, 96)   # no rows: no launch
+
+
+@interp
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp")   # exp(-gate) for gate < -88: inf, silu -0
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("num_tokens", [1, 3, 64])
+@pytest.mark.parametrize("d", [64, 96, 1536])
+def test_interp_silu_and_mul_matches_eager_torch(dtype, num_tokens, d):
+    # d = 1536: two column blocks of 1024, the second one half masked
+    from nanovllm.kernels.norm_act import silu_and_mul_triton
+    g = torch.Generator().manual_seed(d)
+    scale = torch.tensor([30.0, 1e-3, 3.0])[torch.arange(num_tokens) % 3, None]
+    x = (torch.randn(num_tokens, 2 * d, generator=g) * scale).to(dtype)
+    assert_same(silu_and_mul_triton(x), silu_and_mul_ref(x))
+
+
+@interp
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp")
+def test_interp_silu_and_mul_leading_dims_and_extremes():
+    from nanovllm.kernels.norm_act import silu_and_mul_triton
+    x = torch.randn(2, 3, 2 * 40).bfloat16()
+    x[0, 0, :6] = torch.tensor([-200.0, 200.0, 0.0, -0.0, 88.0, -88.0])   # exp overflow and underflow
+    out = silu_and_mul_triton(x)
+    assert out.shape == (2, 3, 40)
+    assert torch.equal(out, silu_and_mul_ref(x))

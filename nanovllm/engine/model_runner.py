@@ -55,8 +55,7 @@ def _default_dtype(dtype: torch.dtype):
 def graph_batch_sizes(max_bs: int) -> list[int]:
     """2, 4, 8, 16, 24, 32, then steps of 1/8 of the size class (40, 48, 56, 64, 80, 96, 112, 128,
     160, ...) up to max_bs: a padded batch wastes at most ~1/8 of its rows, with ~25 graphs to
-    capture for 512. No graph of 1: a single sequence pads to 2, which spares torch.compile a
-    recompile specialised to one row."""
+    capture for 512. No graph of 1: a single sequence pads to 2 (one graph fewer to capture)."""
     sizes, b = [2, 4, 8], 16
     while b < max_bs:
         sizes.append(b)

@@ -1,11 +1,13 @@
-"""The attention back end, chosen once at import, and the entry points the Attention layer calls.
+"""The attention back end, chosen once at import, and the entry points the layers call (attention,
+KV store, q/k norm + rotary, RMSNorm, SiLU-and-mul).
 
 ATTENTION_BACKEND names the CUDA path:
   "flash-attn": flash-attn's varlen and kv-cache kernels (paged cache needs block_size % 256 == 0;
                 other block sizes use the Triton decode kernel and a gathered prefill), the project's
-                Triton KV-store and q/k norm + rotary kernels;
-  "triton":     the project's Triton decode, KV-store and q/k norm + rotary kernels, torch's built-in
-                FlashAttention-2 for prefill (fp16/bf16; fp32 and other misfits take the reference);
+                Triton KV-store, q/k norm + rotary, RMSNorm and SiLU-and-mul kernels;
+  "triton":     the project's Triton decode, KV-store, q/k norm + rotary, RMSNorm and SiLU-and-mul
+                kernels, torch's built-in FlashAttention-2 for prefill (fp16/bf16; fp32 and other
+                misfits take the reference);
   "torch":      the plain torch reference everywhere.
 CPU tensors always take the torch reference, whatever was chosen.
 NANOVLLM_ATTENTION_BACKEND=flash-attn|triton|torch forces the choice.
@@ -15,8 +17,9 @@ import os
 
 import torch
 
-from nanovllm.kernels.reference import (paged_decode_attention_ref, prefill_attention_ref,
-                                        qk_norm_rope_store_ref, store_kvcache_ref)
+from nanovllm.kernels.reference import (add_rms_norm_ref, paged_decode_attention_ref, prefill_attention_ref,
+                                        qk_norm_rope_store_ref, rms_norm_ref, silu_and_mul_ref,
+                                        store_kvcache_ref)
 
 BACKENDS = ("flash-attn", "triton", "torch")
 
@@ -49,6 +52,7 @@ if ATTENTION_BACKEND != "torch":
     from nanovllm.kernels.decode_attention import paged_decode_attention_triton
     from nanovllm.kernels.flash_prefill import (aten_flash_usable, gather_kv_varlen, paged_kv_slots,
                                                 prefill_attention_aten)
+    from nanovllm.kernels.norm_act import add_rms_norm_triton, rms_norm_triton, silu_and_mul_triton
     from nanovllm.kernels.qk_norm_rope import qk_norm_rope_store_triton
     from nanovllm.kernels.store_kvcache import store_kvcache_triton
 if ATTENTION_BACKEND == "flash-attn":
@@ -62,6 +66,22 @@ def _fast(t: torch.Tensor) -> bool:
 def _flash_pages(k_cache: torch.Tensor) -> bool:
     """flash-attn reads a paged cache only when its block size is a multiple of 256."""
     return ATTENTION_BACKEND == "flash-attn" and k_cache.shape[1] % 256 == 0
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x: [..., hidden] -> weight * normalised x (transformers' roundings); one kernel on CUDA."""
+    return rms_norm_triton(x, weight, eps) if _fast(x) else rms_norm_ref(x, weight, eps)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+    """x, residual: [..., hidden] -> (rms_norm(x + residual), x + residual); one kernel on CUDA."""
+    fn = add_rms_norm_triton if _fast(x) else add_rms_norm_ref
+    return fn(x, residual, weight, eps)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x: [..., 2 * d] = gate | up -> silu(gate) * up: [..., d]; one kernel on CUDA."""
+    return silu_and_mul_triton(x) if _fast(x) else silu_and_mul_ref(x)
 
 
 def qk_norm_rope_store(qkv: torch.Tensor, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,

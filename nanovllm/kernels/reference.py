@@ -1,12 +1,33 @@
-"""Plain torch attention, KV-store and q/k norm + rotary: the CPU path and the oracle of the kernel tests.
+"""Plain torch RMSNorm, SiLU-and-mul, attention, KV-store and q/k norm + rotary: the CPU path and
+the oracle of the kernel tests.
 
-The attention functions compute in fp32 and return the dtype of their query. Query head h reads KV head
+RMSNorm and SiLU-and-mul are transformers' code, whose roundings the kernels reproduce. The attention
+functions compute in fp32 and return the dtype of their query. Query head h reads KV head
 h // (num_heads // num_kv_heads), the grouping of Hugging Face's `repeat_kv`.
 """
 import torch
+import torch.nn.functional as F
 
-from nanovllm.layers.layernorm import rms_norm
 from nanovllm.layers.rotary_embedding import apply_rotary
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # As transformers computes it: normalise in fp32, cast back, then scale (rounded again).
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
+
+
+def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+    x = x + residual
+    return rms_norm_ref(x, weight, eps), x
+
+
+def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
+    # x: [..., 2 * d] = gate | up -> [..., d]
+    gate, up = x.chunk(2, -1)
+    return F.silu(gate) * up
 
 
 def qk_norm_rope_store_ref(qkv: torch.Tensor, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
@@ -24,8 +45,8 @@ def qk_norm_rope_store_ref(qkv: torch.Tensor, q_weight: torch.Tensor | None, k_w
     v = v.view(-1, num_kv_heads, head_dim)
     if q_weight is not None:
         # Normalised as [tokens * heads, head_dim] rows: the same 2-D shape as every other RMSNorm.
-        q = rms_norm(q.reshape(-1, head_dim), q_weight, eps).view(q.shape)
-        k = rms_norm(k.reshape(-1, head_dim), k_weight, eps).view(k.shape)
+        q = rms_norm_ref(q.reshape(-1, head_dim), q_weight, eps).view(q.shape)
+        k = rms_norm_ref(k.reshape(-1, head_dim), k_weight, eps).view(k.shape)
     q, k = apply_rotary(positions, q, k, cos_sin_cache)
     if k_cache.numel():
         store_kvcache_ref(k, v, k_cache, v_cache, slot_mapping)

@@ -1,14 +1,8 @@
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from nanovllm.layers.compile import cuda_compiled
-
-
-@cuda_compiled
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    gate, up = x.chunk(2, -1)
-    return F.silu(gate) * up
+# plain torch on CPU (kernels/reference.py), one Triton kernel on CUDA
+from nanovllm.kernels import silu_and_mul
 
 
 class SiluAndMul(nn.Module):

@@ -1,22 +1,8 @@
 import torch
 from torch import nn
 
-from nanovllm.layers.compile import cuda_compiled
-
-
-@cuda_compiled
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # As transformers computes it: normalise in fp32, cast back, then scale.
-    dtype = x.dtype
-    x = x.float()
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x.to(dtype)
-
-
-@cuda_compiled
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
-    x = x + residual
-    return rms_norm.__wrapped__(x, weight, eps), x
+# transformers' roundings: plain torch on CPU (kernels/reference.py), one Triton kernel on CUDA
+from nanovllm.kernels import add_rms_norm, rms_norm
 
 
 class RMSNorm(nn.Module):

@@ -3,8 +3,6 @@ from functools import lru_cache
 import torch
 from torch import nn
 
-from nanovllm.layers.compile import cuda_compiled
-
 
 def _inv_freq(head_dim: int, base: float, rope_scaling: dict | None) -> torch.Tensor:
     inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
@@ -43,7 +41,6 @@ class RotaryEmbedding(nn.Module):
         return apply_rotary(positions, q, k, self.cos_sin_cache)
 
 
-@cuda_compiled
 def apply_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor):
     cos, sin = cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)
     return _rotate(q, cos, sin), _rotate(k, cos, sin)

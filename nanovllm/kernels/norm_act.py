@@ -1,0 +1,117 @@
+"""Triton kernels for the model's elementwise ops: RMSNorm, RMSNorm fused with the residual add
+before it, and SiLU-and-mul. Each reads its input once and writes its outputs once.
+
+Numerics follow eager torch (kernels/reference.py, transformers' code) rounding for rounding:
+  rms_norm:      fp32 sum of squares / hidden (exact division, as torch's CPU mean), rsqrt(+ eps),
+                 x * rstd rounded to the dtype, then weight * that rounded again (torch's bf16 * bf16);
+  add_rms_norm:  x + residual rounded to the dtype first, then the above;
+  silu_and_mul:  gate / (1 + exp(-gate)) in fp32 (IEEE division, libdevice's expf: CUDA torch's
+                 formula) rounded to the dtype, then times up rounded again.
+Products are not contracted into FMAs (enable_fp_fusion=False). What can still differ on the GPU is
+the order of the fp32 sum of squares, and torch's CUDA mean multiplies by float(1 / hidden), which
+differs from a division only for a hidden size that is not a power of two: either can move rstd by
+an ulp and so flip the rounding of a rare bf16 output (the fused q/k norm kernel, which shares the
+first, measured about 1 in 10^5-10^6 on an H200). Under the interpreter, exp is numpy's.
+"""
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from nanovllm.kernels.qk_norm_rope import _rounded
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, num_rows, x_stride, res_stride, eps,
+                     HIDDEN: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
+                     HAS_RESIDUAL: tl.constexpr):
+    # A program normalises BLOCK_ROWS rows (several only when hidden is small) as one tile.
+    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)[:, None]
+    cols = tl.arange(0, BLOCK_H)[None, :]
+    mask = (rows < num_rows) & (cols < HIDDEN)
+    rows = rows.to(tl.int64)
+    dtype = x_ptr.dtype.element_ty
+    x = tl.load(x_ptr + rows * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + rows * res_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        x = _rounded(x + r, dtype)
+        tl.store(res_out_ptr + rows * HIDDEN + cols, x.to(dtype), mask=mask)
+    sum_sq = tl.sum(x * x, axis=1)
+    mean_sq = tl.math.div_rn(sum_sq, tl.full(sum_sq.shape, HIDDEN, tl.float32))
+    rstd = tl.math.rsqrt(mean_sq + eps)[:, None]
+    w = tl.load(w_ptr + cols, mask=cols < HIDDEN, other=0.0).to(tl.float32)
+    out_dtype = out_ptr.dtype.element_ty
+    out = _rounded(_rounded(x * rstd, dtype) * w, out_dtype)
+    tl.store(out_ptr + rows * HIDDEN + cols, out.to(out_dtype), mask=mask)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x: [..., hidden] -> [rows, hidden] with contiguous rows (a view when it can be)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def _launch_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
+    hidden = x.shape[-1]
+    assert weight.shape == (hidden,) and weight.is_contiguous()
+    x2 = _rows(x)
+    # weight * x.to(dtype) promotes: an fp32 weight gives an fp32 output, as in eager torch
+    out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    res_out = torch.empty(x.shape, dtype=x.dtype, device=x.device) if residual is not None else None
+    num_rows = x2.shape[0]
+    if num_rows:
+        r2 = _rows(residual) if residual is not None else x2
+        block_h = triton.next_power_of_2(hidden)
+        block_rows = max(1, 1024 // block_h)   # small hidden sizes: several rows per program
+        _rms_norm_kernel[(triton.cdiv(num_rows, block_rows),)](
+            x2, r2, weight, out, res_out if residual is not None else out, num_rows, x2.stride(0),
+            r2.stride(0), eps, HIDDEN=hidden, BLOCK_ROWS=block_rows, BLOCK_H=block_h,
+            HAS_RESIDUAL=residual is not None,
+            # ~16 values a thread: 2 warps for hidden 1024, 8 for 4096 (a first guess, untimed)
+            num_warps=min(16, max(1, block_rows * block_h // 512)), enable_fp_fusion=False)
+    return out, res_out
+
+
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x: [..., hidden], weight: [hidden] -> weight * normalised x: [..., hidden].
+    Allocates only the output, and never syncs: CUDA-graph safe."""
+    return _launch_rms_norm(x, None, weight, eps)[0]
+
+
+def add_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+    """x, residual: [..., hidden] -> (rms_norm(x + residual), x + residual), from one read of each.
+    CUDA-graph safe."""
+    assert residual.shape == x.shape and residual.dtype == x.dtype
+    return _launch_rms_norm(x, residual, weight, eps)
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, x_stride, D: tl.constexpr, BLOCK: tl.constexpr,
+                         LIBDEVICE_EXP: tl.constexpr):
+    # Grid (rows, column blocks): program (t, j) computes out[t, j * BLOCK:(j + 1) * BLOCK].
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < D
+    dtype = x_ptr.dtype.element_ty
+    gate = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * x_stride + D + cols, mask=mask, other=0.0).to(tl.float32)
+    if LIBDEVICE_EXP:   # CUDA's expf, as torch's silu calls it; tl.exp is a faster approximation
+        e = libdevice.exp(-gate)
+    else:               # the interpreter has no libdevice
+        e = tl.exp(-gate)
+    silu = _rounded(tl.math.div_rn(gate, 1.0 + e), dtype)
+    tl.store(out_ptr + row * D + cols, _rounded(silu * up, dtype).to(dtype), mask=mask)
+
+
+def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
+    """x: [..., 2 * d] holding gate | up -> silu(gate) * up: [..., d]. CUDA-graph safe."""
+    d = x.shape[-1] // 2
+    assert x.shape[-1] == 2 * d
+    x2 = _rows(x)
+    out = torch.empty(*x.shape[:-1], d, dtype=x.dtype, device=x.device)
+    if x2.shape[0] and d:
+        block = min(1024, triton.next_power_of_2(d))
+        _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(d, block))](
+            x2, out, x2.stride(0), D=d, BLOCK=block, LIBDEVICE_EXP=x.is_cuda,
+            num_warps=max(1, block // 256), enable_fp_fusion=False)   # 8 values a thread
+    return out
