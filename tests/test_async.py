@@ -102,3 +102,19 @@ def test_tp2_async_equals_sync(eos_model):
     params = SamplingParams(temperature=0, max_tokens=12)
     run_ahead, one_at_a_time = both(eos_model, PROMPTS, params, tensor_parallel_size=2)
     assert tokens(run_ahead) == tokens(one_at_a_time)
+
+
+def test_a_launched_prompt_is_shared_by_the_very_next_step(qwen3_dir):
+    """Prompt blocks are registered in the prefix cache when their step is launched (a later step
+    reads them after, in stream order), so running ahead shares a prefix as soon as one step later
+    would: the same prefill work as one step at a time."""
+    prefix = random_prompts(1, [32], seed=4)[0]                  # 4 blocks of 8
+    prompts = [prefix + tail for tail in random_prompts(4, [8, 8, 8, 8], seed=5)]
+    computed = {}
+    for run_ahead in (True, False):
+        llm = LLM(qwen3_dir, async_scheduling=run_ahead, **{**OPTS, "max_num_batched_tokens": 40})
+        counts, launch = [], llm.model_runner.launch
+        llm.model_runner.launch = lambda b: (counts.extend(b.num_new_tokens if b.is_prefill else []), launch(b))[1]
+        llm.generate(prompts, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+        computed[run_ahead] = sum(counts)
+    assert computed[True] == computed[False] == 40 + 3 * 8   # the first prompt whole, then the tails

@@ -103,11 +103,13 @@ class BlockManager:
             seq.block_table.append(self._take_free_block())
 
     def register_computed(self, seq):
-        """Hash the blocks that became full and computed, so later prompts can share them."""
+        """Hash the blocks that became full and computed (or launched: a later step that reads them
+        runs after, in stream order), so later prompts can share them. A block that holds a pending
+        token waits until its id is known."""
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
-        while len(seq.block_hashes) < seq.num_computed_tokens // bs:
+        while len(seq.block_hashes) < min(seq.num_computed_tokens, len(seq.token_ids)) // bs:
             i = len(seq.block_hashes)
             tokens = seq.token_ids[i * bs:(i + 1) * bs]
             h = hash_block(tokens, seq.block_hashes[-1] if seq.block_hashes else None)

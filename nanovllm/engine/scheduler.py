@@ -129,6 +129,7 @@ class Scheduler:
         for seq, n, samples in zip(batch.seqs, batch.num_new_tokens, batch.samples):
             seq.num_computed_tokens += n
             seq.num_pending += samples
+            self.block_manager.register_computed(seq)   # prompts share its blocks from the next step on
 
     def complete(self, batch: ScheduledBatch, token_ids: list[int],
                  logprobs: list | None = None) -> list[Sequence]:
