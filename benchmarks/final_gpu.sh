@@ -29,7 +29,9 @@ fi
 if [[ $1 == tp ]]; then
   PYTHONPATH=benchmarks/hang_dump:. HANG_DUMP_AFTER=100 timeout 150 python benchmarks/tp_equality.py --graphs 2>&1 \
     | grep -v -i warn | tail -60
-  timeout 300 python -m pytest -q tests/test_tp_gpu.py -p no:cacheprovider --durations=0 > "$OUT/tp_tests.log" 2>&1
+  # --timeout (pytest-timeout, on the GPU machine): a test that hangs fails with its stacks, the rest still run
+  timeout 300 python -m pytest -q tests/test_tp_gpu.py -p no:cacheprovider --durations=0 --timeout 120 \
+    > "$OUT/tp_tests.log" 2>&1
   grep -E "passed|failed|s call" "$OUT/tp_tests.log" | tail -12
   for tp in 1 2; do
     timeout 150 python bench.py --model configs/qwen3-8b --tensor-parallel-size $tp --json "$OUT/bench_8b_tp$tp.json" \
