@@ -12,10 +12,10 @@ class ScheduledBatch:
     num_new_tokens: list[int]   # tokens each sequence computes this step (1 for decode)
     is_prefill: bool
     # Sequences ended while scheduling (they outgrew the whole KV cache); not run, but reported
-    # by postprocess with the step's other finished sequences.
+    # by complete with the step's other finished sequences.
     finished: list[Sequence] = field(default_factory=list)
     # Per sequence: does this step reach the end of its tokens, so a token is sampled for it? Fixed
-    # when the batch is made (postprocess then advances num_computed_tokens).
+    # when the batch is made (advance then moves num_computed_tokens on).
     samples: list[bool] = field(init=False)
 
     def __post_init__(self):
