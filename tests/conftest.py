@@ -125,8 +125,9 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 interp = pytest.mark.skipif(not INTERPRETED, reason="runs in the interpreter subprocess")
 
 
-def run_interpreted_tests(test_file: str):
-    """Run test_file's `interp_` tests under the Triton interpreter; fail with their output."""
+def run_interpreted_tests(test_file: str, **env_vars: str):
+    """Run test_file's `interp_` tests under the Triton interpreter (with env_vars set too); fail
+    with their output."""
     if INTERPRETED:
         pytest.skip("already in the interpreter")
     if torch.cuda.is_available():
@@ -134,7 +135,7 @@ def run_interpreted_tests(test_file: str):
         # machine's version, failed there; here it fails with numpy 2.4: `int()` of a 1-element array.)
         pytest.skip("a GPU is present: the *_gpu tests run the compiled kernels")
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1",
+    env = {**os.environ, **env_vars, "TRITON_INTERPRET": "1",
            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                              test_file, "-k", "interp_"], env=env, cwd=REPO,
