@@ -1,6 +1,7 @@
 """Time the attention kernels on one GPU at Qwen3-0.6B shapes (16 query heads, 8 KV heads, head_dim 128, bf16).
 
-Decode is memory bound: its figure of merit is bytes moved (K+V of every context, q, out) per second, as
+Decode is memory bound (also measured with mixed contexts and the engine's table width, as bench.py's
+decode runs it): its figure of merit is bytes moved (K+V of every context, q, out) per second, as
 a fraction of the H200's 4.8 TB/s and of a plain device-to-device copy measured here.
 Prefill is compute bound: TFLOP/s of causal attention.
 q/k RMSNorm + rotary + KV store: the fused kernel against separate ops (two RMSNorm kernels, eager
@@ -54,6 +55,20 @@ def decode_case(batch, ctx, fn, graph=False):
     q = torch.randn(batch, H, D, device="cuda", dtype=torch.bfloat16)
     ms = median_ms(lambda: fn(q, k_cache, v_cache, tables, lens, D ** -0.5), graph=graph)
     nbytes = batch * ctx * HKV * D * 2 * 2 + 2 * q.numel() * 2
+    return ms, nbytes / (ms * 1e-3)
+
+
+def mixed_decode_case(batch, lo=100, hi=2048, table_blocks=16, seed=0):
+    """As the engine runs bench.py's decode: contexts spread over [lo, hi], block tables as wide as
+    the CUDA graphs' (max_model_len 4096 / 256), inside a CUDA graph."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    lens = torch.randint(lo, hi + 1, (batch,), device="cuda", generator=gen, dtype=torch.int32)
+    k_cache = torch.randn(batch * table_blocks, BLOCK, HKV, D, device="cuda", dtype=torch.bfloat16)
+    v_cache = torch.randn_like(k_cache)
+    tables = torch.randperm(batch * table_blocks, device="cuda").int().view(batch, table_blocks)
+    q = torch.randn(batch, H, D, device="cuda", dtype=torch.bfloat16)
+    ms = median_ms(lambda: paged_decode_attention_triton(q, k_cache, v_cache, tables, lens, D ** -0.5), graph=True)
+    nbytes = int(lens.sum()) * HKV * D * 2 * 2 + 2 * q.numel() * 2
     return ms, nbytes / (ms * 1e-3)
 
 
@@ -144,6 +159,11 @@ def main():
             label = f"decode {name} b={batch} ctx={ctx}"
             rows.append(dict(case=label, ms=ms, bytes_per_s=bw, of_peak=bw / PEAK_BW, of_copy=bw / copy_bw))
             print(f"{label:40s} {ms:9.4f} {bw / 1e12:7.2f} {bw / PEAK_BW:7.1%} {bw / copy_bw:8.1%}")
+    for batch in (256, 128, 64, 16):
+        ms, bw = mixed_decode_case(batch)
+        label = f"decode mixed ctx 100-2048 b={batch}"
+        rows.append(dict(case=label, ms=ms, bytes_per_s=bw, of_peak=bw / PEAK_BW, of_copy=bw / copy_bw))
+        print(f"{label:40s} {ms:9.4f} {bw / 1e12:7.2f} {bw / PEAK_BW:7.1%} {bw / copy_bw:8.1%}")
     ms, flops = prefill_case(16, 1024)
     rows.append(dict(case="prefill 16x1024", ms=ms, flops_per_s=flops))
     print(f"{'prefill 16 x 1024 tokens':40s} {ms:9.4f}   {flops / 1e12:.1f} TFLOP/s")
