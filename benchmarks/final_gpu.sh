@@ -20,7 +20,7 @@ if [[ $1 == perf ]]; then
   bench t06 --prefix-cache
   bench t06_sync --no-async-scheduling
   bench greedy --temperature 0
-  CUDA_VISIBLE_DEVICES=0 timeout 60 python benchmarks/bench_kernels.py --json "$OUT/kernels.json" 2>&1 | grep -v -i warn | tail -18
+  CUDA_VISIBLE_DEVICES=0 timeout 120 python benchmarks/bench_kernels.py --json "$OUT/kernels.json" 2>&1 | grep -v -i warn | tail -30
   CUDA_VISIBLE_DEVICES=0 timeout 150 python benchmarks/profile_bench.py --out "$OUT/profile.txt" 2>&1 | grep -v -i warn | tail -50
   wait $tests
   grep -E "passed|failed" "$OUT/gpu_tests.log" | tail -2
