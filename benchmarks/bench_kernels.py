@@ -58,16 +58,18 @@ def decode_case(batch, ctx, fn, graph=False):
     return ms, nbytes / (ms * 1e-3)
 
 
-def mixed_decode_case(batch, lo=100, hi=2048, table_blocks=16, seed=0):
+def mixed_decode_case(batch, num_splits=None, lo=100, hi=2048, table_blocks=16, seed=0):
     """As the engine runs bench.py's decode: contexts spread over [lo, hi], block tables as wide as
-    the CUDA graphs' (max_model_len 4096 / 256), inside a CUDA graph."""
+    the CUDA graphs' (max_model_len 4096 / 256), inside a CUDA graph. num_splits None: the kernel's
+    own choice (choose_num_splits)."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
     lens = torch.randint(lo, hi + 1, (batch,), device="cuda", generator=gen, dtype=torch.int32)
     k_cache = torch.randn(batch * table_blocks, BLOCK, HKV, D, device="cuda", dtype=torch.bfloat16)
     v_cache = torch.randn_like(k_cache)
     tables = torch.randperm(batch * table_blocks, device="cuda").int().view(batch, table_blocks)
     q = torch.randn(batch, H, D, device="cuda", dtype=torch.bfloat16)
-    ms = median_ms(lambda: paged_decode_attention_triton(q, k_cache, v_cache, tables, lens, D ** -0.5), graph=True)
+    ms = median_ms(lambda: paged_decode_attention_triton(q, k_cache, v_cache, tables, lens, D ** -0.5,
+                                                         num_splits=num_splits), graph=True)
     nbytes = int(lens.sum()) * HKV * D * 2 * 2 + 2 * q.numel() * 2
     return ms, nbytes / (ms * 1e-3)
 
@@ -159,9 +161,11 @@ def main():
             label = f"decode {name} b={batch} ctx={ctx}"
             rows.append(dict(case=label, ms=ms, bytes_per_s=bw, of_peak=bw / PEAK_BW, of_copy=bw / copy_bw))
             print(f"{label:40s} {ms:9.4f} {bw / 1e12:7.2f} {bw / PEAK_BW:7.1%} {bw / copy_bw:8.1%}")
-    for batch in (256, 128, 64, 16):
-        ms, bw = mixed_decode_case(batch)
-        label = f"decode mixed ctx 100-2048 b={batch}"
+    # Contexts that differ leave SMs idle at the end of a launch: does splitting more pay?
+    for batch, splits in [(256, None), (256, 2), (128, None), (128, 2), (128, 4), (64, None), (64, 2),
+                          (64, 4), (16, None), (16, 8)]:
+        ms, bw = mixed_decode_case(batch, splits)
+        label = f"decode mixed ctx 100-2048 b={batch} splits={splits or 'auto'}"
         rows.append(dict(case=label, ms=ms, bytes_per_s=bw, of_peak=bw / PEAK_BW, of_copy=bw / copy_bw))
         print(f"{label:40s} {ms:9.4f} {bw / 1e12:7.2f} {bw / PEAK_BW:7.1%} {bw / copy_bw:8.1%}")
     ms, flops = prefill_case(16, 1024)
