@@ -4,8 +4,8 @@ Decode is memory bound (also measured with mixed contexts and the engine's table
 decode runs it): its figure of merit is bytes moved (K+V of every context, q, out) per second, as
 a fraction of the H200's 4.8 TB/s and of a plain device-to-device copy measured here.
 Prefill is compute bound: TFLOP/s of causal attention.
-q/k RMSNorm + rotary + KV store: the fused kernel against separate ops (two RMSNorm kernels, eager
-torch rotary, the Triton store), captured in a CUDA graph.
+q/k RMSNorm + rotary + KV store: the fused kernel in a CUDA graph (the separate ops it replaced
+took 23.0 us at 256 tokens and 742 us at 16,384; benchmarks/RESULTS.md).
 RMSNorm, RMSNorm fused with the residual add, SiLU-and-mul (hidden 1024, intermediate 3072): the
 Triton kernels against eager torch (kernels/reference.py), in CUDA graphs; bytes are one read of
 the inputs and one write of the outputs.
@@ -25,9 +25,8 @@ from nanovllm.kernels.decode_attention import paged_decode_attention_triton
 from nanovllm.kernels.norm_act import add_rms_norm_triton, rms_norm_triton, silu_and_mul_triton
 from nanovllm.kernels.qk_norm_rope import qk_norm_rope_store_triton
 from nanovllm.kernels.reference import add_rms_norm_ref, rms_norm_ref, silu_and_mul_ref
-from nanovllm.kernels.store_kvcache import store_kvcache_triton
-from nanovllm.layers.rotary_embedding import RotaryEmbedding, apply_rotary
 from nanovllm.kernels.sampling import gumbel_max_sample
+from nanovllm.layers.rotary_embedding import RotaryEmbedding
 from nanovllm.layers.sampler import Sampler, SamplingTensors
 
 H, HKV, D, BLOCK = 16, 8, 128, 256
@@ -85,7 +84,7 @@ def prefill_case(num_seqs, seq_len):
     return ms, flops / (ms * 1e-3)
 
 
-def qk_norm_rope_case(num_tokens, fused):
+def qk_norm_rope_case(num_tokens):
     qkv = torch.randn(num_tokens, (H + 2 * HKV) * D, device="cuda", dtype=torch.bfloat16)
     q_w, k_w = (torch.rand(D, device="cuda", dtype=torch.bfloat16) + 0.5 for _ in range(2))
     cos_sin = RotaryEmbedding(D, 40960, 1e6).cos_sin_cache.cuda()
@@ -95,19 +94,11 @@ def qk_norm_rope_case(num_tokens, fused):
     k_cache = torch.zeros(blocks, BLOCK, HKV, D, device="cuda", dtype=torch.bfloat16)
     v_cache = torch.zeros_like(k_cache)
 
-    def separate():
-        q, k, v = qkv.split([H * D, HKV * D, HKV * D], dim=-1)
-        q = rms_norm_triton(q.reshape(-1, D), q_w, 1e-6).view(-1, H, D)
-        k = rms_norm_triton(k.reshape(-1, D), k_w, 1e-6).view(-1, HKV, D)
-        q, k = apply_rotary(positions, q, k, cos_sin)
-        store_kvcache_triton(k, v.view(-1, HKV, D), k_cache, v_cache, slots)
-
-    def one_kernel():
+    def fused():
         qk_norm_rope_store_triton(qkv, q_w, k_w, 1e-6, cos_sin, positions, slots, k_cache, v_cache, H, HKV, D)
-    fn = one_kernel if fused else separate
-    fn()   # compile outside the capture
-    # bytes of the fused kernel: read qkv; write q, k and the cache's k and v rows
-    return median_ms(fn, graph=True), 2 * num_tokens * D * ((H + 2 * HKV) + (H + 3 * HKV))
+    fused()   # compile outside the capture
+    # bytes: read qkv; write q, k and the cache's k and v rows
+    return median_ms(fused, graph=True), 2 * num_tokens * D * ((H + 2 * HKV) + (H + 3 * HKV))
 
 
 HIDDEN, INTER = 1024, 3072
@@ -172,12 +163,11 @@ def main():
     rows.append(dict(case="prefill 16x1024", ms=ms, flops_per_s=flops))
     print(f"{'prefill 16 x 1024 tokens':40s} {ms:9.4f}   {flops / 1e12:.1f} TFLOP/s")
     for num_tokens in (256, 16384):
-        for fused in (True, False):
-            ms, nbytes = qk_norm_rope_case(num_tokens, fused)
-            label = f"qk norm+rope+store {'fused' if fused else 'separate'} T={num_tokens}"
-            bw = nbytes / (ms * 1e-3)
-            rows.append(dict(case=label, ms=ms, bytes_per_s=bw, of_peak=bw / PEAK_BW, of_copy=bw / copy_bw))
-            print(f"{label:40s} {ms:9.4f} {bw / 1e12:7.2f} {bw / PEAK_BW:7.1%} {bw / copy_bw:8.1%}")
+        ms, nbytes = qk_norm_rope_case(num_tokens)
+        label = f"qk norm+rope+store fused T={num_tokens}"
+        bw = nbytes / (ms * 1e-3)
+        rows.append(dict(case=label, ms=ms, bytes_per_s=bw, of_peak=bw / PEAK_BW, of_copy=bw / copy_bw))
+        print(f"{label:40s} {ms:9.4f} {bw / 1e12:7.2f} {bw / PEAK_BW:7.1%} {bw / copy_bw:8.1%}")
     for op in ("rms_norm", "add_rms_norm", "silu_and_mul"):
         for num_tokens in (256, 16384):
             for triton_kernel in (True, False):

@@ -11,8 +11,7 @@ import pytest
 import torch
 
 from conftest import assert_nearly_equal, interp, run_interpreted_tests
-from nanovllm.kernels import (ATTENTION_BACKEND, paged_decode_attention, prefill_attention, qk_norm_rope_store,
-                              store_kvcache)
+from nanovllm.kernels import ATTENTION_BACKEND, paged_decode_attention, prefill_attention, qk_norm_rope_store
 from nanovllm.kernels.flash_prefill import gather_kv_varlen, paged_kv_slots
 from nanovllm.kernels.reference import (causal_mask, gather_paged_kv, paged_decode_attention_ref,
                                         prefill_attention_ref, qk_norm_rope_store_ref, store_kvcache_ref)
@@ -132,9 +131,6 @@ def test_backend_on_cpu_tensors_is_the_reference():
     qp, kp, vp = torch.randn(9, 4, 8), torch.randn(9, 2, 8), torch.randn(9, 2, 8)
     assert torch.equal(prefill_attention(qp, kp, vp, k_cache, v_cache, cu, cu, 6, 6, None, 0.3),
                        prefill_attention_ref(qp, kp, vp, k_cache, v_cache, cu, cu, 6, 6, None, 0.3))
-    before = k_cache.clone()
-    store_kvcache(kp[:2], vp[:2], k_cache, v_cache, torch.tensor([-1, 5], dtype=torch.int32))
-    assert torch.equal(k_cache[1, 1], kp[1]) and torch.equal(k_cache[0], before[0])
 
 
 def qk_case(num_tokens, num_heads, num_kv_heads, head_dim, dtype=torch.float32, norm=True, seed=0):
@@ -188,20 +184,6 @@ def test_triton_kernels_under_interpreter():
 
 
 # ---- Triton kernels under the interpreter (fp32, tiny shapes) ----
-
-@interp
-def test_interp_store_kvcache_matches_reference():
-    from nanovllm.kernels.store_kvcache import store_kvcache_triton
-    qkv = torch.randn(5, (4 + 2 + 2) * 16)
-    key = qkv[:, 64:96].view(5, 2, 16)  # a strided slice, as the Attention layer passes it
-    value = qkv[:, 96:].view(5, 2, 16)
-    slots = torch.tensor([3, -1, 17, 0, -1], dtype=torch.int32)
-    k_ref, v_ref = torch.randn(6, 4, 2, 16), torch.randn(6, 4, 2, 16)
-    k_out, v_out = k_ref.clone(), v_ref.clone()
-    store_kvcache_ref(key, value, k_ref, v_ref, slots)
-    store_kvcache_triton(key, value, k_out, v_out, slots)
-    assert torch.equal(k_out, k_ref) and torch.equal(v_out, v_ref)
-
 
 @interp
 @pytest.mark.parametrize("block_size,num_splits,block_n", [(4, 1, 16), (4, 3, 16), (16, 2, 16), (16, None, 32)])

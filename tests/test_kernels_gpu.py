@@ -11,11 +11,10 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 from conftest import assert_nearly_equal  # noqa: E402
 from nanovllm.kernels import (ATTENTION_BACKEND, add_rms_norm, paged_decode_attention,  # noqa: E402
-                              prefill_attention, qk_norm_rope_store, rms_norm, silu_and_mul, store_kvcache)
+                              prefill_attention, qk_norm_rope_store, rms_norm, silu_and_mul)
 from nanovllm.kernels.reference import (add_rms_norm_ref, gather_paged_kv,  # noqa: E402
                                         paged_decode_attention_ref, prefill_attention_ref,
-                                        qk_norm_rope_store_ref, rms_norm_ref, silu_and_mul_ref,
-                                        store_kvcache_ref)
+                                        qk_norm_rope_store_ref, rms_norm_ref, silu_and_mul_ref)
 from nanovllm.layers.rotary_embedding import RotaryEmbedding  # noqa: E402
 
 H, HKV, D = 16, 8, 128
@@ -55,25 +54,6 @@ def test_backend_is_a_gpu_backend():
 def test_aten_flash_attention_is_usable():
     from nanovllm.kernels.flash_prefill import aten_flash_mode
     assert aten_flash_mode(torch.device("cuda")) in ("gqa", "expand")
-
-
-@pytest.mark.parametrize("block_size", [16, 256])
-def test_store_kvcache_matches_reference(block_size):
-    from nanovllm.kernels.store_kvcache import store_kvcache_triton
-    num_tokens = 1000
-    k_ref = torch.randn(2048 // block_size * 4, block_size, HKV, D, device="cuda").bfloat16()
-    v_ref = torch.randn_like(k_ref)
-    k_out, v_out = k_ref.clone(), v_ref.clone()
-    qkv = torch.randn(num_tokens, (H + 2 * HKV) * D, device="cuda").bfloat16()
-    key = qkv[:, H * D:(H + HKV) * D].view(num_tokens, HKV, D)
-    value = qkv[:, (H + HKV) * D:].view(num_tokens, HKV, D)
-    slots = torch.randperm(k_ref.shape[0] * block_size, device="cuda")[:num_tokens].int()
-    slots[::7] = -1
-    store_kvcache_ref(key, value, k_ref, v_ref, slots)
-    store_kvcache_triton(key, value, k_out, v_out, slots)
-    assert torch.equal(k_out, k_ref) and torch.equal(v_out, v_ref)
-    store_kvcache(key, value, k_out, v_out, slots)  # the dispatching entry point
-    assert torch.equal(k_out, k_ref)
 
 
 @pytest.mark.parametrize("batch,max_ctx,block_size", [(1, 4096, 256), (7, 1500, 256), (256, 1024, 256),

@@ -1,11 +1,11 @@
 """The attention back end, chosen once at import, and the entry points the layers call (attention,
-KV store, q/k norm + rotary, RMSNorm, SiLU-and-mul).
+q/k norm + rotary + KV store, RMSNorm, SiLU-and-mul).
 
 ATTENTION_BACKEND names the CUDA path:
   "flash-attn": flash-attn's varlen and kv-cache kernels (paged cache needs block_size % 256 == 0;
                 other block sizes use the Triton decode kernel and a gathered prefill), the project's
-                Triton KV-store, q/k norm + rotary, RMSNorm and SiLU-and-mul kernels;
-  "triton":     the project's Triton decode, KV-store, q/k norm + rotary, RMSNorm and SiLU-and-mul
+                Triton q/k norm + rotary + KV store, RMSNorm and SiLU-and-mul kernels;
+  "triton":     the project's Triton decode, q/k norm + rotary + KV store, RMSNorm and SiLU-and-mul
                 kernels, torch's built-in FlashAttention-2 for prefill (fp16/bf16; fp32 and other
                 misfits take the reference);
   "torch":      the plain torch reference everywhere.
@@ -18,8 +18,7 @@ import os
 import torch
 
 from nanovllm.kernels.reference import (add_rms_norm_ref, paged_decode_attention_ref, prefill_attention_ref,
-                                        qk_norm_rope_store_ref, rms_norm_ref, silu_and_mul_ref,
-                                        store_kvcache_ref)
+                                        qk_norm_rope_store_ref, rms_norm_ref, silu_and_mul_ref)
 
 BACKENDS = ("flash-attn", "triton", "torch")
 
@@ -54,7 +53,6 @@ if ATTENTION_BACKEND != "torch":
                                                 prefill_attention_aten)
     from nanovllm.kernels.norm_act import add_rms_norm_triton, rms_norm_triton, silu_and_mul_triton
     from nanovllm.kernels.qk_norm_rope import qk_norm_rope_store_triton
-    from nanovllm.kernels.store_kvcache import store_kvcache_triton
 if ATTENTION_BACKEND == "flash-attn":
     from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
 
@@ -95,15 +93,6 @@ def qk_norm_rope_store(qkv: torch.Tensor, q_weight: torch.Tensor | None, k_weigh
     fn = qk_norm_rope_store_triton if _fast(qkv) else qk_norm_rope_store_ref
     return fn(qkv, q_weight, k_weight, eps, cos_sin_cache, positions, slot_mapping, k_cache, v_cache,
               num_heads, num_kv_heads, head_dim)
-
-
-def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-                  v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    # key, value: [num_tokens, num_kv_heads, head_dim]; slot_mapping: [num_tokens] int32, -1 = skip
-    if _fast(key):
-        store_kvcache_triton(key, value, k_cache, v_cache, slot_mapping)
-    else:
-        store_kvcache_ref(key, value, k_cache, v_cache, slot_mapping)
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
