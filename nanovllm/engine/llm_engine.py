@@ -174,9 +174,9 @@ class LLMEngine:
 
     def _can_run_ahead(self, batch: ScheduledBatch) -> bool:
         """May the next batch be launched before this one's tokens are on the host? Not with
-        penalties: their token counts are built on the host from the known tokens."""
-        return self.config.async_scheduling and not any(
-            seq.sampling_params.has_penalties for seq in batch.sampling_seqs)
+        penalties: their token counts are built on the host from the known tokens. (Without
+        async_scheduling nothing is left in flight to ask about.)"""
+        return not any(seq.sampling_params.has_penalties for seq in batch.sampling_seqs)
 
     def _apply(self, batch: ScheduledBatch, pending: PendingSample) -> list[Sequence]:
         """Wait for a launched batch's tokens and apply them; return the sequences that finished."""

@@ -8,7 +8,7 @@ import torch
 
 from nanovllm.config import Config
 from nanovllm.engine.block_manager import cdiv
-from nanovllm.engine.sampling_inputs import PendingSample, SampledTokens, build_sampling_tensors
+from nanovllm.engine.sampling_inputs import PendingSample, build_sampling_tensors
 from nanovllm.engine.scheduler import ScheduledBatch
 from nanovllm.engine.step_input import StepInput
 from nanovllm.kernels.flash_prefill import paged_kv_slots
@@ -267,10 +267,6 @@ class ModelRunner:
         self.keep_sampled(out.token_ids)
         self.pending_rows = {seq.seq_id: row for row, seq in enumerate(batch.sampling_seqs)}
         return PendingSample(out, sampling)
-
-    def run(self, batch: ScheduledBatch) -> SampledTokens:
-        """launch and wait: the batch's sampled tokens on the host."""
-        return self.launch(batch).result()
 
     def keep_sampled(self, token_ids: torch.Tensor | None, n: int | None = None):
         """Store a step's sampled tokens in sampled_tokens; with tensor parallelism rank 0 sends
