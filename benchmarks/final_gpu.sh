@@ -10,8 +10,9 @@ nvidia-smi --query-gpu=name --format=csv,noheader | sort | uniq -c
 git log --oneline -1 2>/dev/null
 bench() {  # label, then bench.py's arguments
   local label=$1; shift
-  CUDA_VISIBLE_DEVICES=0 timeout 120 python bench.py --json "$OUT/bench_$label.json" "$@" 2>&1 | grep -v -i warn \
-    | tail -2 | sed "s/^/[$label] /"
+  CUDA_VISIBLE_DEVICES=0 timeout 120 python bench.py --json "$OUT/bench_$label.json" "$@" > /tmp/bench_$label.log 2>&1
+  local rc=$?  # on failure, the traceback's end
+  grep -v -i warn /tmp/bench_$label.log | tail -$([[ $rc == 0 ]] && echo 2 || echo 25) | sed "s/^/[$label rc=$rc] /"
 }
 if [[ $1 == perf ]]; then
   CUDA_VISIBLE_DEVICES=1 timeout 420 python -m pytest -q tests/test_kernels_gpu.py tests/test_gpu_engine.py \
