@@ -111,6 +111,21 @@ def test_interp_a_seed_fixes_the_token_whatever_the_batch():
 
 
 @interp
+def test_interp_chunks_of_the_vocabulary_change_no_token():
+    from nanovllm.kernels.sampling import gumbel_max_sample
+    torch.manual_seed(3)
+    logits = torch.randn(6, 300)                  # quarter 16: 5 loop steps of 64 columns
+    logits[0, [10, 70, 290]] = 40.0               # greedy ties in the first, second and last chunk
+    logits[1, [200, 260]] = 40.0                  # ... in two later chunks only
+    logits[2] = float("-inf")                     # no finite score anywhere: column 0
+    temps = torch.tensor([0.0, 0.0, 0.0, 0.7, 1.0, 3.0])
+    seeds = torch.arange(6) + 40
+    draws = [gumbel_max_sample(logits, temps, seeds, quarter=16, num_chunks=c) for c in (1, 2, 3, 5, 9)]
+    assert all(torch.equal(d, draws[0]) for d in draws[1:])
+    assert draws[0][:3].tolist() == [10, 200, 0]
+
+
+@interp
 def test_interp_bf16_logits_draw_like_their_fp32_values():
     from nanovllm.kernels.sampling import gumbel_max_sample
     torch.manual_seed(2)

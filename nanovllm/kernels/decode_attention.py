@@ -125,13 +125,17 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+# Programs per SM that the split count aims for.
+PROGRAMS_PER_SM = 2
+
+
 def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, block_n: int,
                       device: torch.device) -> int:
-    """Enough splits to give every SM about two programs, from shapes only (graph-safe)."""
+    """Enough splits to give every SM about PROGRAMS_PER_SM programs, from shapes only (graph-safe)."""
     programs = batch * num_kv_heads
     sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
         if device.type == "cuda" else 4
-    want = triton.cdiv(2 * sms, programs)
+    want = triton.cdiv(PROGRAMS_PER_SM * sms, programs)
     # A split below 2 tiles costs more in the merge than it wins in parallelism.
     most = max(1, triton.cdiv(max_context, 2 * block_n))
     return max(1, min(want, most, 32))
