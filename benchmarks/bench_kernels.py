@@ -136,38 +136,41 @@ def sampling_case(n, fused, vocab=151936):
     return ms, logits.numel() * 2 / (ms * 1e-3)
 
 
-def sweep(json_path):
+def sweep(json_path, which):
     """% of copy bandwidth of decode attention (contexts 100-2048, graph table width) per batch and
     split count, with the split count choose_num_splits gives at each PROGRAMS_PER_SM; then the
     sampler's time per batch and chunk count."""
     from nanovllm.kernels import decode_attention
+    default = decode_attention.PROGRAMS_PER_SM
     copy_bw = copy_bandwidth()
     splits = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
     rows = []
-    print("decode mixed ctx 100-2048, % of copy bandwidth; auto splits at PROGRAMS_PER_SM = 2 / 8 / 16 / 32")
-    print("batch " + "".join(f"{s:>7d}" for s in splits) + "   auto(2,8,16,32)")
-    for batch in (256, 192, 128, 96, 64, 48, 32, 16, 8, 4, 1):
-        fractions = []
-        for num_splits in splits:
-            ms, bw = mixed_decode_case(batch, num_splits)
-            fractions.append(bw / copy_bw)
-            rows.append(dict(case=f"mixed decode b={batch} splits={num_splits}", ms=ms, of_copy=bw / copy_bw))
-        auto = []
-        for per_sm in (2, 8, 16, 32):
-            decode_attention.PROGRAMS_PER_SM = per_sm
-            auto.append(decode_attention.choose_num_splits(batch, HKV, 16 * BLOCK, 64, torch.device("cuda")))
-        decode_attention.PROGRAMS_PER_SM = 2
-        print(f"{batch:5d} " + "".join(f"{f:7.1%}" for f in fractions) + f"   {auto}")
-    print("sampler (T=0.6, vocab 151936) ms per chunk count")
-    chunk_counts = (1, 2, 4, 8, 16, 38, None)
-    print("n     " + "".join(f"{c or 'auto':>8}" for c in chunk_counts))
-    for n in (256, 128, 64, 16, 1):
-        logits = torch.randn(n, 151936, device="cuda", dtype=torch.bfloat16)
-        temps, seeds = torch.full((n,), 0.6, device="cuda"), torch.arange(n, device="cuda")
-        times = [median_ms(lambda: gumbel_max_sample(logits, temps, seeds, num_chunks=c), graph=True)
-                 for c in chunk_counts]
-        rows += [dict(case=f"sample n={n} chunks={c or 'auto'}", ms=ms) for c, ms in zip(chunk_counts, times)]
-        print(f"{n:5d} " + "".join(f"{ms:8.4f}" for ms in times))
+    if which in ("all", "decode"):
+        print("decode mixed ctx 100-2048, % of copy bandwidth; auto splits at PROGRAMS_PER_SM = 2 / 8 / 16 / 32")
+        print("batch " + "".join(f"{s:>7d}" for s in splits) + "   auto(2,8,16,32)")
+        for batch in (256, 192, 128, 96, 64, 48, 32, 16, 8, 4, 1):
+            fractions = []
+            for num_splits in splits:
+                ms, bw = mixed_decode_case(batch, num_splits)
+                fractions.append(bw / copy_bw)
+                rows.append(dict(case=f"mixed decode b={batch} splits={num_splits}", ms=ms, of_copy=bw / copy_bw))
+            auto = []
+            for per_sm in (2, 8, 16, 32):
+                decode_attention.PROGRAMS_PER_SM = per_sm
+                auto.append(decode_attention.choose_num_splits(batch, HKV, 16 * BLOCK, 64, torch.device("cuda")))
+            decode_attention.PROGRAMS_PER_SM = default
+            print(f"{batch:5d} " + "".join(f"{f:7.1%}" for f in fractions) + f"   {auto}")
+    if which in ("all", "sampler"):
+        print("sampler (T=0.6, vocab 151936) ms per chunk count")
+        chunk_counts = (1, 2, 4, 8, 16, 38, None)
+        print("n     " + "".join(f"{c or 'auto':>8}" for c in chunk_counts))
+        for n in (256, 128, 64, 16, 1):
+            logits = torch.randn(n, 151936, device="cuda", dtype=torch.bfloat16)
+            temps, seeds = torch.full((n,), 0.6, device="cuda"), torch.arange(n, device="cuda")
+            times = [median_ms(lambda: gumbel_max_sample(logits, temps, seeds, num_chunks=c), graph=True)
+                     for c in chunk_counts]
+            rows += [dict(case=f"sample n={n} chunks={c or 'auto'}", ms=ms) for c, ms in zip(chunk_counts, times)]
+            print(f"{n:5d} " + "".join(f"{ms:8.4f}" for ms in times))
     if json_path:
         with open(json_path, "w") as f:
             json.dump(dict(copy_bytes_per_s=copy_bw, results=rows), f, indent=1)
@@ -176,11 +179,11 @@ def sweep(json_path):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--json", help="write the results here")
-    parser.add_argument("--sweep", action="store_true",
-                        help="only the split counts of mixed-context decode and of the sampler")
+    parser.add_argument("--sweep", choices=["all", "decode", "sampler"],
+                        help="only the split counts of mixed-context decode and/or of the sampler")
     args = parser.parse_args()
     if args.sweep:
-        return sweep(args.json)
+        return sweep(args.json, args.sweep)
     copy_bw = copy_bandwidth()
     rows = []
     print(f"attention back end: {ATTENTION_BACKEND}; device copy {copy_bw / 1e12:.2f} TB/s")

@@ -125,8 +125,9 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-# Programs per SM that the split count aims for.
-PROGRAMS_PER_SM = 2
+# Programs per SM that the split count aims for. Measured on an H200 (benchmarks/RESULTS.md), contexts
+# 100-2048: 16 comes within 0.4% of the best count per batch over bench.py's batch sizes, 2 within 3.3%.
+PROGRAMS_PER_SM = 16
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, block_n: int,
@@ -136,8 +137,9 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, block_n: 
     sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
         if device.type == "cuda" else 4
     want = triton.cdiv(PROGRAMS_PER_SM * sms, programs)
-    # A split below 2 tiles costs more in the merge than it wins in parallelism.
-    most = max(1, triton.cdiv(max_context, 2 * block_n))
+    # Short splits cost more (merge, loop start) than they win in parallelism: at least 4 tiles of
+    # the longest context the block table can hold.
+    most = max(1, triton.cdiv(max_context, 4 * block_n))
     return max(1, min(want, most, 32))
 
 

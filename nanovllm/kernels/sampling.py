@@ -25,13 +25,15 @@ U_MAX = tl.constexpr(1.0 - 1e-7)
 
 
 @triton.jit
-def _scan(row_ptr, cols, vocab, bits, inv_t, noise_weight, best, best_col):
-    """Score the columns `cols` (logits / T + Gumbel noise from the random `bits`) and keep each
-    lane's best. Strict >: a lane sees its columns in increasing order, so the lowest index wins
-    ties, like torch.argmax."""
+def _scan(row_ptr, cols, vocab, bits, scale, noise_weight, best, best_col):
+    """Score the columns `cols` (logits / T + Gumbel noise from the random `bits`, in base 2) and
+    keep each lane's best. Strict >: a lane sees its columns in increasing order, so the lowest
+    index wins ties, like torch.argmax."""
     x = tl.load(row_ptr + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
     u = tl.minimum(tl.maximum(tl.uint_to_uniform_float(bits), U_MIN), U_MAX)
-    score = x * inv_t + noise_weight * -tl.log(-tl.log(u))
+    # logits / T - ln(-ln u), divided by ln 2 (the argmax is the same): x * log2(e) / T - log2(-log2 u)
+    # plus a constant. Base-2 logs are the GPU's fast ones.
+    score = x * scale - noise_weight * tl.log2(-tl.log2(u))
     take = score > best
     return tl.where(take, score, best), tl.where(take, cols, best_col)
 
@@ -44,7 +46,7 @@ def _gumbel_max_kernel(logits_ptr, temp_ptr, seed_ptr, best_ptr, col_ptr, vocab,
     temp = tl.load(temp_ptr + row)
     seed = tl.load(seed_ptr + row)
     # Greedy rows (T = 0) score the plain logits: scale 1, no noise.
-    inv_t = 1.0 / tl.where(temp > 0, temp, 1.0)
+    scale = tl.where(temp > 0, 1.4426950408889634 / tl.where(temp > 0, temp, 1.0), 1.0)
     noise_weight = tl.where(temp > 0, 1.0, 0.0)
     row_ptr = logits_ptr + row.to(tl.int64) * stride
     lanes = tl.arange(0, QUARTER)
@@ -57,10 +59,10 @@ def _gumbel_max_kernel(logits_ptr, temp_ptr, seed_ptr, best_ptr, col_ptr, vocab,
         # start + k * QUARTER + lane, k = 0..3: every column has its own counter and word.
         counter = (start // 4 + lanes).to(tl.uint32)
         r0, r1, r2, r3 = tl.philox(seed, counter, zero + offset, zero, zero)
-        best, best_col = _scan(row_ptr, start + lanes, vocab, r0, inv_t, noise_weight, best, best_col)
-        best, best_col = _scan(row_ptr, start + QUARTER + lanes, vocab, r1, inv_t, noise_weight, best, best_col)
-        best, best_col = _scan(row_ptr, start + 2 * QUARTER + lanes, vocab, r2, inv_t, noise_weight, best, best_col)
-        best, best_col = _scan(row_ptr, start + 3 * QUARTER + lanes, vocab, r3, inv_t, noise_weight, best, best_col)
+        best, best_col = _scan(row_ptr, start + lanes, vocab, r0, scale, noise_weight, best, best_col)
+        best, best_col = _scan(row_ptr, start + QUARTER + lanes, vocab, r1, scale, noise_weight, best, best_col)
+        best, best_col = _scan(row_ptr, start + 2 * QUARTER + lanes, vocab, r2, scale, noise_weight, best, best_col)
+        best, best_col = _scan(row_ptr, start + 3 * QUARTER + lanes, vocab, r3, scale, noise_weight, best, best_col)
     top = tl.max(best, axis=0)
     tl.store(best_ptr + row * tl.num_programs(1) + chunk, top)
     tl.store(col_ptr + row * tl.num_programs(1) + chunk, tl.min(tl.where(best == top, best_col, vocab), axis=0))
