@@ -125,9 +125,10 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-# Programs per SM that the split count aims for. Measured on an H200 (benchmarks/RESULTS.md), contexts
-# 100-2048: 16 comes within 0.4% of the best count per batch over bench.py's batch sizes, 2 within 3.3%.
-PROGRAMS_PER_SM = 16
+# Programs per SM that the split count aims for. On an H200 (benchmarks/RESULTS.md) bench.py ran faster
+# at 8 than at 2 (2-3%) or 16 (0.5%, four pairs of runs); a kernel sweep over contexts 100-2048 had put
+# 8 and 16 within 1.6% and 0.4% of the best split count per batch size.
+PROGRAMS_PER_SM = 8
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, block_n: int,

@@ -21,7 +21,7 @@ from triton.language.extra import libdevice
 from nanovllm.kernels.qk_norm_rope import _rounded
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])   # one compiled variant whatever the step's token count
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, num_rows, x_stride, res_stride, eps,
                      HIDDEN: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
                      HAS_RESIDUAL: tl.constexpr):

@@ -20,25 +20,26 @@ import triton.language as tl
 # Columns per loop step are 4 * QUARTER: one Philox call gives four uniforms per counter. The
 # draw for a given seed depends on this constant (it maps counters to columns), so keep it fixed.
 QUARTER = 1024
+MAX_CHUNKS = 64                      # chunks per row at most (one block in the picking kernel)
 U_MIN = tl.constexpr(1e-10)          # u clamped to [U_MIN, U_MAX]: -log(-log(u)) stays finite
 U_MAX = tl.constexpr(1.0 - 1e-7)
 
 
 @triton.jit
-def _scan(row_ptr, cols, vocab, bits, scale, noise_weight, best, best_col):
-    """Score the columns `cols` (logits / T + Gumbel noise from the random `bits`, in base 2) and
-    keep each lane's best. Strict >: a lane sees its columns in increasing order, so the lowest
-    index wins ties, like torch.argmax."""
+def _scan(row_ptr, cols, vocab, bits, inv_t, noise_weight, best, best_col):
+    """Score the columns `cols` (logits / T + Gumbel noise from the random `bits`) and keep each
+    lane's best. Strict >: a lane sees its columns in increasing order, so the lowest index wins
+    ties, like torch.argmax."""
     x = tl.load(row_ptr + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
     u = tl.minimum(tl.maximum(tl.uint_to_uniform_float(bits), U_MIN), U_MAX)
-    # logits / T - ln(-ln u), divided by ln 2 (the argmax is the same): x * log2(e) / T - log2(-log2 u)
-    # plus a constant. Base-2 logs are the GPU's fast ones.
-    score = x * scale - noise_weight * tl.log2(-tl.log2(u))
+    score = x * inv_t + noise_weight * -tl.log(-tl.log(u))
     take = score > best
     return tl.where(take, score, best), tl.where(take, cols, best_col)
 
 
-@triton.jit
+# Not specialised on steps_per_chunk (it changes with the batch size), so a run compiles no new
+# variant when its batch shrinks.
+@triton.jit(do_not_specialize=["steps_per_chunk"])
 def _gumbel_max_kernel(logits_ptr, temp_ptr, seed_ptr, best_ptr, col_ptr, vocab, stride, offset,
                        steps_per_chunk, QUARTER: tl.constexpr):
     row = tl.program_id(0)
@@ -46,7 +47,7 @@ def _gumbel_max_kernel(logits_ptr, temp_ptr, seed_ptr, best_ptr, col_ptr, vocab,
     temp = tl.load(temp_ptr + row)
     seed = tl.load(seed_ptr + row)
     # Greedy rows (T = 0) score the plain logits: scale 1, no noise.
-    scale = tl.where(temp > 0, 1.4426950408889634 / tl.where(temp > 0, temp, 1.0), 1.0)
+    inv_t = 1.0 / tl.where(temp > 0, temp, 1.0)
     noise_weight = tl.where(temp > 0, 1.0, 0.0)
     row_ptr = logits_ptr + row.to(tl.int64) * stride
     lanes = tl.arange(0, QUARTER)
@@ -59,22 +60,22 @@ def _gumbel_max_kernel(logits_ptr, temp_ptr, seed_ptr, best_ptr, col_ptr, vocab,
         # start + k * QUARTER + lane, k = 0..3: every column has its own counter and word.
         counter = (start // 4 + lanes).to(tl.uint32)
         r0, r1, r2, r3 = tl.philox(seed, counter, zero + offset, zero, zero)
-        best, best_col = _scan(row_ptr, start + lanes, vocab, r0, scale, noise_weight, best, best_col)
-        best, best_col = _scan(row_ptr, start + QUARTER + lanes, vocab, r1, scale, noise_weight, best, best_col)
-        best, best_col = _scan(row_ptr, start + 2 * QUARTER + lanes, vocab, r2, scale, noise_weight, best, best_col)
-        best, best_col = _scan(row_ptr, start + 3 * QUARTER + lanes, vocab, r3, scale, noise_weight, best, best_col)
+        best, best_col = _scan(row_ptr, start + lanes, vocab, r0, inv_t, noise_weight, best, best_col)
+        best, best_col = _scan(row_ptr, start + QUARTER + lanes, vocab, r1, inv_t, noise_weight, best, best_col)
+        best, best_col = _scan(row_ptr, start + 2 * QUARTER + lanes, vocab, r2, inv_t, noise_weight, best, best_col)
+        best, best_col = _scan(row_ptr, start + 3 * QUARTER + lanes, vocab, r3, inv_t, noise_weight, best, best_col)
     top = tl.max(best, axis=0)
     tl.store(best_ptr + row * tl.num_programs(1) + chunk, top)
     tl.store(col_ptr + row * tl.num_programs(1) + chunk, tl.min(tl.where(best == top, best_col, vocab), axis=0))
 
 
-@triton.jit
-def _pick_chunk_kernel(best_ptr, col_ptr, out_ptr, vocab, NUM_CHUNKS: tl.constexpr, BLOCK: tl.constexpr):
+@triton.jit(do_not_specialize=["num_chunks"])
+def _pick_chunk_kernel(best_ptr, col_ptr, out_ptr, vocab, num_chunks, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
-    mask = offs < NUM_CHUNKS
-    best = tl.load(best_ptr + row * NUM_CHUNKS + offs, mask=mask, other=float("-inf"))
-    col = tl.load(col_ptr + row * NUM_CHUNKS + offs, mask=mask, other=vocab)
+    mask = offs < num_chunks
+    best = tl.load(best_ptr + row * num_chunks + offs, mask=mask, other=float("-inf"))
+    col = tl.load(col_ptr + row * num_chunks + offs, mask=mask, other=vocab)
     top = tl.max(best, axis=0)
     # A row whose scores are all -inf picks column 0, as torch.argmax does.
     token = tl.min(tl.where(best == top, col, vocab), axis=0)
@@ -105,12 +106,11 @@ def gumbel_max_sample(logits: torch.Tensor, temperatures: torch.Tensor, seeds: t
     steps = triton.cdiv(vocab, 4 * quarter)
     if num_chunks is None:
         num_chunks = triton.cdiv(4 * _sm_count(logits.device), n)
-    steps_per_chunk = triton.cdiv(steps, max(1, min(num_chunks, steps)))
+    steps_per_chunk = triton.cdiv(steps, max(1, min(num_chunks, steps, MAX_CHUNKS)))
     num_chunks = triton.cdiv(steps, steps_per_chunk)   # none empty
     best = torch.empty(n, num_chunks, dtype=torch.float32, device=logits.device)
     cols = torch.empty(n, num_chunks, dtype=torch.int32, device=logits.device)
     _gumbel_max_kernel[(n, num_chunks)](logits, temperatures, seeds, best, cols, vocab, logits.stride(0), offset,
                                         steps_per_chunk, QUARTER=quarter, num_warps=8)
-    _pick_chunk_kernel[(n,)](best, cols, out, vocab, NUM_CHUNKS=num_chunks,
-                             BLOCK=triton.next_power_of_2(num_chunks), num_warps=1)
+    _pick_chunk_kernel[(n,)](best, cols, out, vocab, num_chunks, BLOCK=MAX_CHUNKS, num_warps=1)
     return out
