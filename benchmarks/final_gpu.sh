@@ -28,18 +28,18 @@ if [[ $1 == perf ]]; then
   grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | head -12
 fi
 if [[ $1 == tune ]]; then   # GPU 1: a split-count sweep (SWEEP=all|decode|sampler), then the GPU tests;
-                            # GPU 0: bench.py at T=0.6 and greedy per PROGRAMS_PER_SM (PER_SM), then the profile
+                            # GPU 0: bench.py at TEMPS per VARIANTS of two knobs, then the profile (PROFILE=1)
   (CUDA_VISIBLE_DEVICES=1 timeout 200 python benchmarks/bench_kernels.py --sweep ${SWEEP:-all} --json "$OUT/sweep.json" \
      > "$OUT/sweep.txt" 2>&1
    CUDA_VISIBLE_DEVICES=1 timeout 300 python -m pytest -q tests/test_kernels_gpu.py tests/test_gpu_engine.py \
      tests/test_sampling_kernel.py -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1) &
   side=$!
-  # bench.py with decode_attention.PROGRAMS_PER_SM set first (the first argument)
-  with_splits='import sys, runpy; import nanovllm.kernels.decode_attention as d; d.PROGRAMS_PER_SM = int(sys.argv[1]); sys.argv = ["bench.py"] + sys.argv[2:]; runpy.run_path("bench.py", run_name="__main__")'
-  for per_sm in ${PER_SM:-2 8 16}; do
-    for temp in 0.6 0; do
-      CUDA_VISIBLE_DEVICES=0 timeout 100 python -c "$with_splits" $per_sm --temperature $temp $BENCH_ARGS \
-        2>&1 | grep -v -i warn | tail -${BENCH_LINES:-1} | sed "s/^/[per_sm=$per_sm T=$temp] /"
+  # bench.py with decode_attention.PROGRAMS_PER_SM and sampling.NUM_WARPS set first (VARIANTS: "per_sm,warps ...")
+  with_knobs='import sys, runpy; import nanovllm.kernels.decode_attention as d, nanovllm.kernels.sampling as s; d.PROGRAMS_PER_SM, s.NUM_WARPS = map(int, sys.argv[1].split(",")); sys.argv = ["bench.py"] + sys.argv[2:]; runpy.run_path("bench.py", run_name="__main__")'
+  for variant in ${VARIANTS:-8,8}; do
+    for temp in ${TEMPS:-0.6 0}; do
+      CUDA_VISIBLE_DEVICES=0 timeout 100 python -c "$with_knobs" $variant --temperature $temp $BENCH_ARGS \
+        2>&1 | grep -v -i warn | tail -${BENCH_LINES:-1} | sed "s/^/[per_sm,warps=$variant T=$temp] /"
     done
   done
   [[ -n $PROFILE ]] && CUDA_VISIBLE_DEVICES=0 timeout 150 python benchmarks/profile_bench.py --out "$OUT/profile.txt" \

@@ -20,6 +20,7 @@ import triton.language as tl
 # Columns per loop step are 4 * QUARTER: one Philox call gives four uniforms per counter. The
 # draw for a given seed depends on this constant (it maps counters to columns), so keep it fixed.
 QUARTER = 1024
+NUM_WARPS = 8
 MAX_CHUNKS = 64                      # chunks per row at most (one block in the picking kernel)
 U_MIN = tl.constexpr(1e-10)          # u clamped to [U_MIN, U_MAX]: -log(-log(u)) stays finite
 U_MAX = tl.constexpr(1.0 - 1e-7)
@@ -111,6 +112,6 @@ def gumbel_max_sample(logits: torch.Tensor, temperatures: torch.Tensor, seeds: t
     best = torch.empty(n, num_chunks, dtype=torch.float32, device=logits.device)
     cols = torch.empty(n, num_chunks, dtype=torch.int32, device=logits.device)
     _gumbel_max_kernel[(n, num_chunks)](logits, temperatures, seeds, best, cols, vocab, logits.stride(0), offset,
-                                        steps_per_chunk, QUARTER=quarter, num_warps=8)
+                                        steps_per_chunk, QUARTER=quarter, num_warps=NUM_WARPS)
     _pick_chunk_kernel[(n,)](best, cols, out, vocab, num_chunks, BLOCK=MAX_CHUNKS, num_warps=1)
     return out
