@@ -160,6 +160,18 @@ def sweep(json_path, which):
                 auto.append(decode_attention.choose_num_splits(batch, HKV, 16 * BLOCK, 64, torch.device("cuda")))
             decode_attention.PROGRAMS_PER_SM = default
             print(f"{batch:5d} " + "".join(f"{f:7.1%}" for f in fractions) + f"   {auto}")
+    if which == "stages":
+        print("decode mixed ctx 100-2048, % of copy bandwidth, auto splits, by NUM_STAGES 2 / 3 / 4")
+        stages_default = decode_attention.NUM_STAGES
+        for batch in (256, 128, 64, 32, 8):
+            fractions = []
+            for decode_attention.NUM_STAGES in (2, 3, 4):
+                ms, bw = mixed_decode_case(batch)
+                fractions.append(bw / copy_bw)
+                rows.append(dict(case=f"mixed decode b={batch} stages={decode_attention.NUM_STAGES}", ms=ms,
+                                 of_copy=bw / copy_bw))
+            print(f"{batch:5d} " + "".join(f"{f:7.1%}" for f in fractions))
+        decode_attention.NUM_STAGES = stages_default
     if which in ("all", "sampler"):
         print("sampler (T=0.6, vocab 151936) ms per chunk count")
         chunk_counts = (1, 2, 4, 8, 16, 38, None)
@@ -184,7 +196,7 @@ def sweep(json_path, which):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--json", help="write the results here")
-    parser.add_argument("--sweep", choices=["all", "decode", "sampler"],
+    parser.add_argument("--sweep", choices=["all", "decode", "sampler", "stages"],
                         help="only the split counts of mixed-context decode and/or of the sampler")
     args = parser.parse_args()
     if args.sweep:

@@ -31,11 +31,13 @@ if [[ $1 == tune ]]; then   # GPU 1: a split-count sweep (SWEEP=all|decode|sampl
                             # GPU 0: bench.py at TEMPS per VARIANTS of two knobs, then the profile (PROFILE=1)
   (CUDA_VISIBLE_DEVICES=1 timeout 200 python benchmarks/bench_kernels.py --sweep ${SWEEP:-all} --json "$OUT/sweep.json" \
      > "$OUT/sweep.txt" 2>&1
+   [[ -n $GEMM ]] && CUDA_VISIBLE_DEVICES=1 timeout 100 python benchmarks/bench_gemm.py > "$OUT/gemm.txt" 2>&1
    CUDA_VISIBLE_DEVICES=1 timeout 300 python -m pytest -q tests/test_kernels_gpu.py tests/test_gpu_engine.py \
      tests/test_sampling_kernel.py -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1) &
   side=$!
-  # bench.py with decode_attention.PROGRAMS_PER_SM and sampling.NUM_WARPS set first (VARIANTS: "per_sm,warps ...")
-  with_knobs='import sys, runpy; import nanovllm.kernels.decode_attention as d, nanovllm.kernels.sampling as s; d.PROGRAMS_PER_SM, s.NUM_WARPS = map(int, sys.argv[1].split(",")); sys.argv = ["bench.py"] + sys.argv[2:]; runpy.run_path("bench.py", run_name="__main__")'
+  # bench.py with decode_attention.PROGRAMS_PER_SM, sampling.NUM_WARPS, decode_attention.NUM_STAGES set first
+  # (VARIANTS: "per_sm,warps[,stages] ...")
+  with_knobs='import sys, runpy; import nanovllm.kernels.decode_attention as d, nanovllm.kernels.sampling as s; d.PROGRAMS_PER_SM, s.NUM_WARPS, d.NUM_STAGES = map(int, (sys.argv[1] + ",2").split(",")[:3]); sys.argv = ["bench.py"] + sys.argv[2:]; runpy.run_path("bench.py", run_name="__main__")'
   for variant in ${VARIANTS:-8,8}; do
     for temp in ${TEMPS:-0.6 0}; do
       CUDA_VISIBLE_DEVICES=0 timeout 100 python -c "$with_knobs" $variant --temperature $temp $BENCH_ARGS \
@@ -46,6 +48,7 @@ if [[ $1 == tune ]]; then   # GPU 1: a split-count sweep (SWEEP=all|decode|sampl
     2>&1 | grep -v -i warn | head -14
   wait $side
   grep -v -i warn "$OUT/sweep.txt" | tail -25
+  [[ -n $GEMM ]] && grep -v -i warn "$OUT/gemm.txt" | tail -30
   grep -E "passed|failed" "$OUT/gpu_tests.log" | tail -2
   grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | head -12
 fi

@@ -129,6 +129,7 @@ def _sm_count(device_index: int) -> int:
 # at 8 than at 2 (2-3%) or 16 (0.5%, four pairs of runs); a kernel sweep over contexts 100-2048 had put
 # 8 and 16 within 1.6% and 0.4% of the best split count per batch size.
 PROGRAMS_PER_SM = 8
+NUM_STAGES = 2   # software-pipelining depth of the K/V loads in the split kernel
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, block_n: int,
@@ -183,7 +184,7 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
         BLOCK_D=block_d, BLOCK_SIZE=block_size, BLOCK_N=block_n, DIRECT=direct,
         DOT_FP32=interpreted or q.dtype == torch.float32,
         PRECISION="ieee" if q.dtype == torch.float32 else None,  # ieee: fp32 tests need exact fp32
-        num_warps=4, num_stages=2,
+        num_warps=4, num_stages=NUM_STAGES,
     )
     if not direct:
         _decode_reduce_kernel[(batch, num_heads)](
