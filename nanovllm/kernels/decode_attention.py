@@ -121,8 +121,12 @@ def _decode_reduce_kernel(part_out_ptr, part_lse_ptr, out_ptr, stride_ob, stride
 
 
 @functools.lru_cache(maxsize=None)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device; 4 elsewhere (the Triton interpreter's stand-in)."""
+    if device.type != "cuda":
+        return 4
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 # Programs per SM that the split count aims for. On an H200 (benchmarks/RESULTS.md) bench.py ran faster
@@ -136,9 +140,7 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, block_n: 
                       device: torch.device) -> int:
     """Enough splits to give every SM about PROGRAMS_PER_SM programs, from shapes only (graph-safe)."""
     programs = batch * num_kv_heads
-    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
-        if device.type == "cuda" else 4
-    want = triton.cdiv(PROGRAMS_PER_SM * sms, programs)
+    want = triton.cdiv(PROGRAMS_PER_SM * num_sms(device), programs)
     # Short splits cost more (merge, loop start) than they win in parallelism: at least 4 tiles of
     # the longest context the block table can hold.
     most = max(1, triton.cdiv(max_context, 4 * block_n))

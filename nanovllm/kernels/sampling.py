@@ -11,11 +11,11 @@ a small batch still fills the GPU (one program streaming Qwen3's 151936 columns 
 row's best. Chunks change neither the draws (a column's uniform depends on its index only) nor the
 winner (the lowest column wins ties, within and across chunks).
 """
-import functools
-
 import torch
 import triton
 import triton.language as tl
+
+from nanovllm.kernels.decode_attention import num_sms
 
 # Columns per loop step are 4 * QUARTER: one Philox call gives four uniforms per counter. The
 # draw for a given seed depends on this constant (it maps counters to columns), so keep it fixed.
@@ -83,11 +83,6 @@ def _pick_chunk_kernel(best_ptr, col_ptr, out_ptr, vocab, num_chunks, BLOCK: tl.
     tl.store(out_ptr + row, tl.where(token < vocab, token, 0).to(tl.int64))
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-
-
 def gumbel_max_sample(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor,
                       offset: int = 0, quarter: int = QUARTER, num_chunks: int | None = None) -> torch.Tensor:
     """logits: [n, vocab] bf16/fp16/fp32, rows contiguous; temperatures: [n] fp32, 0 = greedy
@@ -106,7 +101,7 @@ def gumbel_max_sample(logits: torch.Tensor, temperatures: torch.Tensor, seeds: t
         return out
     steps = triton.cdiv(vocab, 4 * quarter)
     if num_chunks is None:
-        num_chunks = triton.cdiv(4 * _sm_count(logits.device), n)
+        num_chunks = triton.cdiv(4 * num_sms(logits.device), n)
     steps_per_chunk = triton.cdiv(steps, max(1, min(num_chunks, steps, MAX_CHUNKS)))
     num_chunks = triton.cdiv(steps, steps_per_chunk)   # none empty
     best = torch.empty(n, num_chunks, dtype=torch.float32, device=logits.device)
