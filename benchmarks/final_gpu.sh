@@ -31,7 +31,7 @@ if [[ $1 == tune ]]; then   # GPU 1: a split-count sweep (SWEEP=all|decode|sampl
                             # GPU 0: bench.py at TEMPS per VARIANTS of two knobs, then the profile (PROFILE=1)
   (CUDA_VISIBLE_DEVICES=1 timeout 200 python benchmarks/bench_kernels.py --sweep ${SWEEP:-all} --json "$OUT/sweep.json" \
      > "$OUT/sweep.txt" 2>&1
-   [[ -n $GEMM ]] && CUDA_VISIBLE_DEVICES=1 timeout 100 python benchmarks/bench_gemm.py > "$OUT/gemm.txt" 2>&1
+   [[ -n $GEMM ]] && CUDA_VISIBLE_DEVICES=1 timeout 240 python benchmarks/bench_gemm.py > "$OUT/gemm.txt" 2>&1
    CUDA_VISIBLE_DEVICES=1 timeout 300 python -m pytest -q tests/test_kernels_gpu.py tests/test_gpu_engine.py \
      tests/test_sampling_kernel.py -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1) &
   side=$!
