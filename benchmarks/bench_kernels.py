@@ -175,19 +175,23 @@ def sweep(json_path, which):
     if which in ("all", "sampler"):
         print("sampler (T=0.6, vocab 151936) ms per chunk count")
         chunk_counts = (1, 2, 4, 8, 16, 38, None)
-        print("n     " + "".join(f"{c or 'auto':>8}" for c in chunk_counts) + "   auto at num_warps 2, 4, 16")
+        print("n     " + "".join(f"{c or 'auto':>8}" for c in chunk_counts) + "   auto with one knob changed")
         for n in (256, 128, 64, 16, 1):
             logits = torch.randn(n, 151936, device="cuda", dtype=torch.bfloat16)
             temps, seeds = torch.full((n,), 0.6, device="cuda"), torch.arange(n, device="cuda")
             times = [median_ms(lambda: gumbel_max_sample(logits, temps, seeds, num_chunks=c), graph=True)
                      for c in chunk_counts]
             rows += [dict(case=f"sample n={n} chunks={c or 'auto'}", ms=ms) for c, ms in zip(chunk_counts, times)]
-            warps_default, by_warps = sampling.NUM_WARPS, []
-            for sampling.NUM_WARPS in (2, 4, 16):
-                by_warps.append(median_ms(lambda: gumbel_max_sample(logits, temps, seeds), graph=True))
-                rows.append(dict(case=f"sample n={n} num_warps={sampling.NUM_WARPS}", ms=by_warps[-1]))
-            sampling.NUM_WARPS = warps_default
-            print(f"{n:5d} " + "".join(f"{ms:8.4f}" for ms in times) + "  " + "".join(f"{ms:8.4f}" for ms in by_warps))
+            variants = {}   # the default against one knob changed at a time
+            for name, knob, value in (("warps=4", "NUM_WARPS", 4), ("warps=16", "NUM_WARPS", 16),
+                                      ("exact log", "FAST_LOG", False), ("philox-7", "PHILOX_ROUNDS", 7)):
+                default_value = getattr(sampling, knob)
+                setattr(sampling, knob, value)
+                variants[name] = median_ms(lambda: gumbel_max_sample(logits, temps, seeds), graph=True)
+                setattr(sampling, knob, default_value)
+                rows.append(dict(case=f"sample n={n} {name}", ms=variants[name]))
+            print(f"{n:5d} " + "".join(f"{ms:8.4f}" for ms in times) + "  " +
+                  "  ".join(f"{name} {ms:.4f}" for name, ms in variants.items()))
     if json_path:
         with open(json_path, "w") as f:
             json.dump(dict(copy_bytes_per_s=copy_bw, results=rows), f, indent=1)

@@ -27,21 +27,29 @@ if [[ $1 == perf ]]; then
   grep -E "passed|failed" "$OUT/gpu_tests.log" | tail -2
   grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | head -12
 fi
-if [[ $1 == tune ]]; then   # GPU 1: a split-count sweep (SWEEP=all|decode|sampler), then the GPU tests;
-                            # GPU 0: bench.py at TEMPS per VARIANTS of two knobs, then the profile (PROFILE=1)
+if [[ $1 == tune ]]; then   # GPU 1: a split-count sweep (SWEEP=all|decode|sampler|stages), bench_gemm.py (GEMM=1),
+                            # then the GPU tests; GPU 0: ROUNDS x VARIANTS x TEMPS bench.py runs, then the profile (PROFILE=1)
   (CUDA_VISIBLE_DEVICES=1 timeout 200 python benchmarks/bench_kernels.py --sweep ${SWEEP:-all} --json "$OUT/sweep.json" \
      > "$OUT/sweep.txt" 2>&1
    [[ -n $GEMM ]] && CUDA_VISIBLE_DEVICES=1 timeout 240 python benchmarks/bench_gemm.py > "$OUT/gemm.txt" 2>&1
    CUDA_VISIBLE_DEVICES=1 timeout 300 python -m pytest -q tests/test_kernels_gpu.py tests/test_gpu_engine.py \
      tests/test_sampling_kernel.py -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1) &
   side=$!
-  # bench.py with decode_attention.PROGRAMS_PER_SM, sampling.NUM_WARPS, decode_attention.NUM_STAGES set first
-  # (VARIANTS: "per_sm,warps[,stages] ...")
-  with_knobs='import sys, runpy; import nanovllm.kernels.decode_attention as d, nanovllm.kernels.sampling as s; d.PROGRAMS_PER_SM, s.NUM_WARPS, d.NUM_STAGES = map(int, (sys.argv[1] + ",2").split(",")[:3]); sys.argv = ["bench.py"] + sys.argv[2:]; runpy.run_path("bench.py", run_name="__main__")'
-  for variant in ${VARIANTS:-8,8}; do
-    for temp in ${TEMPS:-0.6 0}; do
-      CUDA_VISIBLE_DEVICES=0 timeout 100 python -c "$with_knobs" $variant --temperature $temp $BENCH_ARGS \
-        2>&1 | grep -v -i warn | tail -${BENCH_LINES:-1} | sed "s/^/[per_sm,warps=$variant T=$temp] /"
+  # bench.py with module constants of nanovllm.kernels set first. VARIANTS: space-separated, each
+  # "default" or comma-separated module.NAME=int, e.g. "default splitk.ENABLED=0,sampling.FAST_LOG=0"
+  with_knobs='import importlib, sys, runpy
+for knob in filter(None, sys.argv[1].replace("default", "").split(",")):
+    name, value = knob.split("=")
+    module, attr = name.rsplit(".", 1)
+    setattr(importlib.import_module("nanovllm.kernels." + module), attr, type(getattr(importlib.import_module("nanovllm.kernels." + module), attr))(int(value)))
+sys.argv = ["bench.py"] + sys.argv[2:]
+runpy.run_path("bench.py", run_name="__main__")'
+  for round in $(seq ${ROUNDS:-1}); do
+    for variant in ${VARIANTS:-default}; do
+      for temp in ${TEMPS:-0.6 0}; do
+        CUDA_VISIBLE_DEVICES=0 timeout 100 python -c "$with_knobs" $variant --temperature $temp $BENCH_ARGS \
+          2>&1 | grep -v -i warn | tail -${BENCH_LINES:-1} | sed "s/^/[$variant T=$temp] /"
+      done
     done
   done
   [[ -n $PROFILE ]] && CUDA_VISIBLE_DEVICES=0 timeout 150 python benchmarks/profile_bench.py --out "$OUT/profile.txt" \

@@ -15,25 +15,41 @@ import torch
 import triton
 import triton.language as tl
 
+from triton.language.extra import libdevice
+
 from nanovllm.kernels.decode_attention import num_sms
 
 # Columns per loop step are 4 * QUARTER: one Philox call gives four uniforms per counter. The
 # draw for a given seed depends on this constant (it maps counters to columns), so keep it fixed.
 QUARTER = 1024
 NUM_WARPS = 8
+FAST_LOG = True                      # on CUDA, logs by the hardware approximation (lg2.approx), see _log
+PHILOX_ROUNDS = 10                   # Philox4x32-10, as cuRAND and torch use (a tuning knob: 7 is faster)
 MAX_CHUNKS = 64                      # chunks per row at most (one block in the picking kernel)
 U_MIN = tl.constexpr(1e-10)          # u clamped to [U_MIN, U_MAX]: -log(-log(u)) stays finite
 U_MAX = tl.constexpr(1.0 - 1e-7)
 
 
 @triton.jit
-def _scan(row_ptr, cols, vocab, bits, inv_t, noise_weight, best, best_col):
+def _log(x, FAST: tl.constexpr):
+    # FAST: the GPU's approximate log (about 2^-22 absolute error, two instructions) instead of
+    # libdevice's exact logf (about twenty). The kernel spends its time on arithmetic, and the
+    # noise's own resolution is coarser: u near 1 is an fp32 with 2^-24 steps. The interpreter
+    # has no libdevice.
+    if FAST:
+        return libdevice.fast_logf(x)
+    else:
+        return tl.log(x)
+
+
+@triton.jit
+def _scan(row_ptr, cols, vocab, bits, best, best_col, inv_t, noise_weight, FAST_LOG: tl.constexpr):
     """Score the columns `cols` (logits / T + Gumbel noise from the random `bits`) and keep each
     lane's best. Strict >: a lane sees its columns in increasing order, so the lowest index wins
     ties, like torch.argmax."""
     x = tl.load(row_ptr + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
     u = tl.minimum(tl.maximum(tl.uint_to_uniform_float(bits), U_MIN), U_MAX)
-    score = x * inv_t + noise_weight * -tl.log(-tl.log(u))
+    score = x * inv_t + noise_weight * -_log(-_log(u, FAST_LOG), FAST_LOG)
     take = score > best
     return tl.where(take, score, best), tl.where(take, cols, best_col)
 
@@ -42,7 +58,8 @@ def _scan(row_ptr, cols, vocab, bits, inv_t, noise_weight, best, best_col):
 # variant when its batch shrinks.
 @triton.jit(do_not_specialize=["steps_per_chunk"])
 def _gumbel_max_kernel(logits_ptr, temp_ptr, seed_ptr, best_ptr, col_ptr, vocab, stride, offset,
-                       steps_per_chunk, QUARTER: tl.constexpr):
+                       steps_per_chunk, QUARTER: tl.constexpr, FAST_LOG: tl.constexpr,
+                       ROUNDS: tl.constexpr):
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     temp = tl.load(temp_ptr + row)
@@ -60,11 +77,15 @@ def _gumbel_max_kernel(logits_ptr, temp_ptr, seed_ptr, best_ptr, col_ptr, vocab,
         # Philox counter (start / 4 + lane, offset) gives the four uniforms of columns
         # start + k * QUARTER + lane, k = 0..3: every column has its own counter and word.
         counter = (start // 4 + lanes).to(tl.uint32)
-        r0, r1, r2, r3 = tl.philox(seed, counter, zero + offset, zero, zero)
-        best, best_col = _scan(row_ptr, start + lanes, vocab, r0, inv_t, noise_weight, best, best_col)
-        best, best_col = _scan(row_ptr, start + QUARTER + lanes, vocab, r1, inv_t, noise_weight, best, best_col)
-        best, best_col = _scan(row_ptr, start + 2 * QUARTER + lanes, vocab, r2, inv_t, noise_weight, best, best_col)
-        best, best_col = _scan(row_ptr, start + 3 * QUARTER + lanes, vocab, r3, inv_t, noise_weight, best, best_col)
+        r0, r1, r2, r3 = tl.philox(seed, counter, zero + offset, zero, zero, ROUNDS)
+        best, best_col = _scan(row_ptr, start + lanes, vocab, r0, best, best_col,
+                               inv_t, noise_weight, FAST_LOG)
+        best, best_col = _scan(row_ptr, start + QUARTER + lanes, vocab, r1, best, best_col,
+                               inv_t, noise_weight, FAST_LOG)
+        best, best_col = _scan(row_ptr, start + 2 * QUARTER + lanes, vocab, r2, best, best_col,
+                               inv_t, noise_weight, FAST_LOG)
+        best, best_col = _scan(row_ptr, start + 3 * QUARTER + lanes, vocab, r3, best, best_col,
+                               inv_t, noise_weight, FAST_LOG)
     top = tl.max(best, axis=0)
     tl.store(best_ptr + row * tl.num_programs(1) + chunk, top)
     tl.store(col_ptr + row * tl.num_programs(1) + chunk, tl.min(tl.where(best == top, best_col, vocab), axis=0))
@@ -107,6 +128,8 @@ def gumbel_max_sample(logits: torch.Tensor, temperatures: torch.Tensor, seeds: t
     best = torch.empty(n, num_chunks, dtype=torch.float32, device=logits.device)
     cols = torch.empty(n, num_chunks, dtype=torch.int32, device=logits.device)
     _gumbel_max_kernel[(n, num_chunks)](logits, temperatures, seeds, best, cols, vocab, logits.stride(0), offset,
-                                        steps_per_chunk, QUARTER=quarter, num_warps=NUM_WARPS)
+                                        steps_per_chunk, QUARTER=quarter,
+                                        FAST_LOG=FAST_LOG and logits.is_cuda, ROUNDS=PHILOX_ROUNDS,
+                                        num_warps=NUM_WARPS)
     _pick_chunk_kernel[(n,)](best, cols, out, vocab, num_chunks, BLOCK=MAX_CHUNKS, num_warps=1)
     return out
