@@ -29,11 +29,11 @@ if [[ $1 == perf ]]; then
 fi
 if [[ $1 == tune ]]; then   # GPU 1: a split-count sweep (SWEEP=all|decode|sampler|stages), bench_gemm.py (GEMM=1),
                             # then the GPU tests; GPU 0: ROUNDS x VARIANTS x TEMPS bench.py runs, then the profile (PROFILE=1)
-  (CUDA_VISIBLE_DEVICES=1 timeout 200 python benchmarks/bench_kernels.py --sweep ${SWEEP:-all} --json "$OUT/sweep.json" \
-     > "$OUT/sweep.txt" 2>&1
-   [[ -n $GEMM ]] && CUDA_VISIBLE_DEVICES=1 timeout 240 python benchmarks/bench_gemm.py > "$OUT/gemm.txt" 2>&1
-   CUDA_VISIBLE_DEVICES=1 timeout 300 python -m pytest -q tests/test_kernels_gpu.py tests/test_gpu_engine.py \
-     tests/test_sampling_kernel.py -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1) &
+  (CUDA_VISIBLE_DEVICES=1 timeout 240 python -m pytest -q tests/test_kernels_gpu.py tests/test_gpu_engine.py \
+     tests/test_sampling_kernel.py -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1
+   [[ -n $GEMM ]] && CUDA_VISIBLE_DEVICES=1 timeout 200 python benchmarks/bench_gemm.py > "$OUT/gemm.txt" 2>&1
+   CUDA_VISIBLE_DEVICES=1 timeout 120 python benchmarks/bench_kernels.py --sweep ${SWEEP:-all} --json "$OUT/sweep.json" \
+     > "$OUT/sweep.txt" 2>&1) &
   side=$!
   # bench.py with module constants of nanovllm.kernels set first. VARIANTS: space-separated, each
   # "default" or comma-separated module.NAME=int, e.g. "default splitk.ENABLED=0,sampling.FAST_LOG=0"
