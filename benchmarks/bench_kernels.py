@@ -160,6 +160,20 @@ def sweep(json_path, which):
                 auto.append(decode_attention.choose_num_splits(batch, HKV, 16 * BLOCK, 64, torch.device("cuda")))
             decode_attention.PROGRAMS_PER_SM = default
             print(f"{batch:5d} " + "".join(f"{f:7.1%}" for f in fractions) + f"   {auto}")
+    if which == "tiles":
+        shapes = [(32, 2), (32, 4), (64, 2), (64, 4), (64, 8), (128, 4), (128, 8)]
+        print("decode mixed ctx 100-2048, % of copy bandwidth, auto splits, by (BLOCK_N, NUM_WARPS)")
+        print("batch " + "".join(f"{str(s):>10}" for s in shapes))
+        defaults = decode_attention.BLOCK_N, decode_attention.NUM_WARPS
+        for batch in (256, 128, 64, 32, 16, 8):
+            fractions = []
+            for decode_attention.BLOCK_N, decode_attention.NUM_WARPS in shapes:
+                ms, bw = mixed_decode_case(batch)
+                fractions.append(bw / copy_bw)
+                rows.append(dict(case=f"mixed decode b={batch} block_n={decode_attention.BLOCK_N} "
+                                      f"warps={decode_attention.NUM_WARPS}", ms=ms, of_copy=bw / copy_bw))
+            print(f"{batch:5d} " + "".join(f"{f:10.1%}" for f in fractions))
+        decode_attention.BLOCK_N, decode_attention.NUM_WARPS = defaults
     if which == "stages":
         print("decode mixed ctx 100-2048, % of copy bandwidth, auto splits, by NUM_STAGES 2 / 3 / 4")
         stages_default = decode_attention.NUM_STAGES
@@ -200,7 +214,7 @@ def sweep(json_path, which):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--json", help="write the results here")
-    parser.add_argument("--sweep", choices=["all", "decode", "sampler", "stages"],
+    parser.add_argument("--sweep", choices=["all", "decode", "sampler", "stages", "tiles"],
                         help="only the split counts of mixed-context decode and/or of the sampler")
     args = parser.parse_args()
     if args.sweep:

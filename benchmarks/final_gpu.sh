@@ -36,12 +36,17 @@ if [[ $1 == tune ]]; then   # GPU 1: a split-count sweep (SWEEP=all|decode|sampl
      > "$OUT/sweep.txt" 2>&1) &
   side=$!
   # bench.py with module constants of nanovllm.kernels set first. VARIANTS: space-separated, each
-  # "default" or comma-separated module.NAME=int, e.g. "default splitk.ENABLED=0,sampling.FAST_LOG=0"
-  with_knobs='import importlib, sys, runpy
+  # "default" or comma-separated module.NAME=int (a module of nanovllm.kernels) or blas=cublaslt,
+  # e.g. "default sampling.FAST_LOG=0 blas=cublaslt,sampling.NUM_WARPS=4"
+  with_knobs='import importlib, sys, runpy, torch
 for knob in filter(None, sys.argv[1].replace("default", "").split(",")):
     name, value = knob.split("=")
+    if name == "blas":   # blas=cublaslt: torch.backends.cuda.preferred_blas_library
+        torch.backends.cuda.preferred_blas_library(value)
+        continue
     module, attr = name.rsplit(".", 1)
-    setattr(importlib.import_module("nanovllm.kernels." + module), attr, type(getattr(importlib.import_module("nanovllm.kernels." + module), attr))(int(value)))
+    module = importlib.import_module("nanovllm.kernels." + module)
+    setattr(module, attr, type(getattr(module, attr))(int(value)))
 sys.argv = ["bench.py"] + sys.argv[2:]
 runpy.run_path("bench.py", run_name="__main__")'
   for round in $(seq ${ROUNDS:-1}); do

@@ -278,39 +278,3 @@ def test_interp_qk_norm_rope_store_without_a_cache():
     q, k, v = qk_norm_rope_store_triton(*args[:6], None, empty, empty, 4, 2, 16)
     assert_nearly_equal(q, q_ref)
     assert_nearly_equal(k, k_ref)
-
-
-@interp
-@pytest.mark.parametrize("m,k,n,splits", [(5, 300, 40, 1), (17, 300, 40, 3), (16, 256, 64, 4), (3, 64, 70, None)])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_interp_splitk_partials_sum_to_the_product(m, k, n, splits, dtype):
-    from nanovllm.kernels.splitk import splitk_partials
-    gen = torch.Generator().manual_seed(m + k)
-    x, w = torch.randn(m, k, generator=gen).to(dtype), torch.randn(n, k, generator=gen).to(dtype)
-    parts = splitk_partials(x, w, block_k=32, splits=splits)
-    assert parts.dtype == torch.float32 and parts.shape[1:] == (m, n)
-    if splits is not None:
-        assert parts.shape[0] == min(splits, -(-k // 32))
-    torch.testing.assert_close(parts.sum(0), x.float() @ w.float().T, atol=1e-4, rtol=1e-4)
-    # A row does not depend on the others.
-    torch.testing.assert_close(splitk_partials(x[2:3], w, block_k=32, splits=splits), parts[:, 2:3], atol=0, rtol=0)
-
-
-@interp
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_interp_add_rms_norm_sums_split_k_partials_first(dtype):
-    """The kernel's x from partials is their sum (in split order) rounded to residual's dtype, then
-    it is add + RMSNorm as usual; the entry point's CPU path does the same."""
-    from nanovllm.kernels.backend import add_rms_norm
-    from nanovllm.kernels.norm_act import add_rms_norm_triton
-    gen = torch.Generator().manual_seed(5)
-    parts = torch.randn(3, 7, 64, generator=gen) * 4
-    residual = torch.randn(7, 64, generator=gen).to(dtype)
-    weight = (torch.rand(64, generator=gen) + 0.5).to(dtype)
-    summed = (parts[0] + parts[1] + parts[2]).to(dtype)
-    out, res_out = add_rms_norm_triton(parts, residual, weight, 1e-6)
-    ref, res_ref = add_rms_norm_triton(summed, residual, weight, 1e-6)
-    assert out.dtype == ref.dtype and torch.equal(res_out, res_ref) and torch.equal(out, ref)
-    cpu, cpu_res = add_rms_norm(parts, residual, weight, 1e-6)
-    assert torch.equal(cpu_res, res_ref)
-    assert_nearly_equal(cpu, ref, max_fraction=0.02)

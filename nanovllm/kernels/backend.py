@@ -53,7 +53,6 @@ if ATTENTION_BACKEND != "torch":
                                                 prefill_attention_aten)
     from nanovllm.kernels.norm_act import add_rms_norm_triton, rms_norm_triton, silu_and_mul_triton
     from nanovllm.kernels.qk_norm_rope import qk_norm_rope_store_triton
-    from nanovllm.kernels.splitk import splitk_applies, splitk_partials
 if ATTENTION_BACKEND == "flash-attn":
     from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
 
@@ -73,20 +72,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
-    """x, residual: [..., hidden] -> (rms_norm(x + residual), x + residual); one kernel on CUDA.
-    x may be split_k_linear's partial sums [splits, ..., hidden]: x is then their sum in residual's dtype."""
-    if _fast(x):
-        return add_rms_norm_triton(x, residual, weight, eps)
-    if x.dim() == residual.dim() + 1:
-        x = x.sum(0).to(residual.dtype)
-    return add_rms_norm_ref(x, residual, weight, eps)
-
-
-def split_k_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
-    """x: [tokens, in] @ weight: [out, in]^T as fp32 partial sums [splits, tokens, out] (split-K,
-    kernels/splitk.py) for a decode-sized CUDA batch, to be summed by add_rms_norm; None where
-    it does not apply (use F.linear). CUDA-graph safe."""
-    return splitk_partials(x, weight) if _fast(x) and splitk_applies(x, weight) else None
+    """x, residual: [..., hidden] -> (rms_norm(x + residual), x + residual); one kernel on CUDA."""
+    fn = add_rms_norm_triton if _fast(x) else add_rms_norm_ref
+    return fn(x, residual, weight, eps)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

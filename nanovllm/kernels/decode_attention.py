@@ -134,6 +134,8 @@ def num_sms(device: torch.device) -> int:
 # 8 and 16 within 1.6% and 0.4% of the best split count per batch size.
 PROGRAMS_PER_SM = 8
 NUM_STAGES = 2   # software-pipelining depth of the K/V loads in the split kernel
+BLOCK_N = 64     # context tokens per loop step of the split kernel
+NUM_WARPS = 4    # warps per program of the split kernel
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, block_n: int,
@@ -160,7 +162,7 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     assert k_cache.stride() == v_cache.stride()
     group = num_heads // num_kv_heads
     interpreted = q.device.type == "cpu"
-    block_n = block_n or 64
+    block_n = block_n or BLOCK_N
     max_context = block_tables.shape[1] * block_size
     if num_splits is None:
         num_splits = choose_num_splits(batch, num_kv_heads, max_context, block_n, q.device)
@@ -186,7 +188,7 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
         BLOCK_D=block_d, BLOCK_SIZE=block_size, BLOCK_N=block_n, DIRECT=direct,
         DOT_FP32=interpreted or q.dtype == torch.float32,
         PRECISION="ieee" if q.dtype == torch.float32 else None,  # ieee: fp32 tests need exact fp32
-        num_warps=4, num_stages=NUM_STAGES,
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )
     if not direct:
         _decode_reduce_kernel[(batch, num_heads)](

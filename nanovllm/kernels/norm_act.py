@@ -21,22 +21,17 @@ from triton.language.extra import libdevice
 from nanovllm.kernels.qk_norm_rope import _rounded
 
 
-@triton.jit(do_not_specialize=["num_rows", "num_parts", "part_stride"])   # one variant for any token count
+@triton.jit(do_not_specialize=["num_rows"])   # one compiled variant whatever the step's token count
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, num_rows, x_stride, res_stride, eps,
-                     num_parts, part_stride, HIDDEN: tl.constexpr, BLOCK_ROWS: tl.constexpr,
-                     BLOCK_H: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+                     HIDDEN: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
+                     HAS_RESIDUAL: tl.constexpr):
     # A program normalises BLOCK_ROWS rows (several only when hidden is small) as one tile.
-    # x is num_parts tensors part_stride apart (split-K partial sums; usually one): their fp32 sum
-    # is rounded to the residual's dtype, as the GEMM that made them would have rounded it.
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)[:, None]
     cols = tl.arange(0, BLOCK_H)[None, :]
     mask = (rows < num_rows) & (cols < HIDDEN)
     rows = rows.to(tl.int64)
-    dtype = res_ptr.dtype.element_ty   # x's own dtype when there is no residual (res_ptr is x then)
-    x = tl.zeros([BLOCK_ROWS, BLOCK_H], tl.float32)
-    for part in range(num_parts):
-        x += tl.load(x_ptr + part * part_stride + rows * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
-    x = _rounded(x, dtype)
+    dtype = x_ptr.dtype.element_ty
+    x = tl.load(x_ptr + rows * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + rows * res_stride + cols, mask=mask, other=0.0).to(tl.float32)
         x = _rounded(x + r, dtype)
@@ -59,18 +54,10 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 def _launch_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
     hidden = x.shape[-1]
     assert weight.shape == (hidden,) and weight.is_contiguous()
-    # x: [splits, *residual.shape] fp32 split-K partial sums (kernels/splitk.py), or like residual
-    parts = residual is not None and x.dim() == residual.dim() + 1
-    shape, dtype = (residual.shape, residual.dtype) if residual is not None else (x.shape, x.dtype)
-    if parts:
-        x2 = x.reshape(x.shape[0], -1, hidden)
-        x2 = x2 if x2.is_contiguous() else x2.contiguous()
-        num_parts, part_stride, x2 = x2.shape[0], x2.stride(0), x2[0]
-    else:
-        x2, num_parts, part_stride = _rows(x), 1, 0
+    x2 = _rows(x)
     # weight * x.to(dtype) promotes: an fp32 weight gives an fp32 output, as in eager torch
-    out = torch.empty(shape, dtype=torch.promote_types(weight.dtype, dtype), device=x.device)
-    res_out = torch.empty(shape, dtype=dtype, device=x.device) if residual is not None else None
+    out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    res_out = torch.empty(x.shape, dtype=x.dtype, device=x.device) if residual is not None else None
     num_rows = x2.shape[0]
     if num_rows:
         r2 = _rows(residual) if residual is not None else x2
@@ -78,7 +65,7 @@ def _launch_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: tor
         block_rows = max(1, 1024 // block_h)   # small hidden sizes: several rows per program
         _rms_norm_kernel[(triton.cdiv(num_rows, block_rows),)](
             x2, r2, weight, out, res_out if residual is not None else out, num_rows, x2.stride(0),
-            r2.stride(0), eps, num_parts, part_stride, HIDDEN=hidden, BLOCK_ROWS=block_rows, BLOCK_H=block_h,
+            r2.stride(0), eps, HIDDEN=hidden, BLOCK_ROWS=block_rows, BLOCK_H=block_h,
             HAS_RESIDUAL=residual is not None,
             # ~16 values a thread: 2 warps for hidden 1024, 8 for 4096 (a first guess, untimed)
             num_warps=min(16, max(1, block_rows * block_h // 512)), enable_fp_fusion=False)
@@ -93,12 +80,8 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
 
 def add_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
     """x, residual: [..., hidden] -> (rms_norm(x + residual), x + residual), from one read of each.
-    x may also be [splits, ..., hidden] fp32 split-K partial sums: x is then their sum rounded to
-    residual's dtype. CUDA-graph safe."""
-    if x.dim() == residual.dim() + 1:
-        assert x.shape[1:] == residual.shape and x.dtype == torch.float32
-    else:
-        assert residual.shape == x.shape and residual.dtype == x.dtype
+    CUDA-graph safe."""
+    assert residual.shape == x.shape and residual.dtype == x.dtype
     return _launch_rms_norm(x, residual, weight, eps)
 
 

@@ -4,7 +4,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanovllm.kernels import split_k_linear
 from nanovllm.utils.distributed import all_reduce, tp_rank, tp_size
 from nanovllm.utils.loader import default_weight_loader
 
@@ -90,20 +89,12 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 
 class RowParallelLinear(LinearBase):
-    """Input features split across ranks; partial products are summed with an all-reduce.
-    sums_in_norm: the output goes straight into an add + RMSNorm (RMSNorm(y, residual)), which can
-    sum split-K partials itself; on one GPU a decode-sized batch then returns those fp32 partial
-    sums [splits, tokens, out] instead of y (kernels/splitk.py)."""
+    """Input features split across ranks; partial products are summed with an all-reduce."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False, sums_in_norm: bool = False):
+    def __init__(self, input_size: int, output_size: int, bias: bool = False):
         super().__init__(_divide(input_size, tp_size(), "input size"), output_size, bias, tp_dim=1)
-        self.sums_in_norm = sums_in_norm and self.tp_size == 1 and not bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.sums_in_norm:
-            parts = split_k_linear(x, self.weight)
-            if parts is not None:
-                return parts
         # The bias is added once, after the sum, not on every rank.
         y = F.linear(x, self.weight)
         y = all_reduce(y)

@@ -37,9 +37,8 @@ class LlamaAttention(nn.Module):
                                           config.num_key_value_heads, bias=qkv_bias)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.head_dim = head_dim
-        # o_proj and down_proj feed an add + RMSNorm, which sums their split-K partials on one GPU
         self.o_proj = RowParallelLinear(config.num_attention_heads * head_dim, hidden,
-                                        bias=bool(getattr(config, "attention_bias", False)), sums_in_norm=True)
+                                        bias=bool(getattr(config, "attention_bias", False)))
         theta, scaling = rope_settings(config)
         self.rotary_emb = get_rope(head_dim, config.max_position_embeddings, theta, scaling)
         self.attn = Attention(self.num_heads, head_dim, head_dim ** -0.5, self.num_kv_heads)
@@ -61,7 +60,7 @@ class LlamaMLP(nn.Module):
             raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (only 'silu')")
         bias = bool(getattr(config, "mlp_bias", False))   # Llama's config may ask for MLP biases
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2, bias=bias)
-        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=bias, sums_in_norm=True)
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=bias)
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
