@@ -134,8 +134,10 @@ def num_sms(device: torch.device) -> int:
 # 8 and 16 within 1.6% and 0.4% of the best split count per batch size.
 PROGRAMS_PER_SM = 8
 NUM_STAGES = 2   # software-pipelining depth of the K/V loads in the split kernel
-BLOCK_N = 64     # context tokens per loop step of the split kernel
-NUM_WARPS = 4    # warps per program of the split kernel
+# Context tokens per loop step and warps per program of the split kernel: of (32|64|128) x (2|4|8),
+# 128 x 4 read fastest at batch 16-256 on an H200 (mixed contexts, benchmarks/RESULTS.md).
+BLOCK_N = 128
+NUM_WARPS = 4
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, block_n: int,
