@@ -31,15 +31,21 @@ def _rounded(x, DTYPE: tl.constexpr):
 
 
 @triton.jit
+def _head_halves(NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """A [BLOCK_H, BLOCK_HALF] tile over the first halves of NUM_HEADS heads stored [NUM_HEADS,
+    HEAD_DIM] contiguous: (offsets, mask, column index); the second halves lie HEAD_DIM // 2 further."""
+    heads = tl.arange(0, BLOCK_H)[:, None]
+    cols = tl.arange(0, BLOCK_HALF)[None, :]
+    return heads * HEAD_DIM + cols, (heads < NUM_HEADS) & (cols < HEAD_DIM // 2), cols
+
+
+@triton.jit
 def _norm_rope_heads(src_ptr, w_ptr, dst_ptr, cos, sin, eps, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                      BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, HAS_NORM: tl.constexpr):
     """Normalise and rotate a token's NUM_HEADS heads from src_ptr into dst_ptr (both [NUM_HEADS,
     HEAD_DIM] contiguous); return the two rotated halves in the source dtype."""
     half: tl.constexpr = HEAD_DIM // 2
-    heads = tl.arange(0, BLOCK_H)[:, None]
-    cols = tl.arange(0, BLOCK_HALF)[None, :]
-    offs = heads * HEAD_DIM + cols
-    mask = (heads < NUM_HEADS) & (cols < half)
+    offs, mask, cols = _head_halves(NUM_HEADS, HEAD_DIM, BLOCK_H, BLOCK_HALF)
     dtype = src_ptr.dtype.element_ty
     x1 = tl.load(src_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src_ptr + offs + half, mask=mask, other=0.0).to(tl.float32)
@@ -62,10 +68,7 @@ def _store_kv_rows(k1, k2, v_ptr, k_dst_ptr, v_dst_ptr, NUM_KV_HEADS: tl.constex
                    BLOCK_KV_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
     """Write one token's rotated key halves and its values (from v_ptr) into its cache rows."""
     half: tl.constexpr = HEAD_DIM // 2
-    heads = tl.arange(0, BLOCK_KV_H)[:, None]
-    cols = tl.arange(0, BLOCK_HALF)[None, :]
-    offs = heads * HEAD_DIM + cols
-    mask = (heads < NUM_KV_HEADS) & (cols < half)
+    offs, mask, _ = _head_halves(NUM_KV_HEADS, HEAD_DIM, BLOCK_KV_H, BLOCK_HALF)
     cache_dtype = k_dst_ptr.dtype.element_ty
     tl.store(k_dst_ptr + offs, k1.to(cache_dtype), mask=mask)
     tl.store(k_dst_ptr + offs + half, k2.to(cache_dtype), mask=mask)
