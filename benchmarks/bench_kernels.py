@@ -215,7 +215,8 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--sweep", choices=["all", "decode", "sampler", "stages", "tiles"],
-                        help="only the split counts of mixed-context decode and/or of the sampler")
+                        help="only a sweep: decode split counts, sampler chunks and knobs, decode K/V "
+                             "pipelining depth (stages) or decode tile size x warps (tiles)")
     args = parser.parse_args()
     if args.sweep:
         return sweep(args.json, args.sweep)
