@@ -157,7 +157,8 @@ def sweep(json_path, which):
             auto = []
             for per_sm in (2, 8, 16, 32):
                 decode_attention.PROGRAMS_PER_SM = per_sm
-                auto.append(decode_attention.choose_num_splits(batch, HKV, 16 * BLOCK, 64, torch.device("cuda")))
+                auto.append(decode_attention.choose_num_splits(batch, HKV, 16 * BLOCK, decode_attention.BLOCK_N,
+                                                               torch.device("cuda")))
             decode_attention.PROGRAMS_PER_SM = default
             print(f"{batch:5d} " + "".join(f"{f:7.1%}" for f in fractions) + f"   {auto}")
     if which == "tiles":
