@@ -15,6 +15,7 @@ path (which converts to fp32 first); its bytes are one read of the bf16 logits.
     PYTHONPATH=. python benchmarks/bench_kernels.py [--json PATH]
 """
 import argparse
+import contextlib
 import json
 
 import torch
@@ -136,12 +137,24 @@ def sampling_case(n, fused, vocab=151936):
     return ms, logits.numel() * 2 / (ms * 1e-3)
 
 
+@contextlib.contextmanager
+def knobs(module, **values):
+    """Set a kernel module's tuning constants (read at every call) inside a with block only."""
+    saved = {name: getattr(module, name) for name in values}
+    for name, value in values.items():
+        setattr(module, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(module, name, value)
+
+
 def sweep(json_path, which):
     """% of copy bandwidth of decode attention (contexts 100-2048, graph table width) per batch and
     split count, with the split count choose_num_splits gives at each PROGRAMS_PER_SM; then the
     sampler's time per batch and chunk count."""
     from nanovllm.kernels import decode_attention, sampling
-    default = decode_attention.PROGRAMS_PER_SM
     copy_bw = copy_bandwidth()
     splits = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
     rows = []
@@ -156,37 +169,33 @@ def sweep(json_path, which):
                 rows.append(dict(case=f"mixed decode b={batch} splits={num_splits}", ms=ms, of_copy=bw / copy_bw))
             auto = []
             for per_sm in (2, 8, 16, 32):
-                decode_attention.PROGRAMS_PER_SM = per_sm
-                auto.append(decode_attention.choose_num_splits(batch, HKV, 16 * BLOCK, decode_attention.BLOCK_N,
-                                                               torch.device("cuda")))
-            decode_attention.PROGRAMS_PER_SM = default
+                with knobs(decode_attention, PROGRAMS_PER_SM=per_sm):
+                    auto.append(decode_attention.choose_num_splits(batch, HKV, 16 * BLOCK, decode_attention.BLOCK_N,
+                                                                   torch.device("cuda")))
             print(f"{batch:5d} " + "".join(f"{f:7.1%}" for f in fractions) + f"   {auto}")
     if which == "tiles":
         shapes = [(32, 2), (32, 4), (64, 2), (64, 4), (64, 8), (128, 4), (128, 8)]
         print("decode mixed ctx 100-2048, % of copy bandwidth, auto splits, by (BLOCK_N, NUM_WARPS)")
         print("batch " + "".join(f"{str(s):>10}" for s in shapes))
-        defaults = decode_attention.BLOCK_N, decode_attention.NUM_WARPS
         for batch in (256, 128, 64, 32, 16, 8):
             fractions = []
-            for decode_attention.BLOCK_N, decode_attention.NUM_WARPS in shapes:
-                ms, bw = mixed_decode_case(batch)
+            for block_n, warps in shapes:
+                with knobs(decode_attention, BLOCK_N=block_n, NUM_WARPS=warps):
+                    ms, bw = mixed_decode_case(batch)
                 fractions.append(bw / copy_bw)
-                rows.append(dict(case=f"mixed decode b={batch} block_n={decode_attention.BLOCK_N} "
-                                      f"warps={decode_attention.NUM_WARPS}", ms=ms, of_copy=bw / copy_bw))
+                rows.append(dict(case=f"mixed decode b={batch} block_n={block_n} warps={warps}", ms=ms,
+                                 of_copy=bw / copy_bw))
             print(f"{batch:5d} " + "".join(f"{f:10.1%}" for f in fractions))
-        decode_attention.BLOCK_N, decode_attention.NUM_WARPS = defaults
     if which == "stages":
         print("decode mixed ctx 100-2048, % of copy bandwidth, auto splits, by NUM_STAGES 2 / 3 / 4")
-        stages_default = decode_attention.NUM_STAGES
         for batch in (256, 128, 64, 32, 8):
             fractions = []
-            for decode_attention.NUM_STAGES in (2, 3, 4):
-                ms, bw = mixed_decode_case(batch)
+            for stages in (2, 3, 4):
+                with knobs(decode_attention, NUM_STAGES=stages):
+                    ms, bw = mixed_decode_case(batch)
                 fractions.append(bw / copy_bw)
-                rows.append(dict(case=f"mixed decode b={batch} stages={decode_attention.NUM_STAGES}", ms=ms,
-                                 of_copy=bw / copy_bw))
+                rows.append(dict(case=f"mixed decode b={batch} stages={stages}", ms=ms, of_copy=bw / copy_bw))
             print(f"{batch:5d} " + "".join(f"{f:7.1%}" for f in fractions))
-        decode_attention.NUM_STAGES = stages_default
     if which in ("all", "sampler"):
         print("sampler (T=0.6, vocab 151936) ms per chunk count")
         chunk_counts = (1, 2, 4, 8, 16, 38, None)
@@ -200,10 +209,8 @@ def sweep(json_path, which):
             variants = {}   # the default against one knob changed at a time
             for name, knob, value in (("warps=4", "NUM_WARPS", 4), ("warps=16", "NUM_WARPS", 16),
                                       ("exact log", "FAST_LOG", False), ("philox-7", "PHILOX_ROUNDS", 7)):
-                default_value = getattr(sampling, knob)
-                setattr(sampling, knob, value)
-                variants[name] = median_ms(lambda: gumbel_max_sample(logits, temps, seeds), graph=True)
-                setattr(sampling, knob, default_value)
+                with knobs(sampling, **{knob: value}):
+                    variants[name] = median_ms(lambda: gumbel_max_sample(logits, temps, seeds), graph=True)
                 rows.append(dict(case=f"sample n={n} {name}", ms=variants[name]))
             print(f"{n:5d} " + "".join(f"{ms:8.4f}" for ms in times) + "  " +
                   "  ".join(f"{name} {ms:.4f}" for name, ms in variants.items()))
