@@ -14,7 +14,6 @@ winner (the lowest column wins ties, within and across chunks).
 import torch
 import triton
 import triton.language as tl
-
 from triton.language.extra import libdevice
 
 from nanovllm.kernels.decode_attention import num_sms
