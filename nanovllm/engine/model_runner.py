@@ -11,7 +11,7 @@ from nanovllm.engine.block_manager import cdiv
 from nanovllm.engine.sampling_inputs import PendingSample, build_sampling_tensors
 from nanovllm.engine.scheduler import ScheduledBatch
 from nanovllm.engine.step_input import StepInput
-from nanovllm.kernels.flash_prefill import paged_kv_slots
+from nanovllm.kernels import paged_kv_slots
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.sampler import Sampler, SamplingTensors
 from nanovllm.models import get_model_class

@@ -2,15 +2,12 @@
 q/k norm + rotary + KV store, RMSNorm, SiLU-and-mul).
 
 ATTENTION_BACKEND names the CUDA path:
-  "flash-attn": flash-attn's varlen and kv-cache kernels (paged cache needs block_size % 256 == 0;
-                other block sizes use the Triton decode kernel and a gathered prefill), the project's
-                Triton q/k norm + rotary + KV store, RMSNorm and SiLU-and-mul kernels;
   "triton":     the project's Triton decode, q/k norm + rotary + KV store, RMSNorm and SiLU-and-mul
                 kernels, torch's built-in FlashAttention-2 for prefill (fp16/bf16; fp32 and other
                 misfits take the reference);
   "torch":      the plain torch reference everywhere.
 CPU tensors always take the torch reference, whatever was chosen.
-NANOVLLM_ATTENTION_BACKEND=flash-attn|triton|torch forces the choice.
+NANOVLLM_ATTENTION_BACKEND=triton|torch forces the choice.
 """
 import importlib.util
 import os
@@ -20,7 +17,7 @@ import torch
 from nanovllm.kernels.reference import (add_rms_norm_ref, paged_decode_attention_ref, prefill_attention_ref,
                                         qk_norm_rope_store_ref, rms_norm_ref, silu_and_mul_ref)
 
-BACKENDS = ("flash-attn", "triton", "torch")
+BACKENDS = ("triton", "torch")
 
 
 def _has_module(name: str) -> bool:
@@ -37,33 +34,23 @@ def _choose_backend() -> str:
             raise ValueError(f"NANOVLLM_ATTENTION_BACKEND={forced!r}: use one of {', '.join(BACKENDS)}")
         if forced != "torch" and not _has_module("triton"):
             raise ValueError(f"NANOVLLM_ATTENTION_BACKEND={forced!r} needs triton; use 'torch'")
-        if forced == "flash-attn" and not _has_module("flash_attn"):
-            raise ValueError("NANOVLLM_ATTENTION_BACKEND='flash-attn' but flash_attn is not installed")
         return forced
     if not torch.cuda.is_available() or not _has_module("triton"):
         return "torch"
-    return "flash-attn" if _has_module("flash_attn") else "triton"
+    return "triton"
 
 
 ATTENTION_BACKEND = _choose_backend()
 
 if ATTENTION_BACKEND != "torch":
     from nanovllm.kernels.decode_attention import paged_decode_attention_triton
-    from nanovllm.kernels.flash_prefill import (aten_flash_usable, gather_kv_varlen, paged_kv_slots,
-                                                prefill_attention_aten)
+    from nanovllm.kernels.flash_prefill import aten_flash_usable, prefill_attention_aten
     from nanovllm.kernels.norm_act import add_rms_norm_triton, rms_norm_triton, silu_and_mul_triton
     from nanovllm.kernels.qk_norm_rope import qk_norm_rope_store_triton
-if ATTENTION_BACKEND == "flash-attn":
-    from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
 
 
 def _fast(t: torch.Tensor) -> bool:
     return t.is_cuda and ATTENTION_BACKEND != "torch"
-
-
-def _flash_pages(k_cache: torch.Tensor) -> bool:
-    """flash-attn reads a paged cache only when its block size is a multiple of 256."""
-    return ATTENTION_BACKEND == "flash-attn" and k_cache.shape[1] % 256 == 0
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -101,11 +88,19 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     # q: [batch, num_heads, head_dim] -> [batch, num_heads, head_dim]; CUDA-graph safe on CUDA
     if not _fast(q):
         return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale)
-    if _flash_pages(k_cache) and q.dtype != torch.float32:
-        return flash_attn_with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=context_lens,
-                                       block_table=block_tables, softmax_scale=scale,
-                                       causal=True).squeeze(1)
     return paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale)
+
+
+def paged_kv_slots(block_tables: torch.Tensor, cu_seqlens_k: torch.Tensor, total_k: int,
+                   block_size: int) -> torch.Tensor:
+    """The cache slot of every key token, sequence i's at cu_seqlens_k[i]:cu_seqlens_k[i+1]:
+    [total_k] int64. total_k (= cu_seqlens_k[-1]) comes from the host, so this never syncs; the
+    runner computes it once per prefill step, not once per layer."""
+    cu = cu_seqlens_k.long()
+    seq_ids = torch.repeat_interleave(torch.arange(len(cu) - 1, device=cu.device), cu[1:] - cu[:-1],
+                                      output_size=total_k)
+    pos = torch.arange(total_k, device=cu.device) - cu[seq_ids]
+    return block_tables.long()[seq_ids, pos // block_size] * block_size + pos % block_size
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -116,22 +111,13 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       kv_slots: torch.Tensor | None = None) -> torch.Tensor:
     # q: [total_q, num_heads, head_dim]; k, v: [total_q, num_kv_heads, head_dim], already in the cache.
     # block_tables None: no cached prefix, use k, v; otherwise read keys from the pages, gathered
-    # (where the kernel cannot read pages) through kv_slots (paged_kv_slots, computed once per step).
+    # through kv_slots (paged_kv_slots, computed once per step).
     args = (q, k, v, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
             block_tables, scale)
     if not _fast(q):
         return prefill_attention_ref(*args)
     if block_tables is not None and kv_slots is None:   # a caller other than the runner: one host sync
         kv_slots = paged_kv_slots(block_tables, cu_seqlens_k, int(cu_seqlens_k[-1]), k_cache.shape[1])
-    if ATTENTION_BACKEND == "flash-attn" and q.dtype != torch.float32:
-        if block_tables is not None and not _flash_pages(k_cache):
-            k, v = gather_kv_varlen(k_cache, v_cache, kv_slots)
-            block_tables = None
-        elif block_tables is not None:
-            k, v = k_cache, v_cache
-        return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                      max_seqlen_k, softmax_scale=scale, causal=True,
-                                      block_table=block_tables)
     if aten_flash_usable(q):
         return prefill_attention_aten(*args, kv_slots)
     return prefill_attention_ref(*args)

@@ -8,11 +8,11 @@ writes a partial output and its log-sum-exp, and stage 2 merges the splits.
 Everything launched here depends only on tensor shapes, so a decode step can be captured in a CUDA
 graph: no host syncs, no branch on tensor values.
 """
-import functools
-
 import torch
 import triton
 import triton.language as tl
+
+from nanovllm.kernels.common import num_sms
 
 # Log-sum-exp of an empty split. Finite so that merging all-empty splits (context_len 0) gives 0, not NaN.
 _EMPTY_LSE = tl.constexpr(-1.0e30)
@@ -118,15 +118,6 @@ def _decode_reduce_kernel(part_out_ptr, part_lse_ptr, out_ptr, stride_ob, stride
     out = tl.sum(parts * w[:, None], 0)
     tl.store(out_ptr + seq * stride_ob + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty),
              mask=mask_d)
-
-
-@functools.lru_cache(maxsize=None)
-def num_sms(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device; 4 elsewhere (the Triton interpreter's stand-in)."""
-    if device.type != "cuda":
-        return 4
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 # Programs per SM that the split count aims for. On an H200 (benchmarks/RESULTS.md) bench.py ran faster

@@ -1,4 +1,4 @@
-"""Prefill attention on CUDA without flash-attn: torch's built-in FlashAttention-2 varlen op.
+"""Prefill attention on CUDA: torch's built-in FlashAttention-2 varlen op.
 
 `torch.ops.aten._flash_attention_forward` is private and its keyword arguments have changed between
 releases, so the wrapper reads the op's schema once and only passes what it accepts. Its causal mask is
@@ -69,18 +69,6 @@ def aten_flash_mode(device: torch.device) -> str | None:
 def aten_flash_usable(q: torch.Tensor) -> bool:
     return (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256
             and q.shape[-1] % 8 == 0 and aten_flash_mode(q.device) is not None)
-
-
-def paged_kv_slots(block_tables: torch.Tensor, cu_seqlens_k: torch.Tensor, total_k: int,
-                   block_size: int) -> torch.Tensor:
-    """The cache slot of every key token, sequence i's at cu_seqlens_k[i]:cu_seqlens_k[i+1]:
-    [total_k] int64. total_k (= cu_seqlens_k[-1]) comes from the host, so this never syncs; the
-    runner computes it once per prefill step, not once per layer."""
-    cu = cu_seqlens_k.long()
-    seq_ids = torch.repeat_interleave(torch.arange(len(cu) - 1, device=cu.device), cu[1:] - cu[:-1],
-                                      output_size=total_k)
-    pos = torch.arange(total_k, device=cu.device) - cu[seq_ids]
-    return block_tables.long()[seq_ids, pos // block_size] * block_size + pos % block_size
 
 
 def gather_kv_varlen(k_cache: torch.Tensor, v_cache: torch.Tensor,

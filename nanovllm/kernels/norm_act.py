@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from nanovllm.kernels.qk_norm_rope import _rounded
+from nanovllm.kernels.common import rounded
 
 
 @triton.jit(do_not_specialize=["num_rows"])   # one compiled variant whatever the step's token count
@@ -34,14 +34,14 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, num_rows, x_st
     x = tl.load(x_ptr + rows * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + rows * res_stride + cols, mask=mask, other=0.0).to(tl.float32)
-        x = _rounded(x + r, dtype)
+        x = rounded(x + r, dtype)
         tl.store(res_out_ptr + rows * HIDDEN + cols, x.to(dtype), mask=mask)
     sum_sq = tl.sum(x * x, axis=1)
     mean_sq = tl.math.div_rn(sum_sq, tl.full(sum_sq.shape, HIDDEN, tl.float32))
     rstd = tl.math.rsqrt(mean_sq + eps)[:, None]
     w = tl.load(w_ptr + cols, mask=cols < HIDDEN, other=0.0).to(tl.float32)
     out_dtype = out_ptr.dtype.element_ty
-    out = _rounded(_rounded(x * rstd, dtype) * w, out_dtype)
+    out = rounded(rounded(x * rstd, dtype) * w, out_dtype)
     tl.store(out_ptr + rows * HIDDEN + cols, out.to(out_dtype), mask=mask)
 
 
@@ -99,8 +99,8 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, x_stride, D: tl.constexpr, BLOCK: tl.co
         e = libdevice.exp(-gate)
     else:               # the interpreter has no libdevice
         e = tl.exp(-gate)
-    silu = _rounded(tl.math.div_rn(gate, 1.0 + e), dtype)
-    tl.store(out_ptr + row * D + cols, _rounded(silu * up, dtype).to(dtype), mask=mask)
+    silu = rounded(tl.math.div_rn(gate, 1.0 + e), dtype)
+    tl.store(out_ptr + row * D + cols, rounded(silu * up, dtype).to(dtype), mask=mask)
 
 
 def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:

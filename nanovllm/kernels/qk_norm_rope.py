@@ -6,7 +6,7 @@ or k; fused, one kernel reads qkv once. Grid (num_tokens, 2): program (t, 0) han
 query heads, program (t, 1) its key heads, their cache rows and the value rows. A program holds
 all its heads as one [heads, head_dim / 2] tile per rotary half, so rotate_half needs no shuffle.
 
-Numerics follow eager torch's rms_norm then apply_rotary (transformers' roundings) rounding for
+Numerics follow eager torch's rms_norm then apply_rotary_ref (transformers' roundings) rounding for
 rounding: normalise in fp32, cast to the dtype, multiply by the weight and round again (torch's
 bf16 * bf16), then rotate in fp32 (products rounded before the add: no FMA contraction) and cast
 back. On an H200 that is bit-for-bit but for ~1 value in 10^5-10^6 (the fp32 sum of squares adds in
@@ -17,17 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def _rounded(x, DTYPE: tl.constexpr):
-    """fp32 x rounded to DTYPE (to nearest, ties to even) and kept in fp32. bf16 by bit arithmetic:
-    the Triton interpreter's fp32 -> bf16 cast truncates; on the GPU this equals cvt.rn.bf16."""
-    if DTYPE == tl.bfloat16:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        return bits.to(tl.float32, bitcast=True)
-    else:
-        return x.to(DTYPE).to(tl.float32)
+from nanovllm.kernels.common import rounded
 
 
 @triton.jit
@@ -54,10 +44,10 @@ def _norm_rope_heads(src_ptr, w_ptr, dst_ptr, cos, sin, eps, NUM_HEADS: tl.const
         rstd = tl.math.rsqrt(mean_sq + eps)[:, None]
         w1 = tl.load(w_ptr + cols, mask=cols < half, other=0.0).to(tl.float32)
         w2 = tl.load(w_ptr + cols + half, mask=cols < half, other=0.0).to(tl.float32)
-        x1 = _rounded(_rounded(x1 * rstd, dtype) * w1, dtype)
-        x2 = _rounded(_rounded(x2 * rstd, dtype) * w2, dtype)
-    out1 = _rounded(x1 * cos - x2 * sin, dtype).to(dtype)
-    out2 = _rounded(x2 * cos + x1 * sin, dtype).to(dtype)
+        x1 = rounded(rounded(x1 * rstd, dtype) * w1, dtype)
+        x2 = rounded(rounded(x2 * rstd, dtype) * w2, dtype)
+    out1 = rounded(x1 * cos - x2 * sin, dtype).to(dtype)
+    out2 = rounded(x2 * cos + x1 * sin, dtype).to(dtype)
     tl.store(dst_ptr + offs, out1, mask=mask)
     tl.store(dst_ptr + offs + half, out2, mask=mask)
     return out1, out2

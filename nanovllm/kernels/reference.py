@@ -8,8 +8,6 @@ h // (num_heads // num_kv_heads), the grouping of Hugging Face's `repeat_kv`.
 import torch
 import torch.nn.functional as F
 
-from nanovllm.layers.rotary_embedding import apply_rotary
-
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # As transformers computes it: normalise in fp32, cast back, then scale (rounded again).
@@ -47,10 +45,22 @@ def qk_norm_rope_store_ref(qkv: torch.Tensor, q_weight: torch.Tensor | None, k_w
         # Normalised as [tokens * heads, head_dim] rows: the same 2-D shape as every other RMSNorm.
         q = rms_norm_ref(q.reshape(-1, head_dim), q_weight, eps).view(q.shape)
         k = rms_norm_ref(k.reshape(-1, head_dim), k_weight, eps).view(k.shape)
-    q, k = apply_rotary(positions, q, k, cos_sin_cache)
+    q, k = apply_rotary_ref(positions, q, k, cos_sin_cache)
     if k_cache.numel():
         store_kvcache_ref(k, v, k_cache, v_cache, slot_mapping)
     return q, k, v
+
+
+def apply_rotary_ref(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor):
+    """Neox rotary (rotate_half) in fp32, cast back. positions: [num_tokens];
+    q, k: [num_tokens, heads, head_dim]; cos_sin_cache: [max_position, head_dim] = cos half | sin half"""
+    cos, sin = cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)
+    return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
 
 def store_kvcache_ref(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from nanovllm.kernels.decode_attention import num_sms
+from nanovllm.kernels.common import num_sms
 
 # Columns per loop step are 4 * QUARTER: one Philox call gives four uniforms per counter. The
 # draw for a given seed depends on this constant (it maps counters to columns), so keep it fixed.

@@ -11,8 +11,8 @@ class Attention(nn.Module):
     """From the qkv projection to the attention output: per-head q/k RMSNorm (Qwen3), rotary and
     the new tokens' K/V write into the paged cache (through slot_mapping), then attention over the
     cache: prefill (possibly after a cached prefix or earlier chunks) or one-token decode.
-    The back end (flash-attn, Triton, torch) is chosen once, in nanovllm.kernels; on CUDA the
-    norms, rotary and store are one fused kernel."""
+    The back end (Triton, torch) is chosen once, in nanovllm.kernels; on CUDA the norms, rotary and
+    store are one fused kernel."""
 
     def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int):
         super().__init__()

@@ -1,0 +1,28 @@
+"""Helpers shared by the Triton kernels: the device's SM count (for sizing grids) and the fp32 ->
+dtype rounding that reproduces eager torch's intermediate casts."""
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+
+@functools.lru_cache(maxsize=None)
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device; 4 elsewhere (the Triton interpreter's stand-in)."""
+    if device.type != "cuda":
+        return 4
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+@triton.jit
+def rounded(x, DTYPE: tl.constexpr):
+    """fp32 x rounded to DTYPE (to nearest, ties to even) and kept in fp32. bf16 by bit arithmetic:
+    the Triton interpreter's fp32 -> bf16 cast truncates; on the GPU this equals cvt.rn.bf16."""
+    if DTYPE == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return bits.to(tl.float32, bitcast=True)
+    else:
+        return x.to(DTYPE).to(tl.float32)
