@@ -17,8 +17,8 @@ DEFAULT_MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "config
 def workload(num_seqs: int, max_input_len: int, max_output_len: int, temperature: float):
     seed(0)
     prompts = [[randint(0, 10000) for _ in range(randint(100, max_input_len))] for _ in range(num_seqs)]
-    params = [SamplingParams(temperature=temperature, ignore_eos=True, max_tokens=randint(100, max_output_len))
-              for _ in range(num_seqs)]
+    params = [SamplingParams(temperature=temperature, ignore_eos=True,
+                             max_tokens=randint(100, max_output_len)) for _ in range(num_seqs)]
     return prompts, params
 
 
@@ -43,7 +43,8 @@ def main():
     p.add_argument("--max-output-len", type=int, default=1024)
     p.add_argument("--temperature", type=float, default=0.6)
     p.add_argument("--enforce-eager", action="store_true")
-    p.add_argument("--no-async-scheduling", action="store_true", help="apply each step before the next is launched")
+    p.add_argument("--no-async-scheduling", action="store_true",
+                   help="apply each step before the next is launched")
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--prefix-cache", action="store_true",
                    help="also measure prefill of 256 prompts sharing a 2,000-token prefix, cached vs not")

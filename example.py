@@ -7,7 +7,8 @@ from nanovllm import LLM, SamplingParams
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--model", help="local model folder or Hugging Face hub id (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--model",
+                        help="local model folder or Hugging Face hub id (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.6, help="0 = greedy")
     args = parser.parse_args()
@@ -19,7 +20,8 @@ def main():
     questions = ["What is the capital of France?", "Give me three tips for staying focused while studying.",
                  "Write a haiku about the sea."]
     conversations = [[{"role": "user", "content": q}] for q in questions]
-    outputs = llm.chat(conversations, SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens))
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
+    outputs = llm.chat(conversations, params)
     for output in outputs:   # output.prompt is the conversation rendered by the chat template
         print(f"\nPrompt: {output.prompt!r}\nCompletion: {output['text']!r}")
 

@@ -7,6 +7,8 @@ was timed against cuBLAS at da2d684 and was no faster (benchmarks/RESULTS.md); s
 
     PYTHONPATH=. python benchmarks/bench_gemm.py
 """
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -39,8 +41,8 @@ def main():
             with_lt = (torch.backends.cuda.preferred_blas_library("cublaslt"), F.linear(x, w))[1]
             torch.backends.cuda.preferred_blas_library("cublas")
             torch.testing.assert_close(with_lt, ref, atol=1e-2, rtol=1e-2)
-            times = [ms(lambda: F.linear(x, w)), ms(lambda: F.linear(x, w), "cublaslt"),
-                     ms(lambda: F.linear(x, w, zero))]
+            times = [ms(partial(F.linear, x, w)), ms(partial(F.linear, x, w), "cublaslt"),
+                     ms(partial(F.linear, x, w, zero))]
             reps = LAYERS if name != "lm_head" else 1
             step = [s + t * reps for s, t in zip(step, times)]
             print(f"{m:4d} {name:8s}" + "".join(f"{t * 1e3:10.1f}" for t in times))

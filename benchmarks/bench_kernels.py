@@ -1,4 +1,5 @@
-"""Time the attention kernels on one GPU at Qwen3-0.6B shapes (16 query heads, 8 KV heads, head_dim 128, bf16).
+"""Time the attention kernels on one GPU at Qwen3-0.6B shapes (16 query heads, 8 KV heads, head_dim 128,
+bf16).
 
 Decode is memory bound (also measured with mixed contexts and the engine's table width, as bench.py's
 decode runs it): its figure of merit is bytes moved (K+V of every context, q, out) per second, as
@@ -17,6 +18,7 @@ path (which converts to fp32 first); its bytes are one read of the bf16 logits.
 import argparse
 import contextlib
 import json
+from functools import partial
 
 import torch
 import triton.testing
@@ -159,19 +161,21 @@ def sweep(json_path, which):
     splits = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
     rows = []
     if which in ("all", "decode"):
-        print("decode mixed ctx 100-2048, % of copy bandwidth; auto splits at PROGRAMS_PER_SM = 2 / 8 / 16 / 32")
+        print("decode mixed ctx 100-2048, % of copy bandwidth; "
+              "auto splits at PROGRAMS_PER_SM = 2 / 8 / 16 / 32")
         print("batch " + "".join(f"{s:>7d}" for s in splits) + "   auto(2,8,16,32)")
         for batch in (256, 192, 128, 96, 64, 48, 32, 16, 8, 4, 1):
             fractions = []
             for num_splits in splits:
                 ms, bw = mixed_decode_case(batch, num_splits)
                 fractions.append(bw / copy_bw)
-                rows.append(dict(case=f"mixed decode b={batch} splits={num_splits}", ms=ms, of_copy=bw / copy_bw))
+                rows.append(dict(case=f"mixed decode b={batch} splits={num_splits}", ms=ms,
+                                 of_copy=bw / copy_bw))
             auto = []
             for per_sm in (2, 8, 16, 32):
                 with knobs(decode_attention, PROGRAMS_PER_SM=per_sm):
-                    auto.append(decode_attention.choose_num_splits(batch, HKV, 16 * BLOCK, decode_attention.BLOCK_N,
-                                                                   torch.device("cuda")))
+                    auto.append(decode_attention.choose_num_splits(
+                        batch, HKV, 16 * BLOCK, decode_attention.BLOCK_N, torch.device("cuda")))
             print(f"{batch:5d} " + "".join(f"{f:7.1%}" for f in fractions) + f"   {auto}")
     if which == "tiles":
         shapes = [(32, 2), (32, 4), (64, 2), (64, 4), (64, 8), (128, 4), (128, 8)]
@@ -203,14 +207,15 @@ def sweep(json_path, which):
         for n in (256, 128, 64, 16, 1):
             logits = torch.randn(n, 151936, device="cuda", dtype=torch.bfloat16)
             temps, seeds = torch.full((n,), 0.6, device="cuda"), torch.arange(n, device="cuda")
-            times = [median_ms(lambda: gumbel_max_sample(logits, temps, seeds, num_chunks=c), graph=True)
+            times = [median_ms(partial(gumbel_max_sample, logits, temps, seeds, num_chunks=c), graph=True)
                      for c in chunk_counts]
-            rows += [dict(case=f"sample n={n} chunks={c or 'auto'}", ms=ms) for c, ms in zip(chunk_counts, times)]
+            rows += [dict(case=f"sample n={n} chunks={c or 'auto'}", ms=ms)
+                     for c, ms in zip(chunk_counts, times)]
             variants = {}   # the default against one knob changed at a time
             for name, knob, value in (("warps=4", "NUM_WARPS", 4), ("warps=16", "NUM_WARPS", 16),
                                       ("exact log", "FAST_LOG", False), ("philox-7", "PHILOX_ROUNDS", 7)):
                 with knobs(sampling, **{knob: value}):
-                    variants[name] = median_ms(lambda: gumbel_max_sample(logits, temps, seeds), graph=True)
+                    variants[name] = median_ms(partial(gumbel_max_sample, logits, temps, seeds), graph=True)
                 rows.append(dict(case=f"sample n={n} {name}", ms=variants[name]))
             print(f"{n:5d} " + "".join(f"{ms:8.4f}" for ms in times) + "  " +
                   "  ".join(f"{name} {ms:.4f}" for name, ms in variants.items()))
@@ -232,7 +237,8 @@ def main():
     rows = []
     print(f"attention back end: {ATTENTION_BACKEND}; device copy {copy_bw / 1e12:.2f} TB/s")
     print(f"{'case':40s} {'ms':>9s} {'TB/s':>7s} {'of 4.8':>7s} {'of copy':>8s}")
-    decode_cases = [("triton", paged_decode_attention_triton, False), ("backend", paged_decode_attention, False),
+    decode_cases = [("triton", paged_decode_attention_triton, False),
+                    ("backend", paged_decode_attention, False),
                     ("triton+graph", paged_decode_attention_triton, True)]
     for batch, ctx in [(256, 1024), (1, 1024), (1, 4096)]:
         for name, fn, graph in decode_cases:
@@ -262,7 +268,8 @@ def main():
                 ms, nbytes = norm_act_case(op, num_tokens, triton_kernel)
                 label = f"{op} {'triton' if triton_kernel else 'torch'} T={num_tokens}"
                 bw = nbytes / (ms * 1e-3)
-                rows.append(dict(case=label, ms=ms, bytes_per_s=bw, of_peak=bw / PEAK_BW, of_copy=bw / copy_bw))
+                rows.append(dict(case=label, ms=ms, bytes_per_s=bw, of_peak=bw / PEAK_BW,
+                                 of_copy=bw / copy_bw))
                 print(f"{label:40s} {ms:9.4f} {bw / 1e12:7.2f} {bw / PEAK_BW:7.1%} {bw / copy_bw:8.1%}")
     for n, fused in [(256, True), (256, False), (1, True)]:
         ms, bw = sampling_case(n, fused)

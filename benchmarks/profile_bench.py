@@ -78,7 +78,8 @@ def host_profile(llm, lines):
     gpu = [s.elapsed_time(e) / 1000 for s, e in gpu_ms]
     tokens = sum(p.max_tokens for p in params)
     lines.append(f"whole run: {total:.2f} s, {tokens / total:.0f} tok/s, {len(step_wall)} decode steps")
-    lines.append(f"decode steps: wall {sum(step_wall):.2f} s (median {statistics.median(step_wall) * 1e3:.2f} ms), "
+    lines.append(f"decode steps: wall {sum(step_wall):.2f} s "
+                 f"(median {statistics.median(step_wall) * 1e3:.2f} ms), "
                  f"GPU replay+logits+sample {sum(gpu):.2f} s (median {statistics.median(gpu) * 1e3:.2f} ms)")
     lines.append(f"{'phase (host wall time, whole run)':58s} {'s':>8s} {'share':>7s}")
     for label, s in sorted(timers.items(), key=lambda kv: -kv[1]):
@@ -100,7 +101,8 @@ def kernel_profile(model, lines, steps=5):
             prefills += 1
         torch.cuda.synchronize()
     wall = time.perf_counter() - t
-    kernel_table(prof, lines, f"kernels of the {prefills} prefill steps (+1 decode), wall {wall * 1e3:.0f} ms", 1)
+    title = f"kernels of the {prefills} prefill steps (+1 decode), wall {wall * 1e3:.0f} ms"
+    kernel_table(prof, lines, title, 1)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             llm.step()

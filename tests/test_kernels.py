@@ -154,7 +154,8 @@ def test_qk_norm_rope_store_ref_is_the_layers_path():
     # The reference is the layers' own ops: q/k RMSNorm per head, then rotary, then the store.
     from nanovllm.layers.layernorm import RMSNorm
     qkv, q_w, k_w, eps, cos_sin, positions, slots, k_cache, v_cache = qk_case(6, 4, 2, 16)
-    q, k, v = qk_norm_rope_store_ref(qkv, q_w, k_w, eps, cos_sin, positions, slots, k_cache, v_cache, 4, 2, 16)
+    q, k, v = qk_norm_rope_store_ref(qkv, q_w, k_w, eps, cos_sin, positions, slots, k_cache, v_cache,
+                                     4, 2, 16)
     norm = RMSNorm(16, eps)
     norm.weight.data = q_w
     q_normed = norm(qkv[:, :64].reshape(-1, 16)).view(6, 4, 16)
@@ -187,7 +188,8 @@ def test_triton_kernels_under_interpreter():
 # ---- Triton kernels under the interpreter (fp32, tiny shapes) ----
 
 @interp
-@pytest.mark.parametrize("block_size,num_splits,block_n", [(4, 1, 16), (4, 3, 16), (16, 2, 16), (16, None, 32)])
+@pytest.mark.parametrize("block_size,num_splits,block_n",
+                         [(4, 1, 16), (4, 3, 16), (16, 2, 16), (16, None, 32)])
 def test_interp_decode_matches_reference(block_size, num_splits, block_n):
     from nanovllm.kernels.decode_attention import paged_decode_attention_triton
     lens = [0, 1, block_size + 1, 3 * block_size - 1]  # empty padding row, one token, block crossings
@@ -234,7 +236,8 @@ def check_qk_norm_rope_store(args, num_heads, num_kv_heads, head_dim):
     *inputs, k_cache, v_cache = args
     slots = inputs[6]
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
-    q_ref, kk_ref, v_view_ref = qk_norm_rope_store_ref(*inputs, k_ref, v_ref, num_heads, num_kv_heads, head_dim)
+    q_ref, kk_ref, v_view_ref = qk_norm_rope_store_ref(*inputs, k_ref, v_ref, num_heads, num_kv_heads,
+                                                       head_dim)
     k_out, v_out = k_cache.clone(), v_cache.clone()
     q, k, v = qk_norm_rope_store_triton(*inputs, k_out, v_out, num_heads, num_kv_heads, head_dim)
     assert q.shape == (len(slots), num_heads, head_dim) and k.shape == (len(slots), num_kv_heads, head_dim)

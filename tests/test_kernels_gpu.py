@@ -112,11 +112,13 @@ def prefill_case(q_lens, k_lens, block_size, dtype=torch.bfloat16, seed=0):
     """New tokens already stored in a paged cache that holds each sequence's prefix."""
     k_cache, v_cache, tables = make_paged(k_lens, block_size, dtype=dtype, seed=seed)
     q = torch.randn(sum(q_lens), H, D, device="cuda").to(dtype)
-    new_k = torch.cat([gather_paged_kv(k_cache, tables[i], n)[n - m:] for i, (m, n) in enumerate(zip(q_lens, k_lens))])
-    new_v = torch.cat([gather_paged_kv(v_cache, tables[i], n)[n - m:] for i, (m, n) in enumerate(zip(q_lens, k_lens))])
+    lens = list(enumerate(zip(q_lens, k_lens)))
+    new_k = torch.cat([gather_paged_kv(k_cache, tables[i], n)[n - m:] for i, (m, n) in lens])
+    new_v = torch.cat([gather_paged_kv(v_cache, tables[i], n)[n - m:] for i, (m, n) in lens])
     cu_q = torch.tensor([0] + q_lens, device="cuda").cumsum(0).int()
     cu_k = torch.tensor([0] + k_lens, device="cuda").cumsum(0).int()
-    return q, new_k.contiguous(), new_v.contiguous(), k_cache, v_cache, cu_q, cu_k, max(q_lens), max(k_lens), tables
+    return (q, new_k.contiguous(), new_v.contiguous(), k_cache, v_cache, cu_q, cu_k, max(q_lens), max(k_lens),
+            tables)
 
 
 def check_prefill(args, tol):
@@ -163,7 +165,8 @@ def qk_case(num_tokens, dtype, norm, seed=0, block_size=256):
     """qk_norm_rope_store's arguments at Qwen3-0.6B's shapes (rope theta 1e6), a fifth of the slots -1."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
     qkv = (torch.randn(num_tokens, (H + 2 * HKV) * D, device="cuda", generator=gen) * 2).to(dtype)
-    weights = [(torch.rand(D, device="cuda", generator=gen) + 0.5).to(dtype) if norm else None for _ in range(2)]
+    weights = [(torch.rand(D, device="cuda", generator=gen) + 0.5).to(dtype) if norm else None
+               for _ in range(2)]
     cos_sin = RotaryEmbedding(D, 40960, 1e6).cos_sin_cache.cuda()
     positions = torch.randint(0, 40960, (num_tokens,), device="cuda", generator=gen)
     num_blocks = num_tokens // block_size + 3
@@ -174,7 +177,8 @@ def qk_case(num_tokens, dtype, norm, seed=0, block_size=256):
 
 
 @pytest.mark.parametrize("num_tokens", [1, 256, 16384])
-@pytest.mark.parametrize("dtype,norm", [(torch.bfloat16, True), (torch.bfloat16, False), (torch.float32, True)])
+@pytest.mark.parametrize("dtype,norm",
+                         [(torch.bfloat16, True), (torch.bfloat16, False), (torch.float32, True)])
 def test_qk_norm_rope_store_matches_reference(num_tokens, dtype, norm):
     """The fused kernel against the eager torch ops (transformers' roundings): equal, up to one ulp on
     a few values; the cache written only at the slots."""

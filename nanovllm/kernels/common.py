@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def num_sms(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device; 4 elsewhere (the Triton interpreter's stand-in)."""
     if device.type != "cuda":

@@ -147,7 +147,8 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
                                   scale: float, num_splits: int | None = None,
                                   block_n: int | None = None) -> torch.Tensor:
     # q: [batch, num_heads, head_dim]; k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
-    # block_tables: [batch, max_blocks] int32; context_lens: [batch] int32 (0 allowed) -> [batch, num_heads, head_dim]
+    # block_tables: [batch, max_blocks] int32; context_lens: [batch] int32 (0 allowed)
+    # -> [batch, num_heads, head_dim]
     batch, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     assert num_heads % num_kv_heads == 0

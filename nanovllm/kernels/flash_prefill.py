@@ -45,7 +45,7 @@ def aten_flash_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return out[0]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def aten_flash_mode(device: torch.device) -> str | None:
     """Probe once per device on tiny shapes. "gqa": the op takes fewer KV heads than query heads;
     "expand": it needs KV heads repeated; None: this build cannot run it (fall back to the reference)."""

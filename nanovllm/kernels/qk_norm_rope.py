@@ -21,7 +21,8 @@ from nanovllm.kernels.common import rounded
 
 
 @triton.jit
-def _head_halves(NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+def _head_halves(NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
+                 BLOCK_HALF: tl.constexpr):
     """A [BLOCK_H, BLOCK_HALF] tile over the first halves of NUM_HEADS heads stored [NUM_HEADS,
     HEAD_DIM] contiguous: (offsets, mask, column index); the second halves lie HEAD_DIM // 2 further."""
     heads = tl.arange(0, BLOCK_H)[:, None]
@@ -115,7 +116,8 @@ def qk_norm_rope_store_triton(qkv: torch.Tensor, q_weight: torch.Tensor | None, 
     assert cos_sin_cache.shape[1] == head_dim and cos_sin_cache.stride(1) == 1
     store = k_cache.numel() > 0
     assert not store or (k_cache.is_contiguous() and v_cache.is_contiguous()
-                         and k_cache.shape[2:] == (num_kv_heads, head_dim) and slot_mapping.numel() == num_tokens)
+                         and k_cache.shape[2:] == (num_kv_heads, head_dim)
+                         and slot_mapping.numel() == num_tokens)
     q = torch.empty(num_tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     k = torch.empty(num_tokens, num_kv_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     v = qkv[:, q_size + kv_size:].view(num_tokens, num_kv_heads, head_dim)

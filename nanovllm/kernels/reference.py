@@ -65,7 +65,8 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 def store_kvcache_ref(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                       v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    # key, value: [num_tokens, num_kv_heads, head_dim]; k_cache: [num_blocks, block_size, num_kv_heads, head_dim]
+    # key, value: [num_tokens, num_kv_heads, head_dim]
+    # k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
     # A slot of -1 marks a padding row that must not be written.
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()

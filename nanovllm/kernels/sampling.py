@@ -87,7 +87,8 @@ def _gumbel_max_kernel(logits_ptr, temp_ptr, seed_ptr, best_ptr, col_ptr, vocab,
                                inv_t, noise_weight, FAST_LOG)
     top = tl.max(best, axis=0)
     tl.store(best_ptr + row * tl.num_programs(1) + chunk, top)
-    tl.store(col_ptr + row * tl.num_programs(1) + chunk, tl.min(tl.where(best == top, best_col, vocab), axis=0))
+    tl.store(col_ptr + row * tl.num_programs(1) + chunk,
+             tl.min(tl.where(best == top, best_col, vocab), axis=0))
 
 
 @triton.jit(do_not_specialize=["num_chunks"])
@@ -126,8 +127,8 @@ def gumbel_max_sample(logits: torch.Tensor, temperatures: torch.Tensor, seeds: t
     num_chunks = triton.cdiv(steps, steps_per_chunk)   # none empty
     best = torch.empty(n, num_chunks, dtype=torch.float32, device=logits.device)
     cols = torch.empty(n, num_chunks, dtype=torch.int32, device=logits.device)
-    _gumbel_max_kernel[(n, num_chunks)](logits, temperatures, seeds, best, cols, vocab, logits.stride(0), offset,
-                                        steps_per_chunk, QUARTER=quarter,
+    _gumbel_max_kernel[(n, num_chunks)](logits, temperatures, seeds, best, cols, vocab, logits.stride(0),
+                                        offset, steps_per_chunk, QUARTER=quarter,
                                         FAST_LOG=FAST_LOG and logits.is_cuda, ROUNDS=PHILOX_ROUNDS,
                                         num_warps=NUM_WARPS)
     _pick_chunk_kernel[(n,)](best, cols, out, vocab, num_chunks, BLOCK=MAX_CHUNKS, num_warps=1)

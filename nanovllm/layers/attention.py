@@ -26,11 +26,16 @@ class Attention(nn.Module):
                 q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None) -> torch.Tensor:
         # qkv: [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim] -> [num_tokens, num_heads, head_dim]
         ctx = get_context()
-        q_weight, k_weight, eps = (None, None, 0.0) if q_norm is None else (q_norm.weight, k_norm.weight, q_norm.eps)
+        if q_norm is None:
+            q_weight, k_weight, eps = None, None, 0.0
+        else:
+            q_weight, k_weight, eps = q_norm.weight, k_norm.weight, q_norm.eps
         q, k, v = qk_norm_rope_store(qkv, q_weight, k_weight, eps, rotary_emb.cos_sin_cache, positions,
                                      ctx.slot_mapping, self.k_cache, self.v_cache,
                                      self.num_heads, self.num_kv_heads, self.head_dim)
         if ctx.is_prefill:
             return prefill_attention(q, k, v, self.k_cache, self.v_cache, ctx.cu_seqlens_q, ctx.cu_seqlens_k,
-                                     ctx.max_seqlen_q, ctx.max_seqlen_k, ctx.block_tables, self.scale, ctx.kv_slots)
-        return paged_decode_attention(q, self.k_cache, self.v_cache, ctx.block_tables, ctx.context_lens, self.scale)
+                                     ctx.max_seqlen_q, ctx.max_seqlen_k, ctx.block_tables, self.scale,
+                                     ctx.kv_slots)
+        return paged_decode_attention(q, self.k_cache, self.v_cache, ctx.block_tables, ctx.context_lens,
+                                      self.scale)

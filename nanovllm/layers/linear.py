@@ -69,13 +69,15 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int):
         size = self.output_sizes[shard_id] // self.tp_size
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
-        default_weight_loader(param.data.narrow(0, offset, size), _shard(loaded, 0, size, self.tp_rank, self.tp_size))
+        shard = _shard(loaded, 0, size, self.tp_rank, self.tp_size)
+        default_weight_loader(param.data.narrow(0, offset, size), shard)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
     """q, k and v projections in one matrix; each rank holds its query heads and KV heads."""
 
-    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False):
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
+                 bias: bool = False):
         tp = tp_size()
         self.head_dim = head_dim
         self.num_heads = _divide(num_heads, tp, "number of attention heads")
@@ -85,7 +87,8 @@ class QKVParallelLinear(ColumnParallelLinear):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str):
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         size, offset = {"q": (q, 0), "k": (kv, q), "v": (kv, q + kv)}[shard_id]
-        default_weight_loader(param.data.narrow(0, offset, size), _shard(loaded, 0, size, self.tp_rank, self.tp_size))
+        shard = _shard(loaded, 0, size, self.tp_rank, self.tp_size)
+        default_weight_loader(param.data.narrow(0, offset, size), shard)
 
 
 class RowParallelLinear(LinearBase):

@@ -39,7 +39,8 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_sin_cache", torch.cat((freqs.cos(), freqs.sin()), dim=-1), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        # positions: [num_tokens]; q: [num_tokens, num_heads, head_dim]; k: [num_tokens, num_kv_heads, head_dim]
+        # positions: [num_tokens]; q: [num_tokens, num_heads, head_dim];
+        # k: [num_tokens, num_kv_heads, head_dim]
         return apply_rotary_ref(positions, q, k, self.cos_sin_cache)
 
 
@@ -50,7 +51,8 @@ def _cached_rope(head_dim: int, max_position: int, base: float, scaling: tuple |
         return RotaryEmbedding(head_dim, max_position, base, dict(scaling) if scaling else None)
 
 
-def get_rope(head_dim: int, max_position: int, base: float, rope_scaling: dict | None = None) -> RotaryEmbedding:
+def get_rope(head_dim: int, max_position: int, base: float,
+             rope_scaling: dict | None = None) -> RotaryEmbedding:
     """One shared RotaryEmbedding per setting and device: all layers of a model use the same one."""
     scaling = tuple(sorted(rope_scaling.items())) if rope_scaling else None
     return _cached_rope(head_dim, max_position, float(base), scaling, torch.get_default_device())

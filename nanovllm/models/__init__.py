@@ -16,5 +16,6 @@ def get_model_class(hf_config: PretrainedConfig) -> type[nn.Module]:
     archs = getattr(hf_config, "architectures", None) or []
     arch = archs[0] if archs else None
     if arch not in MODEL_REGISTRY:
-        raise ValueError(f"model architecture {arch!r} is not supported; supported: {', '.join(MODEL_REGISTRY)}")
+        raise ValueError(f"model architecture {arch!r} is not supported; "
+                         f"supported: {', '.join(MODEL_REGISTRY)}")
     return MODEL_REGISTRY[arch]

@@ -59,7 +59,8 @@ class LlamaMLP(nn.Module):
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (only 'silu')")
         bias = bool(getattr(config, "mlp_bias", False))   # Llama's config may ask for MLP biases
-        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2, bias=bias)
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2,
+                                                       bias=bias)
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=bias)
         self.act_fn = SiluAndMul()
 

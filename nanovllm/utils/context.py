@@ -15,11 +15,12 @@ class Context:
     max_seqlen_k: int = 0
     slot_mapping: torch.Tensor | None = None   # [num_tokens] int32 cache slot of each new token; -1 = skip
     context_lens: torch.Tensor | None = None   # [num_seqs] int32 tokens to attend to (decode)
-    block_tables: torch.Tensor | None = None   # [num_seqs, max_blocks] int32; None in prefill = no cached prefix
-    kv_slots: torch.Tensor | None = None       # [total_k] int64 cache slot of every key (prefill with block_tables)
+    block_tables: torch.Tensor | None = None   # [num_seqs, max_blocks] int32; None in prefill: no prefix
+    kv_slots: torch.Tensor | None = None       # [total_k] int64 slot of each key (prefill with block_tables)
 
 
-_context: ContextVar[Context] = ContextVar("nanovllm_forward_context", default=Context())
+# Context is frozen, so one shared default is safe.
+_context: ContextVar[Context] = ContextVar("nanovllm_forward_context", default=Context())  # noqa: B039
 
 
 def get_context() -> Context:
