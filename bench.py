@@ -1,6 +1,7 @@
 """Throughput on nano-vllm's workload: 256 sequences, prompts of 100-1024 random tokens, 100-1024
 output tokens each (133,966 in all), temperature 0.6, ignore_eos. With no checkpoint at hand it runs
-the Qwen3-0.6B architecture (configs/qwen3-0.6b) with dummy weights."""
+the Qwen3-0.6B architecture (configs/qwen3-0.6b) with dummy weights. The figure is also given as a
+fraction of the workload's physical limit on H200s; docs/benchmarks.md says how that is computed."""
 import argparse
 import glob
 import json
@@ -10,7 +11,8 @@ from random import randint, seed
 
 from nanovllm import LLM, SamplingParams
 
-H200_LIMIT_TOKENS_PER_S = 36_000   # DESIGN.md section 9: the H200's physical limit on this workload
+H200_COPY_BYTES_PER_S = 4.3e12   # a device-to-device copy (read + write), measured
+H200_BF16_FLOP_PER_S = 770e12    # dense bf16 tensor-core peak
 DEFAULT_MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "qwen3-0.6b")
 
 
@@ -20,6 +22,32 @@ def workload(num_seqs: int, max_input_len: int, max_output_len: int, temperature
     params = [SamplingParams(temperature=temperature, ignore_eos=True,
                              max_tokens=randint(100, max_output_len)) for _ in range(num_seqs)]
     return prompts, params
+
+
+def h200_limit(config: dict, prompt_lens: list[int], output_lens: list[int], tp: int = 1,
+               kv_bytes: int = 2) -> float:
+    """Output tokens/s no engine can exceed on `tp` H200s for this workload (docs/benchmarks.md):
+    prefill at the bf16 peak, then one decode step per output token that costs the larger of reading
+    all weights and every live sequence's K/V at copy bandwidth, and its FLOPs at the bf16 peak."""
+    hidden, layers = config["hidden_size"], config["num_hidden_layers"]
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim = config.get("head_dim") or hidden // heads
+    body = layers * (hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden
+                     + 3 * hidden * config["intermediate_size"])   # qkv, o, gate_up, down
+    lm_head = config["vocab_size"] * hidden
+    weight_bytes = 2 * (body + lm_head)                       # bf16
+    kv_bytes_per_token = 2 * layers * kv_heads * head_dim * kv_bytes
+    attn_flops_per_key = 4 * layers * heads * head_dim       # q.k and p.v, per query and key
+    # Prefill: every prompt token through the layers, causal attention, the LM head once per prompt.
+    prefill_flops = (2 * body * sum(prompt_lens) + 2 * lm_head * len(prompt_lens)
+                     + sum(attn_flops_per_key * n * n / 2 for n in prompt_lens))
+    seconds = prefill_flops / H200_BF16_FLOP_PER_S
+    for step in range(max(output_lens)):
+        contexts = [n + step for n, out in zip(prompt_lens, output_lens) if step < out]
+        reads = weight_bytes + kv_bytes_per_token * sum(contexts)
+        flops = 2 * (body + lm_head) * len(contexts) + attn_flops_per_key * sum(contexts)
+        seconds += max(reads / H200_COPY_BYTES_PER_S, flops / H200_BF16_FLOP_PER_S)
+    return sum(output_lens) / (seconds / tp)   # tensor parallelism splits both evenly
 
 
 def prefix_cache_workload(num_seqs: int, prefix_len: int, seed_: int):
@@ -62,16 +90,21 @@ def main():
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8), use_tqdm=False)   # warm-up
     seconds = timed_generate(llm, prompts, params)
     tokens = sum(sp.max_tokens for sp in params)
+    config_path = os.path.join(args.model, "config.json")
+    limit = None
+    if os.path.isfile(config_path):
+        with open(config_path) as f:
+            limit = h200_limit(json.load(f), [len(p) for p in prompts], [sp.max_tokens for sp in params],
+                               args.tensor_parallel_size)
     record = dict(model=args.model, dummy_weights=dummy, temperature=args.temperature,
                   enforce_eager=args.enforce_eager, async_scheduling=not args.no_async_scheduling,
                   tp=args.tensor_parallel_size, startup_s=round(startup, 2),
                   output_tokens=tokens, seconds=round(seconds, 3), tokens_per_s=round(tokens / seconds, 1),
-                  # The limit is the one-H200 limit of this workload on the Qwen3-0.6B shapes only.
-                  fraction_of_h200_limit=round(tokens / seconds / H200_LIMIT_TOKENS_PER_S, 3)
-                  if os.path.samefile(args.model, DEFAULT_MODEL) and args.tensor_parallel_size == 1 else None)
+                  h200_limit_tokens_per_s=round(limit) if limit else None,
+                  fraction_of_h200_limit=round(tokens / seconds / limit, 3) if limit else None)
     record["startup_phases_s"] = {k: round(v, 2) for k, v in llm.model_runner.startup_seconds.items()}
     fraction = record["fraction_of_h200_limit"]
-    of_limit = f" ({fraction:.1%} of the H200 limit)" if fraction is not None else ""
+    of_limit = f" ({fraction:.1%} of the H200 limit, {limit:,.0f})" if limit else ""
     phases = ", ".join(f"{k} {v}s" for k, v in record["startup_phases_s"].items())
     print(f"Total: {tokens} tok, Time: {seconds:.2f}s, Throughput: {tokens / seconds:.2f} tok/s{of_limit}, "
           f"start-up {startup:.1f}s ({phases})")

@@ -2,9 +2,6 @@
 (cuBLAS), cuBLASLt preferred (torch.backends.cuda.preferred_blas_library), and addmm with a zero bias
 (cuBLASLt's GEMM + bias epilogue even under the default).
 
-A Triton split-K candidate for o and down (partials summed by the following add + RMSNorm kernel)
-was timed against cuBLAS at da2d684 and was no faster (benchmarks/RESULTS.md); see git history.
-
     PYTHONPATH=. python benchmarks/bench_gemm.py
 """
 from functools import partial

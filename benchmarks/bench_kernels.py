@@ -5,8 +5,7 @@ Decode is memory bound (also measured with mixed contexts and the engine's table
 decode runs it): its figure of merit is bytes moved (K+V of every context, q, out) per second, as
 a fraction of the H200's 4.8 TB/s and of a plain device-to-device copy measured here.
 Prefill is compute bound: TFLOP/s of causal attention.
-q/k RMSNorm + rotary + KV store: the fused kernel in a CUDA graph (the separate ops it replaced
-took 23.0 us at 256 tokens and 742 us at 16,384; benchmarks/RESULTS.md).
+q/k RMSNorm + rotary + KV store: the fused kernel in a CUDA graph.
 RMSNorm, RMSNorm fused with the residual add, SiLU-and-mul (hidden 1024, intermediate 3072): the
 Triton kernels against eager torch (kernels/reference.py), in CUDA graphs; bytes are one read of
 the inputs and one write of the outputs.

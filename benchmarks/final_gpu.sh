@@ -4,6 +4,13 @@
 #                                       on and off, greedy, prefix cache), the kernel benchmarks and the profile
 #   bash benchmarks/final_gpu.sh tp     TP=2 with CUDA graphs against TP=1 (tracebacks of every process if it
 #                                       hangs), tests/test_tp_gpu.py, bench.py on the Qwen3-8B shapes at TP=1, 2
+#   bash benchmarks/final_gpu.sh tune   bench.py with tuning constants changed (see the tune branch below)
+# The whole test suite and the two bench.py figures in one call: bash benchmarks/gpu_check.sh.
+case ${1:-} in
+  perf|tp|tune) ;;
+  *) echo "usage: bash benchmarks/final_gpu.sh perf|tp|tune (the test suite: bash benchmarks/gpu_check.sh)" >&2
+     exit 2 ;;
+esac
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name --format=csv,noheader | sort | uniq -c

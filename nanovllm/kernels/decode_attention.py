@@ -120,13 +120,12 @@ def _decode_reduce_kernel(part_out_ptr, part_lse_ptr, out_ptr, stride_ob, stride
              mask=mask_d)
 
 
-# Programs per SM that the split count aims for. On an H200 (benchmarks/RESULTS.md) bench.py ran faster
-# at 8 than at 2 (2-3%) or 16 (0.5%, four pairs of runs); a kernel sweep over contexts 100-2048 had put
-# 8 and 16 within 1.6% and 0.4% of the best split count per batch size.
+# Programs per SM that the split count aims for: more splits fill the SMs at small batches, but each
+# adds a partial result to merge; 8 ran bench.py fastest (the sweeps are in benchmarks/RESULTS.md).
 PROGRAMS_PER_SM = 8
 NUM_STAGES = 2   # software-pipelining depth of the K/V loads in the split kernel
-# Context tokens per loop step and warps per program of the split kernel: of (32|64|128) x (2|4|8),
-# 128 x 4 read fastest at batch 16-256 on an H200 (mixed contexts, benchmarks/RESULTS.md).
+# Context tokens per loop step and warps per program of the split kernel: the fastest pair of a sweep
+# of (32|64|128) x (2|4|8) (benchmarks/RESULTS.md).
 BLOCK_N = 128
 NUM_WARPS = 4
 

@@ -10,8 +10,7 @@ Numerics follow eager torch (kernels/reference.py, transformers' code) rounding 
 Products are not contracted into FMAs (enable_fp_fusion=False). What can still differ on the GPU is
 the order of the fp32 sum of squares, and torch's CUDA mean multiplies by float(1 / hidden), which
 differs from a division only for a hidden size that is not a power of two: either can move rstd by
-an ulp and so flip the rounding of a rare bf16 output (the fused q/k norm kernel, which shares the
-first, measured about 1 in 10^5-10^6 on an H200). Under the interpreter, exp is numpy's.
+an ulp and so flip the rounding of a rare bf16 output. Under the interpreter, exp is numpy's.
 """
 import torch
 import triton

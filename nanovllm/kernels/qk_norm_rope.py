@@ -9,9 +9,8 @@ all its heads as one [heads, head_dim / 2] tile per rotary half, so rotate_half 
 Numerics follow eager torch's rms_norm then apply_rotary_ref (transformers' roundings) rounding for
 rounding: normalise in fp32, cast to the dtype, multiply by the weight and round again (torch's
 bf16 * bf16), then rotate in fp32 (products rounded before the add: no FMA contraction) and cast
-back. On an H200 that is bit-for-bit but for ~1 value in 10^5-10^6 (the fp32 sum of squares adds in
-another order). The torch.compile'd ops it replaces did not round before the weight multiply
-(inductor drops that cast), so they differed from eager on ~30% of bf16 q/k values by one ulp.
+back. Only the order of the fp32 sum of squares differs from eager, which can move a rare value by
+one ulp.
 """
 import torch
 import triton
@@ -124,8 +123,8 @@ def qk_norm_rope_store_triton(qkv: torch.Tensor, q_weight: torch.Tensor | None, 
     if num_tokens == 0:
         return q, k, v
     has_norm = q_weight is not None
-    # ~16 values of each half per thread: 2 warps for Qwen3-0.6B's 16 heads of 128 (measured best,
-    # 80 us against 85 us for 4 warps at 16k tokens on an H200)
+    # ~16 values of each half per thread: 2 warps for Qwen3-0.6B's 16 heads of 128 (the fastest
+    # tried, benchmarks/RESULTS.md)
     block_h, block_half = triton.next_power_of_2(num_heads), triton.next_power_of_2(head_dim // 2)
     _qk_norm_rope_store_kernel[(num_tokens, 2)](
         qkv, q, k, q_weight if has_norm else qkv, k_weight if has_norm else qkv, cos_sin_cache,

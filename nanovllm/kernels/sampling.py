@@ -6,10 +6,10 @@ space (E_i = -log(u_i)). The uniforms come from Triton's counter-based Philox, k
 seed, so a row's token depends only on its logits, temperature and seed, never on the batch.
 
 Each row's vocabulary is cut into chunks of whole loop steps, one program per (row, chunk), so that
-a small batch still fills the GPU (one program streaming Qwen3's 151936 columns took 81 µs; at batch
-256, 140 µs). Each program keeps its chunk's best score and column; a second small kernel takes the
-row's best. Chunks change neither the draws (a column's uniform depends on its index only) nor the
-winner (the lowest column wins ties, within and across chunks).
+a small batch still fills the GPU (one program per row would leave most SMs idle). Each program
+keeps its chunk's best score and column; a second small kernel takes the row's best. Chunks change
+neither the draws (a column's uniform depends on its index only) nor the winner (the lowest column
+wins ties, within and across chunks).
 """
 import torch
 import triton
