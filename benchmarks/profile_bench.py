@@ -34,12 +34,11 @@ def host_profile(llm, lines):
     timers, gpu_ms, step_wall = defaultdict(float), [], []
     runner, sched = llm.model_runner, llm.scheduler
     for obj, name, label in [(sched, "schedule", "scheduler.schedule"),
-                             (sched, "complete", "scheduler.complete (apply tokens)"),
+                             (sched, "complete", "scheduler.complete (apply tokens, stop checks)"),
                              (runner, "prepare_sample", "runner.prepare_sample (sampling tensors)"),
                              (runner, "prepare_decode", "runner.prepare_decode (inputs, H2D)"),
                              (runner, "prepare_prefill", "runner.prepare_prefill (inputs, H2D)"),
-                             (mr.PendingSample, "result", "tokens to host (waits for the GPU)"),
-                             (llm, "_apply_stop_strings", "engine stop strings")]:
+                             (mr.PendingSample, "result", "tokens to host (waits for the GPU)")]:
         wrap(obj, name, label, timers)
     original_decode = runner.run_decode
 

@@ -7,6 +7,7 @@ sequence's tokens. So a wrong block table, a prefix-cache hit on the wrong data 
 skips a token shows up as a failed check or as output that differs from a plain loop with no cache.
 """
 from collections import Counter
+from dataclasses import replace
 
 import xxhash
 from hypothesis import HealthCheck, given, settings
@@ -15,6 +16,7 @@ from hypothesis import strategies as st
 from nanovllm.engine.block_manager import cdiv, hash_block
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence, SequenceStatus
+from nanovllm.engine.stop_checker import StopChecker
 from nanovllm.sampling_params import SamplingParams
 
 VOCAB = 16
@@ -36,10 +38,22 @@ def reference(prompt: list[int], params: SamplingParams, max_model_len: int,
         out = tokens[len(prompt):]
         if not params.ignore_eos and t == EOS:
             return out, "stop"
+        if len(out) == stop_at:   # a stop string wins over a length limit reached by the same token
+            return out, "stop"
         if len(out) >= params.max_tokens or len(tokens) >= max_model_len:
             return out, "length"
-        if len(out) == stop_at:
-            return out, "stop"
+
+
+class StopAtLength(StopChecker):
+    """Stands in for stop strings (no tokenizer): sequence stop_at's keys end by a "stop string"
+    when their output reaches that many tokens."""
+
+    def __init__(self, stop_at: dict[int, int], *args):
+        super().__init__(*args)
+        self.stop_at = stop_at
+
+    def _stop_string(self, seq, counts):
+        return "<stop string>" if seq.num_completion_tokens >= self.stop_at[seq.seq_id] else None
 
 
 class FakeRunner:
@@ -174,23 +188,18 @@ def run_workload(w: dict, run_ahead: bool = False) -> list[Sequence]:
     pending = sorted(w["requests"], key=lambda r: r[0])
     seqs: list[Sequence] = []
     stop_at: dict[int, int] = {}
+    sched.stop_checker = StopAtLength(stop_at, {EOS}, w["max_model_len"])
     reported: list[int] = []
     in_flight = None
     step = 0
 
     def complete(batch, tokens):
-        got_token = [seq for seq in batch.sampling_seqs if not seq.is_finished]
-        finished = [seq.seq_id for seq in sched.complete(batch, tokens)]
-        for seq in got_token:   # the engine ends sequences on stop strings this way
-            if not seq.is_finished and seq.num_completion_tokens >= stop_at.get(seq.seq_id, 1 << 30):
-                sched.finish(seq, "stop", "<stop string>")
-                finished.append(seq.seq_id)
-        return finished
+        return [seq.seq_id for seq in sched.complete(batch, tokens)]
 
     while pending or not sched.is_finished() or in_flight:
         while pending and pending[0][0] <= step:
             _, prompt, params, stop = pending.pop(0)
-            seqs.append(Sequence(prompt, params))
+            seqs.append(Sequence(prompt, params if stop is None else replace(params, stop=["<stop string>"])))
             if stop is not None:
                 stop_at[seqs[-1].seq_id] = stop
             sched.add(seqs[-1])

@@ -48,7 +48,7 @@ class LLMEngine:
         c = self.config
         self.scheduler = Scheduler(c.max_num_seqs, c.max_num_batched_tokens, c.max_model_len,
                                    self.model_runner.num_kvcache_blocks, c.kvcache_block_size,
-                                   eos_token_ids(c, self.tokenizer), c.enable_prefix_caching)
+                                   eos_token_ids(c, self.tokenizer), c.enable_prefix_caching, self.tokenizer)
         # The launched batch whose tokens have not been applied yet (see step).
         self._in_flight: tuple[ScheduledBatch, PendingSample] | None = None
 
@@ -181,9 +181,7 @@ class LLMEngine:
     def _apply(self, batch: ScheduledBatch, pending: PendingSample) -> list[Sequence]:
         """Wait for a launched batch's tokens and apply them; return the sequences that finished."""
         sampled = pending.result()
-        got_token = [seq for seq in batch.sampling_seqs if not seq.is_finished]
-        finished = self.scheduler.complete(batch, sampled.token_ids, sampled.logprobs)
-        return finished + self._apply_stop_strings(got_token)
+        return self.scheduler.complete(batch, sampled.token_ids, sampled.logprobs)
 
     def _drain(self):
         """Apply the batch still in flight, if any (results for finished sequences are dropped)."""
@@ -191,28 +189,6 @@ class LLMEngine:
             batch, pending = self._in_flight
             self._in_flight = None
             self._apply(batch, pending)
-
-    def _apply_stop_strings(self, seqs: list[Sequence]) -> list[Sequence]:
-        """Detokenize the new tokens of sequences with stop strings; finish those whose text now
-        holds one (a stop string may span several tokens). Return the ones this finished."""
-        finished = []
-        for seq in seqs:
-            detok, p = seq.detokenizer, seq.sampling_params
-            if detok is None:
-                continue
-            new_text = detok.step(self.tokenizer, seq.completion_token_ids, p.skip_special_tokens)
-            if seq.num_completion_tokens < p.min_tokens or seq.stop_reason is not None \
-                    or (seq.is_finished and seq.finish_reason == "stop"):
-                continue   # held off by min_tokens, or already ended by EOS / a stop token
-            stop = detok.find_stop(len(new_text), p.stop, p.include_stop_str_in_output)
-            if stop is None:
-                continue
-            if seq.is_finished:   # it also hit its length limit this step: the stop string wins
-                seq.finish_reason, seq.stop_reason = "stop", stop
-            else:
-                self.scheduler.finish(seq, "stop", stop)
-                finished.append(seq)
-        return finished
 
     def is_finished(self) -> bool:
         return self.scheduler.is_finished() and self._in_flight is None

@@ -4,6 +4,7 @@ from dataclasses import dataclass, field
 
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.sequence import Sequence, SequenceStatus
+from nanovllm.engine.stop_checker import LENGTH, Stop, StopChecker
 
 
 @dataclass
@@ -33,11 +34,14 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
-                 num_blocks: int, block_size: int, eos_token_ids: set[int], enable_prefix_caching: bool = True):
+                 num_blocks: int, block_size: int, eos_token_ids: set[int], enable_prefix_caching: bool = True,
+                 tokenizer=None):
+        """tokenizer: for stop strings (see StopChecker)."""
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
+        self.stop_checker = StopChecker(eos_token_ids, max_model_len, tokenizer)
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
         # The head of `waiting` may be a prompt part-way through a chunked prefill (it holds blocks).
         self.waiting: deque[Sequence] = deque()
@@ -89,7 +93,7 @@ class Scheduler:
         done = []   # their pending token is their last: nothing more to compute
         while self.running and len(seqs) < min(self.max_num_seqs, self.max_num_batched_tokens):
             seq = self.running.popleft()
-            if seq.num_pending and self.length_reached(seq, seq.num_tokens):
+            if seq.num_pending and self.stop_checker.length_reached(seq, seq.num_tokens):
                 done.append(seq)
                 continue
             while not self.block_manager.can_append(seq):
@@ -114,7 +118,7 @@ class Scheduler:
     def _finish_oversized(self, seq: Sequence):
         # Only a sequence that grew past the whole cache gets here (prompts are checked on entry).
         self.waiting.popleft()
-        self._finish(seq, "length")
+        self._finish(seq, LENGTH)
 
     def postprocess(self, batch: ScheduledBatch, token_ids: list[int],
                     logprobs: list | None = None) -> list[Sequence]:
@@ -134,11 +138,12 @@ class Scheduler:
     def complete(self, batch: ScheduledBatch, token_ids: list[int],
                  logprobs: list | None = None) -> list[Sequence]:
         """The batch's sampled tokens reached the host (one per sequence that sampled, in batch
-        order; with their logprobs when given): append them, register the blocks now full, and
-        return the sequences that finished. A sequence that finished (or was preempted) after this
-        batch was launched just drops its pending token."""
+        order; with their logprobs when given): append them, register the blocks now full, finish
+        the sequences they stop, and return the sequences that finished. A sequence that finished
+        (or was preempted) after this batch was launched just drops its pending token."""
         finished, sampled = list(batch.finished), iter(token_ids)
         sampled_logprobs = iter(logprobs if logprobs is not None else [None] * len(token_ids))
+        check = self.stop_checker.check
         for seq, samples in zip(batch.seqs, batch.samples):
             token_id = next(sampled) if samples else None
             token_logprobs = next(sampled_logprobs) if samples else None
@@ -148,45 +153,26 @@ class Scheduler:
                 seq.num_pending -= 1
                 seq.append_token(token_id, token_logprobs)
             self.block_manager.register_computed(seq)
-            reason = self._stop_reason(seq, token_id) if samples else None
-            if reason:
-                self.finish(seq, reason, seq.stop_reason)
+            stop = check(seq, token_id) if samples else None
+            if stop is not None:
+                self.finish(seq, stop)
                 finished.append(seq)
         return finished
 
-    def _stop_reason(self, seq: Sequence, token_id: int) -> str | None:
-        params = seq.sampling_params
-        if seq.num_completion_tokens >= params.min_tokens:   # min_tokens holds off EOS and stop tokens
-            if not params.ignore_eos and token_id in self.eos_token_ids:
-                seq.stop_reason = None   # vLLM reports EOS as stop with no stop_reason
-                return "stop"
-            if token_id in params.stop_token_ids:
-                seq.stop_reason = token_id
-                return "stop"
-        if self.length_reached(seq, len(seq.token_ids)):
-            return "length"
-        return None
-
-    def length_reached(self, seq: Sequence, num_tokens: int) -> bool:
-        """Does a sequence of num_tokens tokens end by max_tokens or max_model_len?"""
-        max_tokens = seq.sampling_params.max_tokens
-        return (max_tokens is not None and num_tokens - seq.num_prompt_tokens >= max_tokens) \
-            or num_tokens >= self.max_model_len
-
-    def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None):
-        """End a sequence (also for a reason found outside complete: a stop string); free its blocks."""
+    def finish(self, seq: Sequence, stop: Stop):
+        """End a sequence, for the reason given; free its blocks."""
         if seq.is_finished:
             return
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        seq.stop_reason = stop_reason
-        self._finish(seq, reason)
+        self._finish(seq, stop)
 
-    def _finish(self, seq: Sequence, reason: str):
+    def _finish(self, seq: Sequence, stop: Stop):
+        # The only place a sequence's finish_reason and stop_reason are written.
         seq.status = SequenceStatus.FINISHED
-        seq.finish_reason = reason
+        seq.finish_reason, seq.stop_reason = stop
         seq.num_pending = 0   # a token still in flight is dropped
         if seq.block_table:
             self.block_manager.deallocate(seq)

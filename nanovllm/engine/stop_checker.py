@@ -1,0 +1,55 @@
+"""Why a sequence stops: EOS, a stop token, a stop string or its length. Decided in one place
+(StopChecker.check); only the scheduler acts on the answer."""
+from typing import NamedTuple
+
+from nanovllm.engine.sequence import Sequence
+
+
+class Stop(NamedTuple):
+    """Why a sequence ended, as vLLM reports it."""
+    finish_reason: str                     # "stop" (EOS, stop token or stop string) or "length"
+    stop_reason: int | str | None = None   # the stop token id or stop string; None for EOS and length
+
+
+EOS, LENGTH = Stop("stop"), Stop("length")
+
+
+class StopChecker:
+    """tokenizer: needed only by requests with stop strings (the engine refuses those without one)."""
+
+    def __init__(self, eos_token_ids: set[int], max_model_len: int, tokenizer=None):
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+        self.tokenizer = tokenizer
+
+    def check(self, seq: Sequence, token_id: int) -> Stop | None:
+        """Does seq stop on token_id, just appended to it? EOS and stop tokens come first, then stop
+        strings, then the length limits. min_tokens holds off all but the length limits."""
+        params = seq.sampling_params
+        counts = seq.num_completion_tokens >= params.min_tokens
+        if counts:
+            if not params.ignore_eos and token_id in self.eos_token_ids:
+                return EOS   # vLLM reports EOS as stop with no stop_reason
+            if token_id in params.stop_token_ids:
+                return Stop("stop", token_id)
+        if seq.detokenizer is not None:   # only requests with stop strings pay for detokenizing
+            stop = self._stop_string(seq, counts)
+            if stop is not None:
+                return Stop("stop", stop)   # it wins over a length limit reached by the same token
+        if self.length_reached(seq, len(seq.token_ids)):
+            return LENGTH
+        return None
+
+    def _stop_string(self, seq: Sequence, counts: bool) -> str | None:
+        # Every token is detokenized (also those min_tokens holds off): the text grows incrementally.
+        detok, params = seq.detokenizer, seq.sampling_params
+        new_text = detok.step(self.tokenizer, seq.completion_token_ids, params.skip_special_tokens)
+        if not counts:
+            return None
+        return detok.find_stop(len(new_text), params.stop, params.include_stop_str_in_output)
+
+    def length_reached(self, seq: Sequence, num_tokens: int) -> bool:
+        """Does a sequence of num_tokens tokens end by max_tokens or max_model_len?"""
+        max_tokens = seq.sampling_params.max_tokens
+        return (max_tokens is not None and num_tokens - seq.num_prompt_tokens >= max_tokens) \
+            or num_tokens >= self.max_model_len
