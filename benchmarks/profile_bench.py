@@ -35,7 +35,7 @@ def host_profile(llm, lines):
     runner, sched = llm.model_runner, llm.scheduler
     for obj, name, label in [(sched, "schedule", "scheduler.schedule"),
                              (sched, "complete", "scheduler.complete (apply tokens, stop checks)"),
-                             (runner, "prepare_sample", "runner.prepare_sample (sampling tensors)"),
+                             (runner.sampler, "prepare", "sampler.prepare (sampling tensors)"),
                              (runner, "prepare_decode", "runner.prepare_decode (inputs, H2D)"),
                              (runner, "prepare_prefill", "runner.prepare_prefill (inputs, H2D)"),
                              (mr.PendingSample, "result", "tokens to host (waits for the GPU)")]:
@@ -49,7 +49,7 @@ def host_profile(llm, lines):
         runner._pending = (start, end)
         return out
     runner.run_decode = run_decode
-    original_sampler = runner.sampler.forward
+    original_sampler = runner.sampler.sample
 
     def sampler(*args):
         out = original_sampler(*args)
@@ -58,7 +58,7 @@ def host_profile(llm, lines):
             gpu_ms.append(runner._pending)
             runner._pending = None
         return out
-    runner.sampler.forward = sampler
+    runner.sampler.sample = sampler
     original_step = llm.step
 
     def step():

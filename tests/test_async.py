@@ -7,7 +7,7 @@ import pytest
 
 from conftest import EOS, assert_clean, make_model, random_prompts, tokens
 from nanovllm import LLM, SamplingParams
-from nanovllm.engine.sampling_inputs import PendingSample
+from nanovllm.engine.sampled_tokens import PendingSample
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 PROMPTS = random_prompts(6, [1, 9, 17, 40, 70, 130], seed=21)

@@ -6,7 +6,6 @@ import torch
 
 from conftest import EOS, HFOracle, random_prompts
 from nanovllm import LLM, SamplingParams
-from nanovllm.engine.sampling_inputs import build_sampling_tensors
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.sampler import (Sampler, SamplingTensors, apply_min_p, apply_penalties,
@@ -93,7 +92,7 @@ def draw_frequencies(logits: torch.Tensor, **knobs) -> torch.Tensor:
     rows = logits.expand(DRAWS, -1).clone()
     t = SamplingTensors(temperatures=torch.full((DRAWS,), knobs.pop("temperature", 1.0)), all_greedy=False,
                         **{k: torch.full((DRAWS,), v) for k, v in knobs.items()})
-    tokens = Sampler()(rows, t).token_ids
+    tokens = Sampler(rows.size(1)).sample(rows, t).token_ids
     return torch.bincount(tokens, minlength=logits.numel()).double() / DRAWS
 
 
@@ -132,11 +131,11 @@ def test_top_k_and_min_p_distributions():
 
 def test_seeded_rows_ignore_the_rest_of_the_batch():
     logits = torch.randn(4, 50)
-    sampler = Sampler()
+    sampler = Sampler(logits.size(1))
 
     def sample(rows, seeds):
         t = SamplingTensors(temperatures=torch.ones(len(rows)), all_greedy=False, seeds=seeds)
-        return sampler(logits[rows].clone(), t).token_ids.tolist()
+        return sampler.sample(logits[rows].clone(), t).token_ids.tolist()
 
     alone = [sample([2], [(0, s)])[0] for s in range(20)]
     batched = [sample([0, 1, 2, 3], [(2, s)])[2] for s in range(20)]
@@ -236,14 +235,15 @@ def test_stop_token_ids_and_min_tokens(llm):
 def test_min_tokens_bans_eos_and_stop_tokens_in_the_sampler():
     seq = Sequence([5, 6], SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[7]),
                    eos_token_ids=frozenset({EOS}))
-    t = build_sampling_tensors([seq], lambda data, dtype: torch.tensor(data, dtype=dtype), 16)
+    sampler = Sampler(16)
+    t = sampler.prepare([seq])
     logits = torch.zeros(1, 16)
     logits[0, EOS], logits[0, 7], logits[0, 3] = 5.0, 4.0, 1.0
-    assert Sampler()(logits, t).token_ids.tolist() == [3]
+    assert sampler.sample(logits, t).token_ids.tolist() == [3]
     seq.append_token(3)
     seq.append_token(3)   # two outputs: the ban is lifted
-    t = build_sampling_tensors([seq], lambda data, dtype: torch.tensor(data, dtype=dtype), 16)
-    assert Sampler()(logits, t).token_ids.tolist() == [EOS]   # t is None: plain greedy
+    t = sampler.prepare([seq])
+    assert t is None and sampler.sample(logits, t).token_ids.tolist() == [EOS]   # plain greedy
 
 
 def test_logprobs_are_log_softmax_of_transformers_logits(llm, oracle):

@@ -9,7 +9,7 @@ from transformers import AutoTokenizer, GenerationConfig
 from nanovllm.config import Config
 from nanovllm.engine.block_manager import cdiv
 from nanovllm.engine.model_runner import ModelRunner
-from nanovllm.engine.sampling_inputs import PendingSample
+from nanovllm.engine.sampled_tokens import PendingSample
 from nanovllm.engine.scheduler import ScheduledBatch, Scheduler
 from nanovllm.engine.sequence import Sequence, TokenLogprobs
 from nanovllm.engine.tp_worker import TPWorkers

@@ -8,12 +8,12 @@ import torch
 
 from nanovllm.config import Config
 from nanovllm.engine.block_manager import cdiv
-from nanovllm.engine.sampling_inputs import PendingSample, build_sampling_tensors
+from nanovllm.engine.sampled_tokens import PendingSample
 from nanovllm.engine.scheduler import ScheduledBatch
 from nanovllm.engine.step_input import StepInput
 from nanovllm.kernels import paged_kv_slots
 from nanovllm.layers.attention import Attention
-from nanovllm.layers.sampler import Sampler, SamplingTensors
+from nanovllm.layers.sampler import Sampler
 from nanovllm.models import get_model_class
 from nanovllm.utils.context import Context, forward_context
 from nanovllm.utils.distributed import TPGroup, broadcast, min_across_ranks, tp_group
@@ -84,7 +84,7 @@ class ModelRunner:
                 else:
                     load_model(self.model, config.model)
             self.model.eval()
-            self.sampler = Sampler(config.seed)
+            self.sampler = Sampler(config.hf_config.vocab_size, self.device, config.seed)
             # The last step's sampled token ids on the device, row i for its i-th sampling sequence:
             # a step launched before they reach the host reads its input tokens from here.
             self.sampled_tokens = torch.zeros(max(config.max_num_seqs, 1), dtype=torch.int64, device=self.device)
@@ -123,7 +123,7 @@ class ModelRunner:
         positions = torch.arange(seq_len, device=self.device).repeat(num_seqs)
         with forward_context(ctx):
             hidden = self.model(input_ids, positions)
-        self.sampler(self.model.compute_logits(hidden[cu[1:] - 1]).float(), None)
+        self.sampler.sample(self.model.compute_logits(hidden[cu[1:] - 1]).float(), None)
         torch.cuda.synchronize()
 
     def kv_bytes_per_block(self) -> int:
@@ -242,10 +242,6 @@ class ModelRunner:
         ctx = Context(is_prefill=False, slot_mapping=slots, context_lens=lens, block_tables=tables.view(rows, width))
         return input_ids, positions, ctx
 
-    def prepare_sample(self, batch: ScheduledBatch) -> SamplingTensors | None:
-        rng = self.sampler.rng if self.use_cuda else None   # the fused kernel's seeds (CUDA only)
-        return build_sampling_tensors(batch.sampling_seqs, self._tensor, self.config.hf_config.vocab_size, rng)
-
     # ---- running --------------------------------------------------------------------------
 
     @torch.inference_mode()
@@ -256,14 +252,14 @@ class ModelRunner:
         the next step reads the inputs of sequences whose token is still pending."""
         if not batch.seqs:
             return PendingSample(None, None)
-        sampling = self.prepare_sample(batch)
+        sampling = self.sampler.prepare(batch.sampling_seqs)
         step = StepInput.of(batch, self.pending_rows)
         if self.workers is not None:
             self.workers.run_step(step)   # ranks 1..N-1 run the same step (they only skip sampling)
         logits = self.forward_step(step)
         if logits is None:   # only mid-prompt chunks: nothing to sample
             return PendingSample(None, None)
-        out = self.sampler(logits, sampling)
+        out = self.sampler.sample(logits, sampling)
         self.keep_sampled(out.token_ids)
         self.pending_rows = {seq.seq_id: row for row, seq in enumerate(batch.sampling_seqs)}
         return PendingSample(out, sampling)
