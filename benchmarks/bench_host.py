@@ -1,5 +1,5 @@
 """Host (CPU) cost of one decode step's bookkeeping at batch 256, without a GPU: Scheduler.schedule,
-StepInput.of, ModelRunner.prepare_decode (CUDA-graph layout), Sampler.prepare (temperature 0.6) and
+StepInput.of, DecodeInputs.pack (CUDA-graph layout), Sampler.prepare (temperature 0.6) and
 Scheduler.postprocess, on a tiny model. These run on the host between two GPU steps, so they bound
 how much of each decode step the GPU sits idle. Usage: PYTHONPATH=. python benchmarks/bench_host.py"""
 import os
@@ -11,6 +11,7 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 from conftest import make_model  # noqa: E402
 from nanovllm import LLM, SamplingParams  # noqa: E402
+from nanovllm.engine.decode_graphs import DecodeInputs  # noqa: E402
 from nanovllm.engine.step_input import StepInput  # noqa: E402
 
 
@@ -24,7 +25,7 @@ def main(batch=256, prompt_len=600, steps=200):
     while sched.waiting:                                  # prefill everything (host bookkeeping only)
         b = sched.schedule()
         sched.postprocess(b, [7] * len(b.sampling_seqs))
-    times = {k: [] for k in ("schedule", "StepInput.of", "prepare_decode", "Sampler.prepare", "postprocess")}
+    times = {k: [] for k in ("schedule", "StepInput.of", "DecodeInputs.pack", "Sampler.prepare", "postprocess")}
 
     def timed(name, fn, *args):
         t = time.perf_counter()
@@ -35,7 +36,7 @@ def main(batch=256, prompt_len=600, steps=200):
     for i in range(steps):
         batch_ = timed("schedule", sched.schedule)
         step = timed("StepInput.of", StepInput.of, batch_)
-        timed("prepare_decode", runner.prepare_decode, step, 256, 4)
+        timed("DecodeInputs.pack", DecodeInputs.pack, step, 256, 4, runner.block_size)
         timed("Sampler.prepare", runner.sampler.prepare, batch_.sampling_seqs)
         timed("postprocess", sched.postprocess, batch_, [11 + i % 300] * len(batch_.seqs))
     total = 0.0

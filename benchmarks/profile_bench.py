@@ -16,6 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench import DEFAULT_MODEL, workload  # noqa: E402
 from nanovllm import LLM, SamplingParams  # noqa: E402
 from nanovllm.engine import model_runner as mr  # noqa: E402
+from nanovllm.engine.decode_graphs import DecodeInputs  # noqa: E402
 
 
 def wrap(obj, name, label, timers):
@@ -36,7 +37,7 @@ def host_profile(llm, lines):
     for obj, name, label in [(sched, "schedule", "scheduler.schedule"),
                              (sched, "complete", "scheduler.complete (apply tokens, stop checks)"),
                              (runner.sampler, "prepare", "sampler.prepare (sampling tensors)"),
-                             (runner, "prepare_decode", "runner.prepare_decode (inputs, H2D)"),
+                             (DecodeInputs, "pack", "DecodeInputs.pack (decode inputs)"),
                              (runner, "prepare_prefill", "runner.prepare_prefill (inputs, H2D)"),
                              (mr.PendingSample, "result", "tokens to host (waits for the GPU)")]:
         wrap(obj, name, label, timers)

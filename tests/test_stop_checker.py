@@ -20,8 +20,10 @@ class NoTokenizer:
         raise AssertionError("a sequence without stop strings was detokenized")
 
 
-def run(checker: StopChecker, params: SamplingParams, outputs: list[int], prompt=(0, 1)) -> tuple[int, Stop | None]:
-    """Append outputs one at a time as the scheduler does; return how many were appended and why it stopped."""
+def run(checker: StopChecker, params: SamplingParams, outputs: list[int],
+        prompt=(0, 1)) -> tuple[int, Stop | None]:
+    """Append outputs one at a time, checking each as the scheduler does; return how many were
+    appended and why the sequence stopped."""
     seq = Sequence(list(prompt), params)
     for i, token in enumerate(outputs, start=1):
         seq.append_token(token)
@@ -71,8 +73,9 @@ def test_stop_string_across_tokens_cuts_the_text(checker, include, text):
 def test_precedence_eos_then_stop_string_then_length(checker):
     # The same token ends the output by a stop string and by max_tokens: the stop string wins.
     assert run(checker, SamplingParams(max_tokens=2, stop=["cd"]), [2, 3]) == (2, Stop("stop", "cd"))
-    # EOS wins over a stop string its own token would complete (EOS decodes to nothing anyway).
-    assert run(checker, SamplingParams(stop=["c"], skip_special_tokens=False), [EOS]) == (1, Stop("stop", None))
+    # EOS and stop tokens win over a stop string their own text completes.
+    eos_text = SamplingParams(stop=["z"], skip_special_tokens=False)   # EOS decodes to "z" here
+    assert run(checker, eos_text, [EOS]) == (1, Stop("stop", None))
     assert run(checker, SamplingParams(stop_token_ids=[2], stop=["c"]), [2]) == (1, Stop("stop", 2))
 
 

@@ -8,6 +8,7 @@ import torch
 
 from nanovllm.config import Config
 from nanovllm.engine.block_manager import cdiv
+from nanovllm.engine.decode_graphs import DecodeGraphs, DecodeInputs
 from nanovllm.engine.sampled_tokens import PendingSample
 from nanovllm.engine.scheduler import ScheduledBatch
 from nanovllm.engine.step_input import StepInput
@@ -52,17 +53,6 @@ def _default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(old)
 
 
-def graph_batch_sizes(max_bs: int) -> list[int]:
-    """2, 4, 8, 16, 24, 32, then steps of 1/8 of the size class (40, 48, 56, 64, 80, 96, 112, 128,
-    160, ...) up to max_bs: a padded batch wastes at most ~1/8 of its rows, with ~25 graphs to
-    capture for 512. No graph of 1: a single sequence pads to 2 (one graph fewer to capture)."""
-    sizes, b = [2, 4, 8], 16
-    while b < max_bs:
-        sizes.append(b)
-        b += max(8, 1 << (b.bit_length() - 3))
-    return sorted({s for s in sizes if s < max_bs} | {max_bs})
-
-
 class ModelRunner:
     def __init__(self, config: Config, group: TPGroup | None = None, workers=None):
         """group: this rank's tensor-parallel group (None: one rank). workers: on rank 0, the
@@ -94,10 +84,10 @@ class ModelRunner:
                 with self._timed("warm-up (and compile)"):
                     self.warmup_model()
             self.num_kvcache_blocks = self.allocate_kv_cache()
-            self.graphs = {}
+            self.graphs: DecodeGraphs | None = None
             if self.use_cuda and not config.enforce_eager:
                 with self._timed("capture CUDA graphs"):
-                    self.capture_cudagraph()
+                    self.graphs = self.capture_cudagraph()
         logger.info("start-up: %s; %d KV blocks of %d tokens", ", ".join(
             f"{k} {v:.1f}s" for k, v in self.startup_seconds.items()), self.num_kvcache_blocks, self.block_size)
 
@@ -207,40 +197,16 @@ class ModelRunner:
         return (self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64), ctx,
                 self._tensor(logits_indices, torch.int64))
 
-    def prepare_decode(self, step: StepInput, rows: int, width: int) -> torch.Tensor:
-        """All decode inputs in one int32 host buffer, so a step needs a single host-to-device copy:
-        [input_ids | positions | slots | context_lens | token_rows | block_tables (rows x width)].
-        Rows past the batch are padding (slot -1, length 0: the kernels skip them). Decode computes
-        each sequence's last token, at position `start` (= num_tokens - 1)."""
-        bs, pad = self.block_size, rows - step.num_seqs
-        flat = [ids[0] for ids in step.token_ids] + [0] * pad
-        flat += step.starts + [0] * pad
-        flat += [table[pos // bs] * bs + pos % bs for pos, table in zip(step.starts, step.block_tables)]
-        flat += [-1] * pad
-        flat += [pos + 1 for pos in step.starts] + [0] * pad
-        flat += (step.token_rows or [-1] * step.num_seqs) + [-1] * pad
-        for table in step.block_tables:
-            flat += table
-            flat += [0] * (width - len(table))
-        flat += [0] * (pad * width)
-        return torch.tensor(flat, dtype=torch.int32, pin_memory=self.use_cuda)
-
-    def decode_forward(self, flat: torch.Tensor, rows: int, width: int) -> torch.Tensor:
-        """The model on a prepare_decode buffer (on the device): eager, or recorded into a graph,
-        where the pending-token lookup of decode_views must be recorded too."""
-        input_ids, positions, ctx = self.decode_views(flat, rows, width)
+    def decode_forward(self, inputs: DecodeInputs) -> torch.Tensor:
+        """The model on one decode step's inputs (on the device): eager, or recorded into a graph,
+        where the pending-token lookup must be recorded too. An input whose token row is set
+        comes from sampled_tokens (the previous step's, still pending on the host)."""
+        pending = self.sampled_tokens.index_select(0, inputs.token_rows.clamp(min=0))
+        input_ids = torch.where(inputs.token_rows >= 0, pending, inputs.input_ids)
+        ctx = Context(is_prefill=False, slot_mapping=inputs.slots, context_lens=inputs.context_lens,
+                      block_tables=inputs.block_tables)
         with forward_context(ctx):
-            return self.model(input_ids, positions)
-
-    def decode_views(self, flat: torch.Tensor, rows: int, width: int):
-        """(input_ids, positions, Context) from a prepare_decode buffer on the device. An input
-        whose token row is set comes from sampled_tokens (the previous step's, still pending)."""
-        input_ids, positions, slots, lens, token_rows, tables = \
-            flat[:rows * (5 + width)].split([rows] * 5 + [rows * width])
-        pending = self.sampled_tokens.index_select(0, token_rows.clamp(min=0))
-        input_ids = torch.where(token_rows >= 0, pending, input_ids)
-        ctx = Context(is_prefill=False, slot_mapping=slots, context_lens=lens, block_tables=tables.view(rows, width))
-        return input_ids, positions, ctx
+            return self.model(input_ids, inputs.positions)
 
     # ---- running --------------------------------------------------------------------------
 
@@ -293,39 +259,15 @@ class ModelRunner:
             return self.model.compute_logits(hidden)
 
     def run_decode(self, step: StepInput) -> torch.Tensor:
-        n = step.num_seqs
-        graph_bs = next((b for b in self.graph_sizes if b >= n), None) if self.graphs else None
-        if graph_bs is None:
-            width = max(map(len, step.block_tables))
-            flat = self.prepare_decode(step, n, width).to(self.device, non_blocking=True)
-            return self.decode_forward(flat, n, width)
-        host = self.prepare_decode(step, graph_bs, self.max_blocks)
-        self.graph_inputs[:host.numel()].copy_(host, non_blocking=True)   # the graph reads these views
-        self.graphs[graph_bs].replay()
-        return self.graph_outputs[:n]
+        if self.graphs is not None and self.graphs.fits(step.num_seqs):
+            return self.graphs.run(step)
+        n, width = step.num_seqs, max(map(len, step.block_tables))
+        host = DecodeInputs.pack(step, n, width, self.block_size, pin=self.use_cuda)
+        return self.decode_forward(DecodeInputs.view(host.to(self.device, non_blocking=True), n, width))
 
     @torch.inference_mode()
-    def capture_cudagraph(self):
-        """Capture decode for the sizes of graph_batch_sizes; replay pads a batch up to the next
-        captured size. Every graph reads its inputs from views of one static buffer laid out as
-        prepare_decode lays them out for that size."""
+    def capture_cudagraph(self) -> DecodeGraphs:
+        """Decode CUDA graphs for batches up to max_num_seqs (at most 512; larger ones run eagerly)."""
         c = self.config
-        max_bs = min(c.max_num_seqs, 512)
-        self.max_blocks = cdiv(c.max_model_len, self.block_size)
-        self.graph_inputs = torch.zeros(max_bs * (5 + self.max_blocks), dtype=torch.int32, device=self.device)
-        self.graph_outputs = torch.zeros(max_bs, c.hf_config.hidden_size, dtype=self.dtype, device=self.device)
-        self.graph_sizes = graph_batch_sizes(max_bs)
-        pool = None
-        for bs in reversed(self.graph_sizes):
-            graph = torch.cuda.CUDAGraph()
-            self.graph_inputs.zero_()
-            self.graph_inputs[2 * bs:3 * bs].fill_(-1)   # slots: capture writes no KV
-            self.graph_inputs[4 * bs:5 * bs].fill_(-1)   # token rows: no pending tokens
-            self.graph_outputs[:bs] = self.decode_forward(self.graph_inputs, bs, self.max_blocks)   # warm-up
-            with torch.cuda.graph(graph, pool):
-                self.graph_outputs[:bs] = self.decode_forward(self.graph_inputs, bs, self.max_blocks)
-            pool = pool or graph.pool()
-            self.graphs[bs] = graph
-            if self.group is not None:
-                self.group.graphs.append(graph)   # reset before the group is destroyed
-            torch.cuda.synchronize()
+        return DecodeGraphs(self.decode_forward, min(c.max_num_seqs, 512),
+                            cdiv(c.max_model_len, self.block_size), self.block_size, c.hf_config.hidden_size, self.dtype, self.device, self.group)

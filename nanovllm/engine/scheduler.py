@@ -34,8 +34,8 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
-                 num_blocks: int, block_size: int, eos_token_ids: set[int], enable_prefix_caching: bool = True,
-                 tokenizer=None):
+                 num_blocks: int, block_size: int, eos_token_ids: set[int],
+                 enable_prefix_caching: bool = True, tokenizer=None):
         """tokenizer: for stop strings (see StopChecker)."""
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens

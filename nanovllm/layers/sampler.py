@@ -92,7 +92,8 @@ class Sampler:
         t.top_p = self._column([p.top_p for p in params], any(p.top_p < 1 for p in params))
         t.min_p = self._column([p.min_p for p in params], any(p.min_p > 0 for p in params))
         t.seeds = [(row, step_seed(p.seed, seq.index, seq.output_index))
-                   for row, (seq, p) in enumerate(zip(seqs, params)) if p.seed is not None and not p.greedy] or None
+                   for row, (seq, p) in enumerate(zip(seqs, params))
+                   if p.seed is not None and not p.greedy] or None
         if self.fused and fused and t.top_k is None and t.top_p is None and t.min_p is None:
             t.row_seeds = self._tensor(self._row_seeds(params, t.seeds), torch.int64)
 
@@ -108,8 +109,9 @@ class Sampler:
         params = [seq.sampling_params for seq in seqs]
         t.output_tokens = self._padded([seq.completion_token_ids if p.has_penalties else []
                                         for seq, p in zip(seqs, params)])
-        t.presence = self._column([p.presence_penalty for p in params], any(p.presence_penalty for p in params))
-        t.frequency = self._column([p.frequency_penalty for p in params], any(p.frequency_penalty for p in params))
+        presence, frequency = [p.presence_penalty for p in params], [p.frequency_penalty for p in params]
+        t.presence = self._column(presence, any(presence))
+        t.frequency = self._column(frequency, any(frequency))
         if any(p.repetition_penalty != 1 for p in params):
             t.repetition = self._tensor([p.repetition_penalty for p in params])
             t.prompt_tokens = self._padded([seq.prompt_token_ids if p.repetition_penalty != 1 else []
