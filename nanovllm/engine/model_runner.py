@@ -269,5 +269,6 @@ class ModelRunner:
     def capture_cudagraph(self) -> DecodeGraphs:
         """Decode CUDA graphs for batches up to max_num_seqs (at most 512; larger ones run eagerly)."""
         c = self.config
-        return DecodeGraphs(self.decode_forward, min(c.max_num_seqs, 512),
-                            cdiv(c.max_model_len, self.block_size), self.block_size, c.hf_config.hidden_size, self.dtype, self.device, self.group)
+        max_bs, max_blocks = min(c.max_num_seqs, 512), cdiv(c.max_model_len, self.block_size)
+        return DecodeGraphs(self.decode_forward, max_bs, max_blocks,
+                            self.block_size, c.hf_config.hidden_size, self.dtype, self.device, self.group)
