@@ -25,7 +25,8 @@ def main(batch=256, prompt_len=600, steps=200):
     while sched.waiting:                                  # prefill everything (host bookkeeping only)
         b = sched.schedule()
         sched.postprocess(b, [7] * len(b.sampling_seqs))
-    times = {k: [] for k in ("schedule", "StepInput.of", "DecodeInputs.pack", "Sampler.prepare", "postprocess")}
+    phases = ("schedule", "StepInput.of", "DecodeInputs.pack", "Sampler.prepare", "postprocess")
+    times = {k: [] for k in phases}
 
     def timed(name, fn, *args):
         t = time.perf_counter()

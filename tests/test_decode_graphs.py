@@ -16,7 +16,8 @@ BLOCK = 4
 def decode_step(token_rows=None) -> StepInput:
     # Two sequences: 6 tokens in blocks [7, 3] (computes position 5), 9 tokens in [2, 5, 8] (position 8).
     return StepInput(is_prefill=False, seq_ids=[0, 1], starts=[5, 8],
-                     token_ids=[[11], [0 if token_rows else 12]], block_tables=[[7, 3], [2, 5, 8]], samples=[True, True], token_rows=token_rows)
+                     token_ids=[[11], [0 if token_rows else 12]], block_tables=[[7, 3], [2, 5, 8]],
+                     samples=[True, True], token_rows=token_rows)
 
 
 def test_pack_then_view_gives_each_named_field_with_padding():
