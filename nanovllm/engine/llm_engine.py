@@ -128,6 +128,12 @@ class LLMEngine:
             self.scheduler.add(seq)
         return seqs
 
+    def abort(self, seqs: list[Sequence]):
+        """Stop these sequences now (their client went away) and free their KV blocks; a token
+        still in flight for one of them is dropped when it arrives."""
+        for seq in seqs:
+            self.scheduler.finish(seq, "abort")
+
     def _check_params(self, params: SamplingParams, index: int):
         vocab = self.config.hf_config.vocab_size
         if any(t >= vocab for t in params.stop_token_ids):
@@ -249,6 +255,10 @@ class LLMEngine:
         prompt = _unwrap_prompt_dict(prompt, "")
         return RequestOutput(str(first.seq_id), prompt if isinstance(prompt, str) else None,
                              first.prompt_token_ids, [self._completion(seq) for seq in seqs], finished=True)
+
+    def completion_output(self, seq: Sequence) -> CompletionOutput:
+        """A finished sequence's CompletionOutput, as generate reports it (for streaming callers)."""
+        return self._completion(seq)
 
     def _completion(self, seq: Sequence) -> CompletionOutput:
         ids, p = seq.completion_token_ids, seq.sampling_params

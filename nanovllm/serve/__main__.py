@@ -1,0 +1,3 @@
+from nanovllm.serve.cli import serve
+
+serve()

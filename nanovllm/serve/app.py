@@ -1,0 +1,293 @@
+"""The HTTP routes. Each handler turns its body into engine requests, hands them to the EngineLoop
+and turns the updates that come back into a response or a stream of server-sent events."""
+import asyncio
+import json
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request as HTTPRequest
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
+from nanovllm.engine.detokenizer import IncrementalDetokenizer
+from nanovllm.serve import protocol as api
+from nanovllm.serve.engine_loop import EngineError, EngineLoop, Request, Update
+
+POLL_DISCONNECT_S = 0.5   # how often a non-streaming request checks that its client is still there
+
+
+class ModelNotFound(Exception):
+    pass
+
+
+class ClientGone(Exception):
+    pass
+
+
+def create_app(engine, model_name: str) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        app.state.loop = EngineLoop(engine, asyncio.get_running_loop())
+        try:
+            yield
+        finally:
+            app.state.loop.stop()
+
+    app = FastAPI(title="nanovllm", lifespan=lifespan)
+    tokenizer = engine.tokenizer
+
+    def check_model(name: str | None):
+        if name is not None and name != model_name:
+            raise ModelNotFound(f"The model `{name}` does not exist; this server serves `{model_name}`.")
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_body(_, exc: RequestValidationError):
+        details = "; ".join(f"{'.'.join(map(str, e['loc'][1:])) or 'body'}: {e['msg']}" for e in exc.errors())
+        return JSONResponse(api.error_body(details, "BadRequestError", 400), status_code=400)
+
+    @app.exception_handler(ValueError)
+    @app.exception_handler(TypeError)
+    async def bad_value(_, exc: Exception):
+        return JSONResponse(api.error_body(str(exc), "BadRequestError", 400), status_code=400)
+
+    @app.exception_handler(ModelNotFound)
+    async def no_model(_, exc: ModelNotFound):   # 404, as vLLM answers an unknown model
+        return JSONResponse(api.error_body(str(exc), "NotFoundError", 404, "model"), status_code=404)
+
+    @app.exception_handler(EngineError)
+    async def engine_failed(_, exc: EngineError):
+        return JSONResponse(api.error_body(str(exc), "InternalServerError", 500), status_code=500)
+
+    @app.get("/health")
+    async def health(raw: HTTPRequest):
+        return PlainTextResponse("", status_code=200 if raw.app.state.loop.healthy else 503)
+
+    @app.get("/v1/models")
+    async def models():
+        card = {"id": model_name, "object": "model", "created": api.now(), "owned_by": "nanovllm",
+                "root": engine.config.model, "max_model_len": engine.config.max_model_len}
+        return {"object": "list", "data": [card]}
+
+    @app.get("/metrics")
+    async def metrics():
+        """Prometheus text: queue lengths and KV-cache use (read without a lock: a snapshot)."""
+        s = engine.scheduler
+        blocks = s.block_manager
+        used = 1 - blocks.num_free_blocks / blocks.num_blocks
+        lines = [f"nanovllm:num_requests_running {len(s.running)}",
+                 f"nanovllm:num_requests_waiting {len(s.waiting)}",
+                 f"nanovllm:kv_cache_usage_perc {used:.6f}"]
+        return PlainTextResponse("\n".join(lines) + "\n")
+
+    @app.post("/v1/completions")
+    async def completions(body: api.CompletionRequest, raw: HTTPRequest):
+        check_model(body.model)
+        params = body.sampling_params(body.max_tokens, body.logprobs)
+        requests = await submit(raw, [(p, params) for p in body.prompts()])
+        reply = _Completions(tokenizer, model_name, body, requests)
+        if body.stream:
+            return sse(raw, requests, reply)
+        return reply.response(await collect(raw, requests))
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: api.ChatRequest, raw: HTTPRequest):
+        check_model(body.model)
+        params = body.chat_params()
+        prompt = await asyncio.to_thread(render_chat, tokenizer, body)
+        requests = await submit(raw, [(prompt, params)])
+        reply = _Chat(tokenizer, model_name, body, requests)
+        if body.stream:
+            return sse(raw, requests, reply)
+        return reply.response(await collect(raw, requests))
+
+    return app
+
+
+def render_chat(tokenizer, body: api.ChatRequest) -> list[int]:
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise ValueError("this model has no chat template: use /v1/completions")
+    text = tokenizer.apply_chat_template(body.messages, tokenize=False, trust_remote_code=False,
+                                         add_generation_prompt=body.add_generation_prompt
+                                         and not body.continue_final_message,
+                                         continue_final_message=body.continue_final_message,
+                                         **(body.chat_template_kwargs or {}))
+    return tokenizer.encode(text, add_special_tokens=False)   # the template wrote any BOS
+
+
+async def submit(raw: HTTPRequest, prompts: list[tuple]) -> list[Request]:
+    """Queue every prompt of one HTTP request (sharing one update queue); all or nothing."""
+    loop: EngineLoop = raw.app.state.loop
+    updates: asyncio.Queue = asyncio.Queue()
+    requests, base = [], 0
+    for prompt, params in prompts:
+        requests.append(Request(prompt, params, updates, choice_base=base))
+        base += params.n
+    try:
+        for request in requests:
+            await loop.add(request)
+    except BaseException:
+        for request in requests:
+            loop.abort(request)
+        raise
+    return requests
+
+
+async def collect(raw: HTTPRequest, requests: list[Request]) -> list[tuple]:
+    """Wait for every choice's final output; abort the requests if the client goes away.
+    Returns (CompletionOutput, its TokenLogprobs or None) per choice."""
+    outputs = [None] * sum(r.params.n for r in requests)
+    logprobs = [[] for _ in outputs]   # per choice: TokenLogprobs, as the steps gave them
+    updates = requests[0].updates
+    try:
+        while any(o is None for o in outputs):
+            try:
+                update = await asyncio.wait_for(updates.get(), POLL_DISCONNECT_S)
+            except TimeoutError:
+                if await raw.is_disconnected():
+                    raise ClientGone() from None
+                continue
+            if isinstance(update, Exception):
+                raise update
+            logprobs[update.index] += update.logprobs or []
+            if update.output is not None:
+                outputs[update.index] = update.output
+    except BaseException:
+        for request in requests:
+            raw.app.state.loop.abort(request)
+        raise
+    return [(out, lps if out.logprobs is not None else None) for out, lps in zip(outputs, logprobs)]
+
+
+def sse(raw: HTTPRequest, requests: list[Request], reply) -> StreamingResponse:
+    async def events():
+        done = False
+        try:
+            remaining = sum(r.params.n for r in requests)
+            while remaining:
+                update = await requests[0].updates.get()
+                if isinstance(update, Exception):   # the engine failed: say so in the stream
+                    yield _event(api.error_body(str(update), "InternalServerError", 500))
+                    break
+                remaining -= update.output is not None
+                yield _event(reply.chunk(update))
+            else:
+                if reply.body.include_usage:
+                    yield _event(reply.usage_chunk())
+            done = True
+            yield "data: [DONE]\n\n"
+        finally:
+            if not done:   # the client went away (the stream was cancelled): free its blocks
+                for request in requests:
+                    raw.app.state.loop.abort(request)
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def _event(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+class _TextStream:
+    """One choice's streamed text. Text that may be the start of a stop string is held back until
+    the next tokens show it is not; the final output's text settles the rest."""
+
+    def __init__(self, tokenizer, params):
+        self.tokenizer, self.params = tokenizer, params
+        self.detok, self.ids, self.sent = IncrementalDetokenizer(), [], 0
+        self.hold = max(map(len, params.stop)) - 1 if params.stop else 0
+        self.num_tokens = 0
+
+    def delta(self, update: Update) -> str:
+        self.ids += update.token_ids
+        if update.output is not None:
+            text = update.output.text
+            self.num_tokens = len(update.output.token_ids)
+            new, self.sent = (text[self.sent:] if len(text) > self.sent else ""), max(self.sent, len(text))
+            return new
+        self.detok.step(self.tokenizer, self.ids, self.params.skip_special_tokens)
+        visible = len(self.detok.text) - self.hold
+        new = self.detok.text[self.sent:visible] if visible > self.sent else ""
+        self.sent += len(new)
+        return new
+
+
+class _Reply:
+    """What both endpoints share: ids, choice streams, usage."""
+    object_name = chunk_name = ""
+
+    def __init__(self, tokenizer, model_name: str, body, requests: list[Request]):
+        self.tokenizer, self.model, self.body, self.requests = tokenizer, model_name, body, requests
+        self.id, self.created = api.new_id(self.id_prefix), api.now()
+        self.streams = [_TextStream(tokenizer, r.params) for r in requests for _ in range(r.params.n)]
+
+    def envelope(self, name: str, **fields) -> dict:
+        return {"id": self.id, "object": name, "created": self.created, "model": self.model, **fields}
+
+    def usage(self, outputs=None) -> dict:
+        prompt = sum(r.seqs[0].num_prompt_tokens for r in self.requests)
+        completion = sum(len(o.token_ids) for o, _ in outputs) if outputs else sum(s.num_tokens for s in self.streams)
+        return api.usage(prompt, completion)
+
+    def usage_chunk(self) -> dict:
+        return self.envelope(self.chunk_name, choices=[], usage=self.usage())
+
+    def request_of(self, index: int) -> Request:
+        return next(r for r in reversed(self.requests) if r.choice_base <= index)
+
+
+class _Completions(_Reply):
+    id_prefix, object_name, chunk_name = "cmpl", "text_completion", "text_completion"
+
+    def prompt_text(self, index: int) -> str:
+        prompt = self.request_of(index).prompt
+        return prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt)
+
+    def logprobs(self, index: int, token_ids, logprobs, offset: int):
+        if logprobs is None:
+            return None
+        return api.completion_logprobs(self.tokenizer, token_ids, logprobs, offset)
+
+    def response(self, outputs) -> dict:
+        choices = []
+        for i, (out, logprobs) in enumerate(outputs):
+            prefix = self.prompt_text(i) if self.body.echo else ""
+            choices.append({"index": i, "text": prefix + out.text,
+                            "logprobs": self.logprobs(i, out.token_ids, logprobs, len(prefix)),
+                            "finish_reason": out.finish_reason, "stop_reason": out.stop_reason})
+        return self.envelope(self.object_name, choices=choices, usage=self.usage(outputs))
+
+    def chunk(self, update: Update) -> dict:
+        stream = self.streams[update.index]
+        first = stream.sent == 0 and not stream.ids
+        offset = stream.sent
+        text = stream.delta(update)
+        if first and self.body.echo:
+            text = self.prompt_text(update.index) + text
+        out = update.output
+        choice = {"index": update.index, "text": text,
+                  "logprobs": self.logprobs(update.index, update.token_ids, update.logprobs, offset),
+                  "finish_reason": out.finish_reason if out else None, "stop_reason": out.stop_reason if out else None}
+        return self.envelope(self.chunk_name, choices=[choice])
+
+
+class _Chat(_Reply):
+    id_prefix, object_name, chunk_name = "chatcmpl", "chat.completion", "chat.completion.chunk"
+
+    def response(self, outputs) -> dict:
+        choices = [{"index": i, "message": {"role": "assistant", "content": out.text},
+                    "logprobs": api.chat_logprobs(self.tokenizer, out.token_ids, logprobs)
+                    if logprobs is not None else None,
+                    "finish_reason": out.finish_reason, "stop_reason": out.stop_reason}
+                   for i, (out, logprobs) in enumerate(outputs)]
+        return self.envelope(self.object_name, choices=choices, usage=self.usage(outputs))
+
+    def chunk(self, update: Update) -> dict:
+        stream = self.streams[update.index]
+        delta = {"role": "assistant"} if not stream.ids else {}
+        delta["content"] = stream.delta(update)
+        out = update.output
+        logprobs = None
+        if update.logprobs is not None:
+            logprobs = api.chat_logprobs(self.tokenizer, update.token_ids, update.logprobs)
+        choice = {"index": update.index, "delta": delta, "logprobs": logprobs,
+                  "finish_reason": out.finish_reason if out else None, "stop_reason": out.stop_reason if out else None}
+        return self.envelope(self.chunk_name, choices=[choice])
+

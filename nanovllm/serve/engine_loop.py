@@ -1,0 +1,153 @@
+"""EngineLoop: one thread owns the engine. HTTP handlers never touch it; they send commands
+(add a request, abort one) that the thread applies between steps, and receive each step's new
+tokens through their asyncio queues. So there is one scheduler and one batch per step for all
+clients, as in offline generate."""
+import asyncio
+import logging
+import queue
+import threading
+from dataclasses import dataclass, field
+
+from nanovllm.engine.sequence import Sequence
+from nanovllm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Update:
+    """What one step gave one completion of a request (delivered on the event loop)."""
+    index: int                       # which of the request's n completions
+    token_ids: list[int]             # its new output tokens
+    logprobs: list | None            # their TokenLogprobs, when the request asked
+    output: object | None = None     # the final CompletionOutput once it finished
+
+
+@dataclass
+class Request:
+    """A client's request as the engine loop sees it. The loop fills `seqs` once accepted."""
+    prompt: object                   # a string or token ids, as LLMEngine.add_request takes them
+    params: SamplingParams
+    updates: asyncio.Queue = field(default_factory=asyncio.Queue)
+    choice_base: int = 0             # this request's first choice index in its HTTP response
+    seqs: list[Sequence] = field(default_factory=list)
+    published: list[int] = field(default_factory=list)   # output tokens already sent, per completion
+
+
+class EngineError(RuntimeError):
+    """The engine failed while serving; the request cannot complete."""
+
+
+class EngineLoop:
+    def __init__(self, engine, loop: asyncio.AbstractEventLoop):
+        self.engine, self.loop = engine, loop
+        self.commands: queue.SimpleQueue = queue.SimpleQueue()   # (verb, Request | None)
+        self.active: dict[int, Request] = {}                     # id(request) -> request
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name="nanovllm-engine-loop", daemon=True)
+        self.thread.start()
+
+    @property
+    def healthy(self) -> bool:
+        return self.thread.is_alive() and self.error is None
+
+    # ---- called from the event loop -------------------------------------------------------
+
+    async def add(self, request: Request):
+        """Queue a request; return once the engine accepted it (its prompt and parameters are
+        valid), or raise the engine's ValueError / TypeError."""
+        if not self.healthy:
+            raise EngineError(f"the engine is not running: {self.error!r}")
+        accepted = self.loop.create_future()
+        self.commands.put(("add", (request, accepted)))
+        await accepted
+
+    def abort(self, request: Request):
+        """The client went away: stop its sequences and free their KV blocks at the next step."""
+        self.commands.put(("abort", request))
+
+    def stop(self, timeout: float = 10.0):
+        self.commands.put(("stop", None))
+        self.thread.join(timeout)
+
+    # ---- the engine thread ----------------------------------------------------------------
+
+    def _run(self):
+        try:
+            while self._apply_commands(block=self.engine.is_finished()):
+                if not self.engine.is_finished():
+                    self.engine.step()
+                    self._publish()
+        except BaseException as e:   # a broken engine fails every open request, never hangs one
+            logger.exception("the engine loop failed")
+            self.error = e
+            self._fail_all(e)
+
+    def _apply_commands(self, block: bool) -> bool:
+        """Apply queued commands (waiting for one when the engine is idle); False on stop."""
+        while True:
+            try:
+                verb, arg = self.commands.get(block=block, timeout=None if block else 0)
+            except queue.Empty:
+                return True
+            block = False
+            if verb == "stop":
+                return False
+            if verb == "add":
+                self._add(*arg)
+            elif verb == "abort" and id(arg) in self.active:
+                self.engine.abort(arg.seqs)
+                del self.active[id(arg)]
+
+    def _add(self, request: Request, accepted: asyncio.Future):
+        try:
+            request.seqs = self.engine.add_request(request.prompt, request.params)
+        except (ValueError, TypeError) as e:   # the client's fault: a 400, the engine goes on
+            self.loop.call_soon_threadsafe(_settle, accepted, e)
+            return
+        request.published = [0] * len(request.seqs)
+        self.active[id(request)] = request
+        self.loop.call_soon_threadsafe(_settle, accepted, None)
+
+    def _publish(self):
+        """Send every completion's new tokens (and its final output once finished) to its request;
+        one hop to the event loop per step, whatever the number of requests."""
+        deliveries, done = [], []
+        for key, request in self.active.items():
+            for i, seq in enumerate(request.seqs):
+                sent = request.published[i]   # -1: its final output went out already
+                if sent < 0 or (sent == seq.num_completion_tokens and not seq.is_finished):
+                    continue
+                logprobs = seq.logprobs[sent:] if seq.logprobs is not None else None
+                output = self.engine.completion_output(seq) if seq.is_finished else None
+                update = Update(request.choice_base + i, seq.token_ids[seq.num_prompt_tokens + sent:], logprobs, output)
+                deliveries.append((request, update))
+                request.published[i] = -1 if seq.is_finished else seq.num_completion_tokens
+            if all(p < 0 for p in request.published):
+                done.append(key)
+        for key in done:
+            del self.active[key]
+        if deliveries:
+            self.loop.call_soon_threadsafe(_deliver, deliveries)
+
+    def _fail_all(self, error: BaseException):
+        failure = EngineError(f"the engine failed: {error!r}")
+        self.loop.call_soon_threadsafe(_deliver, [(r, failure) for r in self.active.values()])
+        self.active.clear()
+        while True:   # requests still queued: refuse them too
+            try:
+                verb, arg = self.commands.get_nowait()
+            except queue.Empty:
+                break
+            if verb == "add":
+                self.loop.call_soon_threadsafe(_settle, arg[1], failure)
+
+
+def _settle(future: asyncio.Future, error: BaseException | None):
+    if not future.done():
+        future.set_exception(error) if error is not None else future.set_result(None)
+
+
+def _deliver(deliveries):
+    for request, update in deliveries:
+        request.updates.put_nowait(update)

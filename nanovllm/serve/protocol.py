@@ -1,0 +1,122 @@
+"""The OpenAI API's shapes: request bodies (validated by pydantic, mapped to SamplingParams as
+vLLM's server maps them), responses, stream chunks and errors."""
+import time
+import uuid
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from nanovllm.sampling_params import SamplingParams
+
+
+class _Request(BaseModel):
+    # Unknown fields are ignored, as OpenAI clients send some we don't use (user, metadata, ...).
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    n: int = 1
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    stream: bool = False
+    stream_options: dict | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.get("include_usage"))
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        """SamplingParams with vLLM's defaults for fields the client left out. Raises ValueError
+        (a 400) for out-of-range values."""
+        given = {name: getattr(self, name) for name in (
+            "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
+            "repetition_penalty") if getattr(self, name) is not None}
+        return SamplingParams(n=self.n, max_tokens=max_tokens, stop=self.stop, stop_token_ids=self.stop_token_ids,
+                              ignore_eos=self.ignore_eos, min_tokens=self.min_tokens, logprobs=logprobs,
+                              skip_special_tokens=self.skip_special_tokens,
+                              include_stop_str_in_output=self.include_stop_str_in_output, **given)
+
+
+class CompletionRequest(_Request):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16   # OpenAI's default for completions
+    logprobs: int | None = None
+    echo: bool = False
+
+    def prompts(self) -> list:
+        """One prompt or a batch: a string, token ids, or a list of either."""
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]
+        if not p:
+            raise ValueError("prompt is empty")
+        return list(p)
+
+
+class ChatRequest(_Request):
+    messages: list[dict] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict | None = None
+
+    def chat_params(self) -> SamplingParams:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs=true")
+        return self.sampling_params(self.max_completion_tokens or self.max_tokens,
+                                    (self.top_logprobs or 0) if self.logprobs else None)
+
+
+def error_body(message: str, kind: str, code: int, param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+# ---- logprobs, in the two shapes the two endpoints use ------------------------------------
+
+def completion_logprobs(tokenizer, token_ids: list[int], logprobs: list, text_offset: int) -> dict:
+    """/v1/completions' shape: parallel lists of tokens, their logprobs, the top alternatives and
+    each token's character offset in the text."""
+    tokens, values, tops, offsets = [], [], [], []
+    for token_id, lp in zip(token_ids, logprobs):
+        token = tokenizer.decode([token_id])
+        tokens.append(token)
+        values.append(lp.logprob)
+        tops.append({tokenizer.decode([t]): v for t, v in zip(lp.top_ids, lp.top_logprobs)})
+        offsets.append(text_offset)
+        text_offset += len(token)
+    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+
+
+def chat_logprobs(tokenizer, token_ids: list[int], logprobs: list) -> dict:
+    """/v1/chat/completions' shape: {"content": [{token, logprob, bytes, top_logprobs}]}."""
+    def entry(token_id: int, value: float) -> dict:
+        token = tokenizer.decode([token_id])
+        return {"token": token, "logprob": value, "bytes": list(token.encode())}
+    return {"content": [{**entry(t, lp.logprob),
+                         "top_logprobs": [entry(i, v) for i, v in zip(lp.top_ids, lp.top_logprobs)]}
+                        for t, lp in zip(token_ids, logprobs)]}

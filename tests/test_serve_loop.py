@@ -1,0 +1,101 @@
+"""The server's engine loop without HTTP or a model: a failing engine fails its requests with a
+500, never hangs them, and the server says it is unhealthy."""
+import asyncio
+import importlib.util
+import json
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+if importlib.util.find_spec("fastapi") is None or importlib.util.find_spec("uvicorn") is None:
+    pytest.skip("needs fastapi and uvicorn (pip install 'nanovllm[test]')", allow_module_level=True)
+
+import uvicorn  # noqa: E402
+
+from nanovllm.engine.sequence import Sequence  # noqa: E402
+from nanovllm.sampling_params import SamplingParams  # noqa: E402
+from nanovllm.serve.app import create_app  # noqa: E402
+from nanovllm.serve.engine_loop import EngineError, EngineLoop, Request  # noqa: E402
+
+
+class BrokenEngine:
+    """Accepts requests; its first step raises, as a dead device would."""
+    tokenizer = None
+
+    def __init__(self):
+        self.queued = []
+
+    def is_finished(self):
+        return not self.queued
+
+    def add_request(self, prompt, params):
+        if not prompt:
+            raise ValueError("prompt 0 is empty")
+        seqs = [Sequence(prompt, params)]
+        self.queued += seqs
+        return seqs
+
+    def step(self):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    def abort(self, seqs):
+        pass
+
+
+def test_an_engine_failure_fails_the_request_and_the_loop_reports_it():
+    async def main():
+        loop = EngineLoop(BrokenEngine(), asyncio.get_running_loop())
+        with pytest.raises(ValueError, match="empty"):   # a bad request: the loop goes on
+            await loop.add(Request([], SamplingParams()))
+        request = Request([1, 2, 3], SamplingParams())
+        await loop.add(request)
+        update = await asyncio.wait_for(request.updates.get(), 10)
+        assert isinstance(update, EngineError) and "illegal memory access" in str(update)
+        assert not loop.healthy
+        with pytest.raises(EngineError):
+            await loop.add(Request([1], SamplingParams()))
+        loop.stop()
+    asyncio.run(main())
+
+
+def _serve_in_thread(app) -> tuple[uvicorn.Server, str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
+    threading.Thread(target=server.run, daemon=True).start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.05)
+    return server, f"http://127.0.0.1:{port}"
+
+
+def _status(url: str, body: dict | None = None) -> tuple[int, dict | None]:
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(url, data, {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as r:
+            return r.status, None
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"null")
+
+
+def test_http_500_and_unhealthy_after_an_engine_failure():
+    class Config:
+        model, max_model_len = "broken", 64
+
+    engine = BrokenEngine()
+    engine.config = Config
+    server, base = _serve_in_thread(create_app(engine, "broken"))
+    try:
+        assert _status(base + "/health")[0] == 200
+        status, body = _status(base + "/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 2})
+        assert status == 500 and "illegal memory access" in body["error"]["message"]
+        assert _status(base + "/health")[0] == 503
+    finally:
+        server.should_exit = True
