@@ -197,6 +197,9 @@ class _TextStream:
 
     def delta(self, update: Update) -> str:
         self.ids += update.token_ids
+        if self.tokenizer is None:   # a model folder without a tokenizer: token ids only
+            self.num_tokens = len(self.ids)
+            return ""
         if update.output is not None:
             text = update.output.text
             self.num_tokens = len(update.output.token_ids)
