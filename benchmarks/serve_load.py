@@ -7,11 +7,11 @@ output tokens/s, time to first token and inter-token latency (p50/p99).
 
 --offline MODEL also runs the same prompts through LLM.generate in this process first (the server
 must then be on another GPU, or started after), for the offline figure to compare with."""
+
 import argparse
 import asyncio
 import json
 import os
-import statistics
 import sys
 import time
 
@@ -29,9 +29,15 @@ def percentile(values: list[float], q: float) -> float:
 async def one_stream(client, model: str, prompt: list[int], max_tokens: int, temperature: float) -> dict:
     start = time.perf_counter()
     stamps, usage = [], None
-    stream = await client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens,
-                                             temperature=temperature, stream=True,
-                                             stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    stream = await client.completions.create(
+        model=model,
+        prompt=prompt,
+        max_tokens=max_tokens,
+        temperature=temperature,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
     async for chunk in stream:
         if chunk.choices:
             stamps.append(time.perf_counter())
@@ -55,16 +61,28 @@ async def run_load(url: str, model: str, prompts, params, concurrency: int) -> d
     ttft = [r["stamps"][0] - r["start"] for r in results if r["stamps"]]
     itl = [b - a for r in results for a, b in zip(r["stamps"], r["stamps"][1:])]
     tokens = sum(r["tokens"] for r in results)
-    return {"concurrency": concurrency, "requests": len(results), "wall_s": wall,
-            "requests_per_s": len(results) / wall, "output_tokens_per_s": tokens / wall, "output_tokens": tokens,
-            "ttft_p50_s": percentile(ttft, 0.5), "ttft_p99_s": percentile(ttft, 0.99),
-            "itl_p50_ms": 1e3 * percentile(itl, 0.5), "itl_p99_ms": 1e3 * percentile(itl, 0.99)}
+    return {
+        "concurrency": concurrency,
+        "requests": len(results),
+        "wall_s": wall,
+        "requests_per_s": len(results) / wall,
+        "output_tokens_per_s": tokens / wall,
+        "output_tokens": tokens,
+        "ttft_p50_s": percentile(ttft, 0.5),
+        "ttft_p99_s": percentile(ttft, 0.99),
+        "itl_p50_ms": 1e3 * percentile(itl, 0.5),
+        "itl_p99_ms": 1e3 * percentile(itl, 0.99),
+    }
 
 
 def offline(model: str, prompts, params) -> dict:
     from nanovllm import LLM
-    llm = LLM(model, load_format="dummy" if not any(f.endswith(".safetensors") for f in os.listdir(model)) else "auto")
-    llm.generate(prompts[:8], params[:8], use_tqdm=False)   # warm-up
+
+    llm = LLM(
+        model,
+        load_format="dummy" if not any(f.endswith(".safetensors") for f in os.listdir(model)) else "auto",
+    )
+    llm.generate(prompts[:8], params[:8], use_tqdm=False)  # warm-up
     t = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - t
@@ -91,14 +109,18 @@ def main():
         figures.update(offline(args.offline, prompts, params))
         print(f"offline: {figures['offline_output_tokens_per_s']:,.0f} output tok/s", flush=True)
     model = args.model or openai.OpenAI(base_url=args.url + "/v1", api_key="none").models.list().data[0].id
-    asyncio.run(run_load(args.url, model, prompts[:8], params[:8], 8))   # warm-up
+    asyncio.run(run_load(args.url, model, prompts[:8], params[:8], 8))  # warm-up
     runs = []
     for c in args.concurrency:
         r = asyncio.run(run_load(args.url, model, prompts, params, c))
         runs.append(r)
-        print(f"concurrency {c}: {r['requests_per_s']:.2f} req/s, {r['output_tokens_per_s']:,.0f} output tok/s, "
-              f"TTFT p50/p99 {r['ttft_p50_s']:.2f}/{r['ttft_p99_s']:.2f} s, "
-              f"ITL p50/p99 {r['itl_p50_ms']:.1f}/{r['itl_p99_ms']:.1f} ms", flush=True)
+        print(
+            f"concurrency {c}: {r['requests_per_s']:.2f} req/s, "
+            f"{r['output_tokens_per_s']:,.0f} output tok/s, "
+            f"TTFT p50/p99 {r['ttft_p50_s']:.2f}/{r['ttft_p99_s']:.2f} s, "
+            f"ITL p50/p99 {r['itl_p50_ms']:.1f}/{r['itl_p99_ms']:.1f} ms",
+            flush=True,
+        )
     figures["runs"] = runs
     if args.json:
         with open(args.json, "w") as f:

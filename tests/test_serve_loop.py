@@ -1,5 +1,6 @@
 """The server's engine loop without HTTP or a model: a failing engine fails its requests with a
 500, never hangs them, and the server says it is unhealthy."""
+
 import asyncio
 import importlib.util
 import json
@@ -24,6 +25,7 @@ from nanovllm.serve.engine_loop import EngineError, EngineLoop, Request  # noqa:
 
 class BrokenEngine:
     """Accepts requests; its first step raises, as a dead device would."""
+
     tokenizer = None
 
     def __init__(self):
@@ -49,7 +51,7 @@ class BrokenEngine:
 def test_an_engine_failure_fails_the_request_and_the_loop_reports_it():
     async def main():
         loop = EngineLoop(BrokenEngine(), asyncio.get_running_loop())
-        with pytest.raises(ValueError, match="empty"):   # a bad request: the loop goes on
+        with pytest.raises(ValueError, match="empty"):  # a bad request: the loop goes on
             await loop.add(Request([], SamplingParams()))
         request = Request([1, 2, 3], SamplingParams())
         await loop.add(request)
@@ -59,6 +61,7 @@ def test_an_engine_failure_fails_the_request_and_the_loop_reports_it():
         with pytest.raises(EngineError):
             await loop.add(Request([1], SamplingParams()))
         loop.stop()
+
     asyncio.run(main())
 
 

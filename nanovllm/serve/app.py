@@ -1,5 +1,6 @@
 """The HTTP routes. Each handler turns its body into engine requests, hands them to the EngineLoop
 and turns the updates that come back into a response or a stream of server-sent events."""
+
 import asyncio
 import json
 from contextlib import asynccontextmanager
@@ -12,7 +13,7 @@ from nanovllm.engine.detokenizer import IncrementalDetokenizer
 from nanovllm.serve import protocol as api
 from nanovllm.serve.engine_loop import EngineError, EngineLoop, Request, Update
 
-POLL_DISCONNECT_S = 0.5   # how often a non-streaming request checks that its client is still there
+POLL_DISCONNECT_S = 0.5  # how often a non-streaming request checks that its client is still there
 
 
 class ModelNotFound(Exception):
@@ -50,7 +51,7 @@ def create_app(engine, model_name: str) -> FastAPI:
         return JSONResponse(api.error_body(str(exc), "BadRequestError", 400), status_code=400)
 
     @app.exception_handler(ModelNotFound)
-    async def no_model(_, exc: ModelNotFound):   # 404, as vLLM answers an unknown model
+    async def no_model(_, exc: ModelNotFound):  # 404, as vLLM answers an unknown model
         return JSONResponse(api.error_body(str(exc), "NotFoundError", 404, "model"), status_code=404)
 
     @app.exception_handler(EngineError)
@@ -63,8 +64,14 @@ def create_app(engine, model_name: str) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
-        card = {"id": model_name, "object": "model", "created": api.now(), "owned_by": "nanovllm",
-                "root": engine.config.model, "max_model_len": engine.config.max_model_len}
+        card = {
+            "id": model_name,
+            "object": "model",
+            "created": api.now(),
+            "owned_by": "nanovllm",
+            "root": engine.config.model,
+            "max_model_len": engine.config.max_model_len,
+        }
         return {"object": "list", "data": [card]}
 
     @app.get("/metrics")
@@ -73,9 +80,11 @@ def create_app(engine, model_name: str) -> FastAPI:
         s = engine.scheduler
         blocks = s.block_manager
         used = 1 - blocks.num_free_blocks / blocks.num_blocks
-        lines = [f"nanovllm:num_requests_running {len(s.running)}",
-                 f"nanovllm:num_requests_waiting {len(s.waiting)}",
-                 f"nanovllm:kv_cache_usage_perc {used:.6f}"]
+        lines = [
+            f"nanovllm:num_requests_running {len(s.running)}",
+            f"nanovllm:num_requests_waiting {len(s.waiting)}",
+            f"nanovllm:kv_cache_usage_perc {used:.6f}",
+        ]
         return PlainTextResponse("\n".join(lines) + "\n")
 
     @app.post("/v1/completions")
@@ -105,12 +114,15 @@ def create_app(engine, model_name: str) -> FastAPI:
 def render_chat(tokenizer, body: api.ChatRequest) -> list[int]:
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model has no chat template: use /v1/completions")
-    text = tokenizer.apply_chat_template(body.messages, tokenize=False, trust_remote_code=False,
-                                         add_generation_prompt=body.add_generation_prompt
-                                         and not body.continue_final_message,
-                                         continue_final_message=body.continue_final_message,
-                                         **(body.chat_template_kwargs or {}))
-    return tokenizer.encode(text, add_special_tokens=False)   # the template wrote any BOS
+    text = tokenizer.apply_chat_template(
+        body.messages,
+        tokenize=False,
+        trust_remote_code=False,
+        add_generation_prompt=body.add_generation_prompt and not body.continue_final_message,
+        continue_final_message=body.continue_final_message,
+        **(body.chat_template_kwargs or {}),
+    )
+    return tokenizer.encode(text, add_special_tokens=False)  # the template wrote any BOS
 
 
 async def submit(raw: HTTPRequest, prompts: list[tuple]) -> list[Request]:
@@ -135,7 +147,7 @@ async def collect(raw: HTTPRequest, requests: list[Request]) -> list[tuple]:
     """Wait for every choice's final output; abort the requests if the client goes away.
     Returns (CompletionOutput, its TokenLogprobs or None) per choice."""
     outputs = [None] * sum(r.params.n for r in requests)
-    logprobs = [[] for _ in outputs]   # per choice: TokenLogprobs, as the steps gave them
+    logprobs = [[] for _ in outputs]  # per choice: TokenLogprobs, as the steps gave them
     updates = requests[0].updates
     try:
         while any(o is None for o in outputs):
@@ -164,7 +176,7 @@ def sse(raw: HTTPRequest, requests: list[Request], reply) -> StreamingResponse:
             remaining = sum(r.params.n for r in requests)
             while remaining:
                 update = await requests[0].updates.get()
-                if isinstance(update, Exception):   # the engine failed: say so in the stream
+                if isinstance(update, Exception):  # the engine failed: say so in the stream
                     yield _event(api.error_body(str(update), "InternalServerError", 500))
                     break
                 remaining -= update.output is not None
@@ -175,9 +187,10 @@ def sse(raw: HTTPRequest, requests: list[Request], reply) -> StreamingResponse:
             done = True
             yield "data: [DONE]\n\n"
         finally:
-            if not done:   # the client went away (the stream was cancelled): free its blocks
+            if not done:  # the client went away (the stream was cancelled): free its blocks
                 for request in requests:
                     raw.app.state.loop.abort(request)
+
     return StreamingResponse(events(), media_type="text/event-stream")
 
 
@@ -197,23 +210,24 @@ class _TextStream:
 
     def delta(self, update: Update) -> str:
         self.ids += update.token_ids
-        if self.tokenizer is None:   # a model folder without a tokenizer: token ids only
+        if self.tokenizer is None:  # a model folder without a tokenizer: token ids only
             self.num_tokens = len(self.ids)
             return ""
         if update.output is not None:
             text = update.output.text
             self.num_tokens = len(update.output.token_ids)
-            new, self.sent = (text[self.sent:] if len(text) > self.sent else ""), max(self.sent, len(text))
+            new, self.sent = (text[self.sent :] if len(text) > self.sent else ""), max(self.sent, len(text))
             return new
         self.detok.step(self.tokenizer, self.ids, self.params.skip_special_tokens)
         visible = len(self.detok.text) - self.hold
-        new = self.detok.text[self.sent:visible] if visible > self.sent else ""
+        new = self.detok.text[self.sent : visible] if visible > self.sent else ""
         self.sent += len(new)
         return new
 
 
 class _Reply:
     """What both endpoints share: ids, choice streams, usage."""
+
     object_name = chunk_name = ""
 
     def __init__(self, tokenizer, model_name: str, body, requests: list[Request]):
@@ -226,7 +240,9 @@ class _Reply:
 
     def usage(self, outputs=None) -> dict:
         prompt = sum(r.seqs[0].num_prompt_tokens for r in self.requests)
-        completion = sum(len(o.token_ids) for o, _ in outputs) if outputs else sum(s.num_tokens for s in self.streams)
+        completion = (
+            sum(len(o.token_ids) for o, _ in outputs) if outputs else sum(s.num_tokens for s in self.streams)
+        )
         return api.usage(prompt, completion)
 
     def usage_chunk(self) -> dict:
@@ -252,9 +268,15 @@ class _Completions(_Reply):
         choices = []
         for i, (out, logprobs) in enumerate(outputs):
             prefix = self.prompt_text(i) if self.body.echo else ""
-            choices.append({"index": i, "text": prefix + out.text,
-                            "logprobs": self.logprobs(i, out.token_ids, logprobs, len(prefix)),
-                            "finish_reason": out.finish_reason, "stop_reason": out.stop_reason})
+            choices.append(
+                {
+                    "index": i,
+                    "text": prefix + out.text,
+                    "logprobs": self.logprobs(i, out.token_ids, logprobs, len(prefix)),
+                    "finish_reason": out.finish_reason,
+                    "stop_reason": out.stop_reason,
+                }
+            )
         return self.envelope(self.object_name, choices=choices, usage=self.usage(outputs))
 
     def chunk(self, update: Update) -> dict:
@@ -265,9 +287,13 @@ class _Completions(_Reply):
         if first and self.body.echo:
             text = self.prompt_text(update.index) + text
         out = update.output
-        choice = {"index": update.index, "text": text,
-                  "logprobs": self.logprobs(update.index, update.token_ids, update.logprobs, offset),
-                  "finish_reason": out.finish_reason if out else None, "stop_reason": out.stop_reason if out else None}
+        choice = {
+            "index": update.index,
+            "text": text,
+            "logprobs": self.logprobs(update.index, update.token_ids, update.logprobs, offset),
+            "finish_reason": out.finish_reason if out else None,
+            "stop_reason": out.stop_reason if out else None,
+        }
         return self.envelope(self.chunk_name, choices=[choice])
 
 
@@ -275,11 +301,18 @@ class _Chat(_Reply):
     id_prefix, object_name, chunk_name = "chatcmpl", "chat.completion", "chat.completion.chunk"
 
     def response(self, outputs) -> dict:
-        choices = [{"index": i, "message": {"role": "assistant", "content": out.text},
-                    "logprobs": api.chat_logprobs(self.tokenizer, out.token_ids, logprobs)
-                    if logprobs is not None else None,
-                    "finish_reason": out.finish_reason, "stop_reason": out.stop_reason}
-                   for i, (out, logprobs) in enumerate(outputs)]
+        choices = [
+            {
+                "index": i,
+                "message": {"role": "assistant", "content": out.text},
+                "logprobs": api.chat_logprobs(self.tokenizer, out.token_ids, logprobs)
+                if logprobs is not None
+                else None,
+                "finish_reason": out.finish_reason,
+                "stop_reason": out.stop_reason,
+            }
+            for i, (out, logprobs) in enumerate(outputs)
+        ]
         return self.envelope(self.object_name, choices=choices, usage=self.usage(outputs))
 
     def chunk(self, update: Update) -> dict:
@@ -290,7 +323,11 @@ class _Chat(_Reply):
         logprobs = None
         if update.logprobs is not None:
             logprobs = api.chat_logprobs(self.tokenizer, update.token_ids, update.logprobs)
-        choice = {"index": update.index, "delta": delta, "logprobs": logprobs,
-                  "finish_reason": out.finish_reason if out else None, "stop_reason": out.stop_reason if out else None}
+        choice = {
+            "index": update.index,
+            "delta": delta,
+            "logprobs": logprobs,
+            "finish_reason": out.finish_reason if out else None,
+            "stop_reason": out.stop_reason if out else None,
+        }
         return self.envelope(self.chunk_name, choices=[choice])
-

@@ -1,5 +1,6 @@
 """`nanovllm serve MODEL [--host H] [--port P] [LLM options as flags]`, e.g.
 `nanovllm serve ./Qwen3-0.6B --port 8000 --max-model-len 8192 --no-enable-prefix-caching`."""
+
 import argparse
 import dataclasses
 import logging
@@ -31,7 +32,9 @@ def engine_flags(parser: argparse.ArgumentParser):
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="nanovllm serve", description="An OpenAI-compatible server over one engine.")
+    p = argparse.ArgumentParser(
+        prog="nanovllm serve", description="An OpenAI-compatible server over one engine."
+    )
     p.add_argument("model", help="a local model folder or a hub id")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
@@ -47,7 +50,9 @@ def serve(argv: list[str] | None = None):
 
         from nanovllm.serve.app import create_app
     except ImportError as e:
-        raise SystemExit(f"nanovllm serve needs FastAPI and uvicorn: pip install 'nanovllm[serve]' ({e})") from None
+        raise SystemExit(
+            f"nanovllm serve needs FastAPI and uvicorn: pip install 'nanovllm[serve]' ({e})"
+        ) from None
     from nanovllm.llm import LLM
 
     args = vars(parser().parse_args(argv))
@@ -64,6 +69,7 @@ def serve(argv: list[str] | None = None):
 def main(argv: list[str] | None = None):
     """The `nanovllm` console script: `nanovllm serve ...`."""
     import sys
+
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] != "serve":
         raise SystemExit("usage: nanovllm serve MODEL [options]   (nanovllm serve --help for the options)")

@@ -2,6 +2,7 @@
 (add a request, abort one) that the thread applies between steps, and receive each step's new
 tokens through their asyncio queues. So there is one scheduler and one batch per step for all
 clients, as in offline generate."""
+
 import asyncio
 import logging
 import queue
@@ -17,21 +18,23 @@ logger = logging.getLogger(__name__)
 @dataclass
 class Update:
     """What one step gave one completion of a request (delivered on the event loop)."""
-    index: int                       # which of the request's n completions
-    token_ids: list[int]             # its new output tokens
-    logprobs: list | None            # their TokenLogprobs, when the request asked
-    output: object | None = None     # the final CompletionOutput once it finished
+
+    index: int  # which of the request's n completions
+    token_ids: list[int]  # its new output tokens
+    logprobs: list | None  # their TokenLogprobs, when the request asked
+    output: object | None = None  # the final CompletionOutput once it finished
 
 
 @dataclass
 class Request:
     """A client's request as the engine loop sees it. The loop fills `seqs` once accepted."""
-    prompt: object                   # a string or token ids, as LLMEngine.add_request takes them
+
+    prompt: object  # a string or token ids, as LLMEngine.add_request takes them
     params: SamplingParams
     updates: asyncio.Queue = field(default_factory=asyncio.Queue)
-    choice_base: int = 0             # this request's first choice index in its HTTP response
+    choice_base: int = 0  # this request's first choice index in its HTTP response
     seqs: list[Sequence] = field(default_factory=list)
-    published: list[int] = field(default_factory=list)   # output tokens already sent, per completion
+    published: list[int] = field(default_factory=list)  # output tokens already sent, per completion
 
 
 class EngineError(RuntimeError):
@@ -41,8 +44,8 @@ class EngineError(RuntimeError):
 class EngineLoop:
     def __init__(self, engine, loop: asyncio.AbstractEventLoop):
         self.engine, self.loop = engine, loop
-        self.commands: queue.SimpleQueue = queue.SimpleQueue()   # (verb, Request | None)
-        self.active: dict[int, Request] = {}                     # id(request) -> request
+        self.commands: queue.SimpleQueue = queue.SimpleQueue()  # (verb, Request | None)
+        self.active: dict[int, Request] = {}  # id(request) -> request
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, name="nanovllm-engine-loop", daemon=True)
         self.thread.start()
@@ -78,7 +81,7 @@ class EngineLoop:
                 if not self.engine.is_finished():
                     self.engine.step()
                     self._publish()
-        except BaseException as e:   # a broken engine fails every open request, never hangs one
+        except BaseException as e:  # a broken engine fails every open request, never hangs one
             logger.exception("the engine loop failed")
             self.error = e
             self._fail_all(e)
@@ -102,7 +105,7 @@ class EngineLoop:
     def _add(self, request: Request, accepted: asyncio.Future):
         try:
             request.seqs = self.engine.add_request(request.prompt, request.params)
-        except (ValueError, TypeError) as e:   # the client's fault: a 400, the engine goes on
+        except (ValueError, TypeError) as e:  # the client's fault: a 400, the engine goes on
             self.loop.call_soon_threadsafe(_settle, accepted, e)
             return
         request.published = [0] * len(request.seqs)
@@ -115,12 +118,14 @@ class EngineLoop:
         deliveries, done = [], []
         for key, request in self.active.items():
             for i, seq in enumerate(request.seqs):
-                sent = request.published[i]   # -1: its final output went out already
+                sent = request.published[i]  # -1: its final output went out already
                 if sent < 0 or (sent == seq.num_completion_tokens and not seq.is_finished):
                     continue
                 logprobs = seq.logprobs[sent:] if seq.logprobs is not None else None
                 output = self.engine.completion_output(seq) if seq.is_finished else None
-                update = Update(request.choice_base + i, seq.token_ids[seq.num_prompt_tokens + sent:], logprobs, output)
+                update = Update(
+                    request.choice_base + i, seq.token_ids[seq.num_prompt_tokens + sent :], logprobs, output
+                )
                 deliveries.append((request, update))
                 request.published[i] = -1 if seq.is_finished else seq.num_completion_tokens
             if all(p < 0 for p in request.published):
@@ -134,7 +139,7 @@ class EngineLoop:
         failure = EngineError(f"the engine failed: {error!r}")
         self.loop.call_soon_threadsafe(_deliver, [(r, failure) for r in self.active.values()])
         self.active.clear()
-        while True:   # requests still queued: refuse them too
+        while True:  # requests still queued: refuse them too
             try:
                 verb, arg = self.commands.get_nowait()
             except queue.Empty:

@@ -1,5 +1,6 @@
 """The OpenAI API's shapes: request bodies (validated by pydantic, mapped to SamplingParams as
 vLLM's server maps them), responses, stream chunks and errors."""
+
 import time
 import uuid
 
@@ -38,18 +39,37 @@ class _Request(BaseModel):
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """SamplingParams with vLLM's defaults for fields the client left out. Raises ValueError
         (a 400) for out-of-range values."""
-        given = {name: getattr(self, name) for name in (
-            "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
-            "repetition_penalty") if getattr(self, name) is not None}
-        return SamplingParams(n=self.n, max_tokens=max_tokens, stop=self.stop, stop_token_ids=self.stop_token_ids,
-                              ignore_eos=self.ignore_eos, min_tokens=self.min_tokens, logprobs=logprobs,
-                              skip_special_tokens=self.skip_special_tokens,
-                              include_stop_str_in_output=self.include_stop_str_in_output, **given)
+        given = {
+            name: getattr(self, name)
+            for name in (
+                "temperature",
+                "top_p",
+                "top_k",
+                "min_p",
+                "seed",
+                "presence_penalty",
+                "frequency_penalty",
+                "repetition_penalty",
+            )
+            if getattr(self, name) is not None
+        }
+        return SamplingParams(
+            n=self.n,
+            max_tokens=max_tokens,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+            min_tokens=self.min_tokens,
+            logprobs=logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            **given,
+        )
 
 
 class CompletionRequest(_Request):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16   # OpenAI's default for completions
+    max_tokens: int | None = 16  # OpenAI's default for completions
     logprobs: int | None = None
     echo: bool = False
 
@@ -75,8 +95,9 @@ class ChatRequest(_Request):
     def chat_params(self) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs=true")
-        return self.sampling_params(self.max_completion_tokens or self.max_tokens,
-                                    (self.top_logprobs or 0) if self.logprobs else None)
+        return self.sampling_params(
+            self.max_completion_tokens or self.max_tokens, (self.top_logprobs or 0) if self.logprobs else None
+        )
 
 
 def error_body(message: str, kind: str, code: int, param: str | None = None) -> dict:
@@ -92,11 +113,15 @@ def now() -> int:
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 # ---- logprobs, in the two shapes the two endpoints use ------------------------------------
+
 
 def completion_logprobs(tokenizer, token_ids: list[int], logprobs: list, text_offset: int) -> dict:
     """/v1/completions' shape: parallel lists of tokens, their logprobs, the top alternatives and
@@ -114,9 +139,17 @@ def completion_logprobs(tokenizer, token_ids: list[int], logprobs: list, text_of
 
 def chat_logprobs(tokenizer, token_ids: list[int], logprobs: list) -> dict:
     """/v1/chat/completions' shape: {"content": [{token, logprob, bytes, top_logprobs}]}."""
+
     def entry(token_id: int, value: float) -> dict:
         token = tokenizer.decode([token_id])
         return {"token": token, "logprob": value, "bytes": list(token.encode())}
-    return {"content": [{**entry(t, lp.logprob),
-                         "top_logprobs": [entry(i, v) for i, v in zip(lp.top_ids, lp.top_logprobs)]}
-                        for t, lp in zip(token_ids, logprobs)]}
+
+    return {
+        "content": [
+            {
+                **entry(t, lp.logprob),
+                "top_logprobs": [entry(i, v) for i, v in zip(lp.top_ids, lp.top_logprobs)],
+            }
+            for t, lp in zip(token_ids, logprobs)
+        ]
+    }
