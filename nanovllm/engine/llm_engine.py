@@ -12,6 +12,7 @@ from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.sampled_tokens import PendingSample
 from nanovllm.engine.scheduler import ScheduledBatch, Scheduler
 from nanovllm.engine.sequence import Sequence, TokenLogprobs
+from nanovllm.engine.stop_checker import ABORT
 from nanovllm.engine.tp_worker import TPWorkers
 from nanovllm.outputs import CompletionOutput, Logprob, RequestOutput
 from nanovllm.sampling_params import SamplingParams
@@ -132,7 +133,7 @@ class LLMEngine:
         """Stop these sequences now (their client went away) and free their KV blocks; a token
         still in flight for one of them is dropped when it arrives."""
         for seq in seqs:
-            self.scheduler.finish(seq, "abort")
+            self.scheduler.finish(seq, ABORT)
 
     def _check_params(self, params: SamplingParams, index: int):
         vocab = self.config.hf_config.vocab_size

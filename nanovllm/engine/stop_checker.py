@@ -11,7 +11,7 @@ class Stop(NamedTuple):
     stop_reason: int | str | None = None   # the stop token id or stop string; None for EOS and length
 
 
-EOS, LENGTH = Stop("stop"), Stop("length")
+EOS, LENGTH, ABORT = Stop("stop"), Stop("length"), Stop("abort")   # abort: the client went away
 
 
 class StopChecker:
