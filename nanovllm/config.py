@@ -1,8 +1,12 @@
 """Engine options: strict (unknown names are a TypeError) and validated (bad values a ValueError)."""
+import numbers
 import os
 from dataclasses import dataclass, field, fields
 
-from transformers import AutoConfig, PretrainedConfig
+import numpy as np
+from transformers import PretrainedConfig
+
+from nanovllm.utils.hf_files import load_hf_config
 
 
 @dataclass
@@ -35,6 +39,10 @@ class Config:
         return cls(model, **options)
 
     def __post_init__(self):
+        if isinstance(self.model, os.PathLike):
+            self.model = os.fspath(self.model)
+        if isinstance(self.model, str):
+            self.model = os.path.expanduser(self.model)
         if not os.path.isdir(self.model):
             raise FileNotFoundError(f"model folder {self.model!r} does not exist")
         if not os.path.isfile(os.path.join(self.model, "config.json")):
@@ -49,28 +57,36 @@ class Config:
         if self.kv_cache_memory_bytes is not None:
             _check_int(self, "kv_cache_memory_bytes", 1)
         _check_int(self, "seed", 0)
-        if isinstance(self.gpu_memory_utilization, bool) or not isinstance(self.gpu_memory_utilization, (int, float)):
+        if _is_bool(self.gpu_memory_utilization) or not isinstance(self.gpu_memory_utilization, numbers.Real):
             raise ValueError(f"gpu_memory_utilization must be a number in (0, 1], got {self.gpu_memory_utilization!r}")
+        self.gpu_memory_utilization = float(self.gpu_memory_utilization)   # a numpy float too
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         for name in ("enforce_eager", "enable_prefix_caching", "async_scheduling"):
-            if not isinstance(getattr(self, name), bool):
+            if not _is_bool(getattr(self, name)):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+            setattr(self, name, bool(getattr(self, name)))
         _check_choice(self, "device", ("auto", "cuda", "cpu"))
         _check_choice(self, "dtype", ("auto", "float32", "bfloat16", "float16"))
         _check_choice(self, "load_format", ("auto", "dummy"))
         if self.device == "cuda" and self.kvcache_block_size % 16:
             raise ValueError(f"kvcache_block_size must be a multiple of 16 on CUDA, got {self.kvcache_block_size}")
-        self.hf_config = AutoConfig.from_pretrained(self.model)
+        self.hf_config = load_hf_config(self.model)
         self.max_model_len = min(self.max_model_len, self.hf_config.max_position_embeddings)
 
 
 def _check_int(cfg: Config, name: str, minimum: int):
     value = getattr(cfg, name)
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    if _is_bool(value) or not isinstance(value, numbers.Integral) or value < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    setattr(cfg, name, int(value))   # a numpy integer too
+
+
+def _is_bool(value) -> bool:
+    return isinstance(value, (bool, np.bool_))
 
 
 def _check_choice(cfg: Config, name: str, choices: tuple):
     if getattr(cfg, name) not in choices:
         raise ValueError(f"{name} must be one of {choices}, got {getattr(cfg, name)!r}")
+

@@ -1,5 +1,8 @@
 """SamplingParams: vLLM's fields, defaults and meanings; bad values raise ValueError naming the field."""
+import numbers
 from dataclasses import dataclass
+
+import numpy as np
 
 _EPS = 1e-5   # temperatures below this are greedy, as in vLLM
 
@@ -25,6 +28,12 @@ class SamplingParams:
     skip_special_tokens: bool = True
 
     def __post_init__(self):
+        self.validate()
+
+    def validate(self):
+        """Check every field and normalise it (numpy scalars become Python numbers, one stop string
+        or id becomes a list). Run on construction and again by the engine, since fields may be
+        changed after construction."""
         _check_int(self, "n", 1)
         for name in ("presence_penalty", "frequency_penalty"):
             _check_float(self, name, lambda v: -2.0 <= v <= 2.0, "in [-2, 2]")
@@ -33,14 +42,17 @@ class SamplingParams:
         _check_float(self, "top_p", lambda v: 0 < v <= 1, "in (0, 1]")
         if _not_int(self.top_k) or self.top_k < -1:
             raise ValueError(f"top_k must be an integer: -1 or 0 (off) or >= 1, got {self.top_k!r}")
+        self.top_k = int(self.top_k)
         _check_float(self, "min_p", lambda v: 0 <= v <= 1, "in [0, 1]")
         if self.seed is not None and _not_int(self.seed):
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        self.seed = None if self.seed is None else int(self.seed)
         self.stop = _string_list(self.stop)
         self.stop_token_ids = _token_list(self.stop_token_ids)
         for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
-            if not isinstance(getattr(self, name), bool):
+            if not isinstance(getattr(self, name), (bool, np.bool_)):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+            setattr(self, name, bool(getattr(self, name)))
         if self.max_tokens is not None:
             _check_int(self, "max_tokens", 1)
         _check_int(self, "min_tokens", 0)
@@ -62,23 +74,30 @@ class SamplingParams:
 
 
 def _not_int(value) -> bool:
-    return isinstance(value, bool) or not isinstance(value, int)
+    """Not an int (numpy integers are ints; bools are not)."""
+    if type(value) is int:   # the common case first: the ABC check below is slow
+        return False
+    return isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral)
 
 
 def _check_int(params, name: str, minimum: int):
     value = getattr(params, name)
     if _not_int(value) or value < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    setattr(params, name, int(value))
 
 
 def _check_float(params, name: str, ok, allowed: str):
     value = getattr(params, name)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
+    if type(value) is not float and (isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real)) \
+            or not ok(value):
         raise ValueError(f"{name} must be a number {allowed}, got {value!r}")
     setattr(params, name, float(value))
 
 
 def _string_list(stop) -> list[str]:
+    if isinstance(stop, (bytes, bytearray)) or not (stop is None or hasattr(stop, "__iter__")):
+        raise TypeError(f"stop must be a str or a list of str, got {type(stop).__name__} {stop!r:.40}")
     stop = [stop] if isinstance(stop, str) else list(stop or [])
     if not all(isinstance(s, str) and s for s in stop):
         raise ValueError(f"stop must be a non-empty string or a list of them, got {stop!r}")
@@ -86,7 +105,14 @@ def _string_list(stop) -> list[str]:
 
 
 def _token_list(ids) -> list[int]:
-    ids = list(ids or [])
+    """One id or a list of them (as stop takes one string or a list)."""
+    if ids is None:
+        return []
+    if not _not_int(ids):
+        ids = [ids]
+    elif isinstance(ids, (str, bytes, bytearray)) or not hasattr(ids, "__iter__"):
+        raise TypeError(f"stop_token_ids must be an integer or a list of integers >= 0, got {type(ids).__name__}")
+    ids = list(ids)
     if any(_not_int(t) or t < 0 for t in ids):
         raise ValueError(f"stop_token_ids must be a list of integers >= 0, got {ids!r}")
-    return ids
+    return [int(t) for t in ids]

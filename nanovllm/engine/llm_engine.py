@@ -1,10 +1,8 @@
 """The engine: tokenizer, model runner and scheduler; add_request / step / generate."""
 import numbers
-import os
 import time
 
 from tqdm.auto import tqdm
-from transformers import AutoTokenizer, GenerationConfig
 
 from nanovllm.config import Config
 from nanovllm.engine.block_manager import cdiv
@@ -16,26 +14,15 @@ from nanovllm.engine.stop_checker import ABORT
 from nanovllm.engine.tp_worker import TPWorkers
 from nanovllm.outputs import CompletionOutput, Logprob, RequestOutput
 from nanovllm.sampling_params import SamplingParams
+from nanovllm.utils.hf_files import generation_eos_token_id, load_tokenizer
 from nanovllm.utils.loader import resolve_model
-
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-
-
-def load_tokenizer(path: str):
-    """The folder's tokenizer, or None when it has none (then prompts must be token ids)."""
-    if not any(os.path.exists(os.path.join(path, f)) for f in _TOKENIZER_FILES):
-        return None
-    return AutoTokenizer.from_pretrained(path)
 
 
 def eos_token_ids(config: Config, tokenizer) -> set[int]:
     """EOS ids from the model config, generation_config.json and the tokenizer, together."""
     ids = set()
-    sources = [config.hf_config.eos_token_id, tokenizer.eos_token_id if tokenizer else None]
-    try:
-        sources.append(GenerationConfig.from_pretrained(config.model).eos_token_id)
-    except OSError:
-        pass
+    sources = [config.hf_config.eos_token_id, tokenizer.eos_token_id if tokenizer else None,
+               generation_eos_token_id(config.model)]
     for src in sources:
         ids.update([src] if isinstance(src, int) else (src or []))
     return ids
@@ -92,7 +79,7 @@ class LLMEngine:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError(f"{where}: the model folder has no tokenizer, so prompts must be token-id lists")
-            ids = self.tokenizer.encode(prompt)
+            ids = _encode(self.tokenizer, prompt, where)
         elif isinstance(prompt, (list, tuple)):
             if all(type(t) is int for t in prompt):   # the common case, checked fast (bench: 144k ids)
                 ids = list(prompt)
@@ -136,6 +123,10 @@ class LLMEngine:
             self.scheduler.finish(seq, ABORT)
 
     def _check_params(self, params: SamplingParams, index: int):
+        try:
+            params.validate()   # again: its fields may have been changed since it was built
+        except (ValueError, TypeError) as e:
+            raise type(e)(f"sampling_params {index}: {e}") from None
         vocab = self.config.hf_config.vocab_size
         if any(t >= vocab for t in params.stop_token_ids):
             raise ValueError(f"sampling_params {index}: stop_token_ids must be in [0, {vocab}) (the model's vocabulary)")
@@ -247,8 +238,11 @@ class LLMEngine:
             raise TypeError(f"sampling_params {bad} is {type(sampling_params[bad]).__name__}, not SamplingParams")
         if len(sampling_params) != n:
             raise ValueError(f"got {len(sampling_params)} SamplingParams for {n} prompts; give one, or one per prompt")
+        checked = set()
         for i, p in enumerate(sampling_params):
-            self._check_params(p, i)
+            if id(p) not in checked:   # one SamplingParams is often shared by every prompt
+                self._check_params(p, i)
+                checked.add(id(p))
         return list(sampling_params)
 
     def _output(self, seqs: list[Sequence], prompt) -> RequestOutput:
@@ -292,6 +286,18 @@ class LLMEngine:
 
 def _is_token_id(t) -> bool:
     return isinstance(t, numbers.Integral) and not isinstance(t, bool)
+
+
+def _encode(tokenizer, text: str, where: str) -> list[int]:
+    try:
+        return tokenizer.encode(text)
+    except Exception:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:   # the tokenizer's own message does not say this
+            raise ValueError(f"{where}: its text is not valid Unicode ({e.reason}: {text[e.start:e.end]!r} at "
+                             f"character {e.start}); a str prompt must encode to UTF-8") from None
+        raise
 
 
 def _unwrap_prompt_dict(prompt, where: str):

@@ -1,6 +1,7 @@
 """Builds the model on its device, owns the paged KV cache and the decode CUDA graphs, and turns
 a ScheduledBatch into sampled token ids."""
 import logging
+import os
 import time
 from contextlib import contextmanager
 
@@ -65,6 +66,7 @@ class ModelRunner:
         self.use_cuda = self.device.type == "cuda"
         torch.manual_seed(config.seed)
         self.startup_seconds: dict[str, float] = {}   # phase -> seconds, for logs and bench.py
+        self.logits_checked = False   # see check_first_logits
         with tp_group(group):   # layers take their shard from it; their collectives run in it
             with self._timed("load model"):
                 with self.device, _default_dtype(self.dtype):
@@ -77,7 +79,10 @@ class ModelRunner:
             self.sampler = Sampler(config.hf_config.vocab_size, self.device, config.seed)
             # The last step's sampled token ids on the device, row i for its i-th sampling sequence:
             # a step launched before they reach the host reads its input tokens from here.
-            self.sampled_tokens = torch.zeros(max(config.max_num_seqs, 1), dtype=torch.int64, device=self.device)
+            # A step samples at most min(max_num_seqs, max_num_batched_tokens) sequences (the scheduler's
+            # limits), so a huge max_num_seqs allocates nothing more.
+            rows = min(config.max_num_seqs, config.max_num_batched_tokens)
+            self.sampled_tokens = torch.zeros(rows, dtype=torch.int64, device=self.device)
             self.pending_rows: dict[int, int] = {}   # rank 0: seq_id -> row of sampled_tokens
             self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
             if self.use_cuda:
@@ -147,6 +152,7 @@ class ModelRunner:
                 f"no memory left for the KV cache ({per_block}): raise gpu_memory_utilization "
                 f"(now {self.config.gpu_memory_utilization}), lower max_num_batched_tokens, "
                 "or set kv_cache_memory_bytes / num_kvcache_blocks")
+        self.check_kv_fits(num_blocks)
         attn = self.attention_layers[0]
         # kv_cache: [2 (k, v), num_layers, num_blocks, block_size, num_kv_heads, head_dim]
         self.kv_cache = torch.zeros(2, len(self.attention_layers), num_blocks, self.block_size,
@@ -154,6 +160,16 @@ class ModelRunner:
         for i, layer in enumerate(self.attention_layers):
             layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
         return num_blocks
+
+    def check_kv_fits(self, num_blocks: int):
+        """An explicit num_kvcache_blocks or kv_cache_memory_bytes larger than the device's memory is an
+        error before anything is allocated (on CPU, zero-filling it would end in the OOM killer)."""
+        need = num_blocks * self.kv_bytes_per_block()
+        total = torch.cuda.mem_get_info()[1] if self.use_cuda else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        if need > total:
+            raise ValueError(f"the KV cache of {num_blocks} blocks needs {need / 2**30:.1f} GiB, more than the "
+                             f"{total / 2**30:.1f} GiB of memory of the device ({self.device}): lower "
+                             "num_kvcache_blocks or kv_cache_memory_bytes")
 
     # ---- inputs ---------------------------------------------------------------------------
 
@@ -225,10 +241,23 @@ class ModelRunner:
         logits = self.forward_step(step)
         if logits is None:   # only mid-prompt chunks: nothing to sample
             return PendingSample(None, None)
+        if not self.logits_checked:
+            self.check_first_logits(logits)
         out = self.sampler.sample(logits, sampling)
         self.keep_sampled(out.token_ids)
         self.pending_rows = {seq.seq_id: row for row, seq in enumerate(batch.sampling_seqs)}
         return PendingSample(out, sampling)
+
+    def check_first_logits(self, logits: torch.Tensor):
+        """NaN or inf logits mean broken weights (or a float16 overflow); sampling would turn them into
+        token 0 forever. Checked once per engine, on the first logits (a device sync), not every step."""
+        if bool(torch.isfinite(logits).all()):
+            self.logits_checked = True
+            return
+        self.keep_sampled(torch.zeros(logits.shape[0], dtype=torch.int64, device=logits.device))   # ranks stay in step
+        raise ValueError(f"the model's logits contain NaN or inf: the weights in {self.config.model!r} are broken "
+                         "(NaN or inf in the checkpoint), or the activations overflow their dtype "
+                         f"({self.dtype}; try dtype='bfloat16' or 'float32')")
 
     def keep_sampled(self, token_ids: torch.Tensor | None, n: int | None = None):
         """Store a step's sampled tokens in sampled_tokens; with tensor parallelism rank 0 sends

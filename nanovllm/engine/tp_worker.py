@@ -32,7 +32,8 @@ def channel_size(config: Config) -> int:
     """Bytes for the largest StepInput: token ids of a full step plus every block table (a pickled
     int takes at most 9 bytes)."""
     max_blocks = cdiv(config.max_model_len, config.kvcache_block_size)
-    ints = config.max_num_batched_tokens + config.max_num_seqs * (max_blocks + 8)
+    max_seqs = min(config.max_num_seqs, config.max_num_batched_tokens)   # the most a step schedules
+    ints = config.max_num_batched_tokens + max_seqs * (max_blocks + 8)
     return (1 << 20) + 9 * ints
 
 

