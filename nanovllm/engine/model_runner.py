@@ -255,9 +255,9 @@ class ModelRunner:
             self.logits_checked = True
             return
         self.keep_sampled(torch.zeros(logits.shape[0], dtype=torch.int64, device=logits.device))   # ranks stay in step
+        overflow = " (or float16 activations overflow: try dtype='bfloat16')" if self.dtype == torch.float16 else ""
         raise ValueError(f"the model's logits contain NaN or inf: the weights in {self.config.model!r} are broken "
-                         "(NaN or inf in the checkpoint), or the activations overflow their dtype "
-                         f"({self.dtype}; try dtype='bfloat16' or 'float32')")
+                         f"(NaN or inf in the checkpoint){overflow}")
 
     def keep_sampled(self, token_ids: torch.Tensor | None, n: int | None = None):
         """Store a step's sampled tokens in sampled_tokens; with tensor parallelism rank 0 sends
