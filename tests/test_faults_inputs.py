@@ -264,6 +264,20 @@ def test_nan_or_inf_logits_say_the_weights_are_broken(qwen3_dir, tmp_path, value
         assert_clean(llm)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_nan_logits_on_cuda_with_graphs(qwen3_dir, tmp_path):
+    """The check also runs on CUDA (bf16, CUDA graphs, async scheduling), and a good model still runs."""
+    path = copy_model(qwen3_dir, tmp_path / "m", tensors=lambda t: t["model.norm.weight"].__setitem__(3, float("nan")))
+    opts = dict(device="cuda", dtype="bfloat16", max_num_seqs=8, kvcache_block_size=16, num_kvcache_blocks=64)
+    llm = LLM(path, **opts)
+    with pytest.raises(ValueError, match=r"logits contain NaN or inf"):
+        llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert_clean(llm)
+    good = LLM(qwen3_dir, **opts)
+    assert [len(t) for t in tokens(good.generate(PROMPTS, GREEDY, use_tqdm=False))] == [4, 4]
+    assert good.model_runner.logits_checked
+
+
 def test_finite_logits_are_checked_once(engine, reference, monkeypatch):
     assert engine.model_runner.logits_checked
     calls = []
@@ -321,6 +335,12 @@ def test_a_huge_max_num_seqs_allocates_nothing(qwen3_dir, reference):
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss < 200 * 1024
     assert llm.model_runner.sampled_tokens.numel() <= llm.config.max_num_batched_tokens
     assert tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == reference
+
+
+def test_the_tp_channel_is_sized_by_what_a_step_can_hold(qwen3_dir):
+    from nanovllm.config import Config
+    from nanovllm.engine.tp_worker import channel_size
+    assert channel_size(Config(qwen3_dir, max_num_seqs=10**9)) == channel_size(Config(qwen3_dir, max_num_seqs=16384))
 
 
 def test_a_kv_cache_larger_than_the_device_is_refused_before_allocating(qwen3_dir):
@@ -384,10 +404,10 @@ def markdown_table(qwen3_dir: str, tmp: Path) -> str:
     rows.append(f"| an int32 tensor for a floating parameter | {seen(lambda: LLM(path, **ENGINE))} |")
     for field, value, _ in BAD_CONFIGS[::2]:
         path = copy_model(qwen3_dir, tmp / f"{field}{value}", config=set_field(field, value))
-        rows.append(f"| config.json `{field}: {value}` | {seen(lambda: LLM(path, **ENGINE))} |")
+        rows.append(f"| config.json `{field}: {value}` | {seen(lambda path=path: LLM(path, **ENGINE))} |")
     for name in ("config.json", "tokenizer.json", "generation_config.json"):
         path = copy_model(qwen3_dir, tmp / f"garbage_{name}", files={name: "{garbage"})
-        rows.append(f"| garbage {name} | {seen(lambda: LLM(path, **ENGINE))} |")
+        rows.append(f"| garbage {name} | {seen(lambda path=path: LLM(path, **ENGINE))} |")
     path = copy_model(qwen3_dir, tmp / "nan", tensors=lambda t: t["model.norm.weight"].__setitem__(0, float("nan")))
     llm = LLM(path, **ENGINE)
     rows.append(f"| NaN in a weight (first `generate`) | {seen(lambda: llm.generate(PROMPTS, GREEDY, use_tqdm=False))} |")
@@ -400,7 +420,7 @@ def markdown_table(qwen3_dir: str, tmp: Path) -> str:
     bad_text = ["w5", "w6 \ud800"]
     rows.append(f"| a lone surrogate in prompt 1 | {seen(lambda: llm.generate(bad_text, GREEDY, use_tqdm=False))} |")
     for kwargs in ("stop=b'\\n'", "stop_token_ids=5.0"):
-        rows.append(f"| SamplingParams({kwargs}) | {seen(lambda: eval(f'SamplingParams({kwargs})'))} |")
+        rows.append(f"| SamplingParams({kwargs}) | {seen(lambda kwargs=kwargs: eval(f'SamplingParams({kwargs})'))} |")
     return "\n".join(rows)
 
 
