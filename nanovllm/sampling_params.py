@@ -89,8 +89,9 @@ def _check_int(params, name: str, minimum: int):
 
 def _check_float(params, name: str, ok, allowed: str):
     value = getattr(params, name)
-    if type(value) is not float and (isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real)) \
-            or not ok(value):
+    is_number = type(value) is float or (isinstance(value, numbers.Real)
+                                         and not isinstance(value, (bool, np.bool_)))
+    if not is_number or not ok(value):
         raise ValueError(f"{name} must be a number {allowed}, got {value!r}")
     setattr(params, name, float(value))
 
@@ -111,7 +112,8 @@ def _token_list(ids) -> list[int]:
     if not _not_int(ids):
         ids = [ids]
     elif isinstance(ids, (str, bytes, bytearray)) or not hasattr(ids, "__iter__"):
-        raise TypeError(f"stop_token_ids must be an integer or a list of integers >= 0, got {type(ids).__name__}")
+        raise TypeError(f"stop_token_ids must be an integer or a list of integers >= 0, "
+                        f"got {type(ids).__name__}")
     ids = list(ids)
     if any(_not_int(t) or t < 0 for t in ids):
         raise ValueError(f"stop_token_ids must be a list of integers >= 0, got {ids!r}")

@@ -33,6 +33,11 @@ PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12]]
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
+def set_weight(name: str, index: int, value: float):
+    """A tensors edit for copy_model: one value of one tensor."""
+    return lambda tensors: tensors[name].__setitem__(index, value)
+
+
 def copy_model(src: str, dst: Path, config=None, tensors=None, files=None) -> str:
     """A copy of a model folder with config.json edited (config(dict)), tensors edited (tensors(dict))
     and files replaced ({name: text})."""
@@ -109,7 +114,8 @@ def test_demo_cache_never_touches_a_users_folder(tmp_path, fake_conversion, monk
     (user / "docs" / "thesis.tex").write_text("more precious")
     monkeypatch.setenv("HOME", str(user))
     before = sorted(str(p.relative_to(user)) for p in user.rglob("*"))
-    with pytest.raises(ValueError, match=r"is not empty and holds no demo-model conversion.*nothing in it is deleted"):
+    with pytest.raises(ValueError, match=r"is not empty and holds no demo-model conversion.*nothing in it is "
+                                         r"deleted"):
         dm.default_model_path(user if cache == "user_folder" else cache)
     assert sorted(str(p.relative_to(user)) for p in user.rglob("*")) == before
     assert (user / "notes.txt").read_text() == "precious"
@@ -160,7 +166,8 @@ def _remote_code_folder(qwen3_dir: str, dst: Path, model_type: str) -> tuple[str
     evil.py writes a marker file."""
     marker = dst.parent / f"{dst.name}-code-ran"
     path = copy_model(qwen3_dir, dst, config=lambda c: c.update(
-        model_type=model_type, auto_map={"AutoConfig": "evil.EvilConfig", "AutoModelForCausalLM": "evil.Evil"}))
+        model_type=model_type,
+        auto_map={"AutoConfig": "evil.EvilConfig", "AutoModelForCausalLM": "evil.Evil"}))
     (dst / "evil.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n"
                                  "from transformers import PretrainedConfig\n"
                                  f"class EvilConfig(PretrainedConfig):\n    model_type = {model_type!r}\n")
@@ -175,7 +182,8 @@ def test_a_folder_that_needs_its_own_code_is_refused_without_a_prompt(qwen3_dir,
     result = subprocess.run([sys.executable, "-c", script], stdin=subprocess.DEVNULL, capture_output=True,
                             text=True, timeout=300, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert result.returncode != 0
-    assert "ValueError: the model in" in result.stderr and "nanovllm never runs code from a model folder" in result.stderr
+    assert "ValueError: the model in" in result.stderr
+    assert "nanovllm never runs code from a model folder" in result.stderr
     assert "[y/N]" not in result.stdout + result.stderr
     assert not marker.exists()
 
@@ -212,8 +220,8 @@ def test_every_transformers_load_refuses_remote_code():
                                          ("model.norm.weight", torch.bool)])
 def test_non_floating_checkpoint_tensor_is_named(qwen3_dir, tmp_path, name, dtype):
     path = copy_model(qwen3_dir, tmp_path / "m", tensors=lambda t: t.update({name: t[name].to(dtype)}))
-    with pytest.raises(ValueError, match=rf"checkpoint tensor '{re.escape(name)}' .* has dtype {dtype}, but the "
-                                         r"parameter is floating point"):
+    with pytest.raises(ValueError, match=rf"checkpoint tensor '{re.escape(name)}' .* has dtype {dtype}, but "
+                                         r"the parameter is floating point"):
         LLM(path, **ENGINE)
 
 
@@ -235,7 +243,7 @@ BAD_CONFIGS = [
 def set_field(field, value):
     def edit(c):
         c[field] = value
-        if field == "rope_theta" and isinstance(c.get("rope_parameters"), dict):   # where transformers 5 writes it
+        if field == "rope_theta" and isinstance(c.get("rope_parameters"), dict):   # transformers 5 has it
             c["rope_parameters"]["rope_theta"] = value
     return edit
 
@@ -247,7 +255,8 @@ def test_bad_config_field_is_named(qwen3_dir, tmp_path, field, value, message):
         LLM(path, **ENGINE)
 
 
-@pytest.mark.parametrize("name", ["config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json"])
+@pytest.mark.parametrize("name", ["config.json", "tokenizer.json", "tokenizer_config.json",
+                                  "generation_config.json"])
 def test_garbage_json_file_is_named(qwen3_dir, tmp_path, name):
     path = copy_model(qwen3_dir, tmp_path / "m", files={name: '{"vocab_size": 512,'})
     with pytest.raises(ValueError, match=rf"{re.escape(os.path.join(path, name))} is not valid JSON"):
@@ -256,7 +265,7 @@ def test_garbage_json_file_is_named(qwen3_dir, tmp_path, name):
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf")])
 def test_nan_or_inf_logits_say_the_weights_are_broken(qwen3_dir, tmp_path, value, reference):
-    path = copy_model(qwen3_dir, tmp_path / "m", tensors=lambda t: t["model.norm.weight"].__setitem__(3, value))
+    path = copy_model(qwen3_dir, tmp_path / "m", tensors=set_weight("model.norm.weight", 3, value))
     llm = LLM(path, **ENGINE)
     for _ in range(2):   # every call, not only the first, until the weights are fixed
         with pytest.raises(ValueError, match=r"logits contain NaN or inf: the weights in .* are broken"):
@@ -267,7 +276,7 @@ def test_nan_or_inf_logits_say_the_weights_are_broken(qwen3_dir, tmp_path, value
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_nan_logits_on_cuda_with_graphs(qwen3_dir, tmp_path):
     """The check also runs on CUDA (bf16, CUDA graphs, async scheduling), and a good model still runs."""
-    path = copy_model(qwen3_dir, tmp_path / "m", tensors=lambda t: t["model.norm.weight"].__setitem__(3, float("nan")))
+    path = copy_model(qwen3_dir, tmp_path / "m", tensors=set_weight("model.norm.weight", 3, float("nan")))
     opts = dict(device="cuda", dtype="bfloat16", max_num_seqs=8, kvcache_block_size=16, num_kvcache_blocks=64)
     llm = LLM(path, **opts)
     with pytest.raises(ValueError, match=r"logits contain NaN or inf"):
@@ -290,10 +299,11 @@ def test_finite_logits_are_checked_once(engine, reference, monkeypatch):
 
 def test_numpy_scalars_path_and_tilde_are_accepted(qwen3_dir, monkeypatch, reference):
     llm = LLM(Path(qwen3_dir), kvcache_block_size=np.int64(16), num_kvcache_blocks=np.int32(8),
-              max_model_len=np.int64(100), gpu_memory_utilization=np.float32(0.5), enforce_eager=np.bool_(True))
+              max_model_len=np.int64(100), gpu_memory_utilization=np.float32(0.5),
+              enforce_eager=np.bool_(True))
     c = llm.config
-    assert (type(c.model), type(c.kvcache_block_size), type(c.gpu_memory_utilization), type(c.enforce_eager)) == \
-        (str, int, float, bool)
+    types = (type(c.model), type(c.kvcache_block_size), type(c.gpu_memory_utilization), type(c.enforce_eager))
+    assert types == (str, int, float, bool)
     params = SamplingParams(temperature=np.float64(0.0), max_tokens=np.int64(4), ignore_eos=np.bool_(True),
                             top_k=np.int32(5), stop_token_ids=np.array([5]), seed=np.uint8(3))
     assert (type(params.max_tokens), type(params.temperature), params.stop_token_ids) == (int, float, [5])
@@ -311,7 +321,8 @@ def test_numpy_scalars_path_and_tilde_are_accepted(qwen3_dir, monkeypatch, refer
     ("max_tokens", 2.5, r"sampling_params 0: max_tokens must be an integer >= 1"),
     ("stop", b"w5", r"sampling_params 0: stop must be a str or a list of str, got bytes"),
 ])
-def test_sampling_params_changed_after_construction_are_checked(engine, reference, monkeypatch, field, value, message):
+def test_sampling_params_changed_after_construction_are_checked(engine, reference, monkeypatch,
+                                                                field, value, message):
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     setattr(params, field, value)
     launched = []
@@ -340,12 +351,13 @@ def test_a_huge_max_num_seqs_allocates_nothing(qwen3_dir, reference):
 def test_the_tp_channel_is_sized_by_what_a_step_can_hold(qwen3_dir):
     from nanovllm.config import Config
     from nanovllm.engine.tp_worker import channel_size
-    assert channel_size(Config(qwen3_dir, max_num_seqs=10**9)) == channel_size(Config(qwen3_dir, max_num_seqs=16384))
+    huge, same_step = Config(qwen3_dir, max_num_seqs=10**9), Config(qwen3_dir, max_num_seqs=16384)
+    assert channel_size(huge) == channel_size(same_step)   # max_num_batched_tokens is 16384
 
 
 def test_a_kv_cache_larger_than_the_device_is_refused_before_allocating(qwen3_dir):
-    with pytest.raises(ValueError, match=r"the KV cache of 1000000000000 blocks needs .* GiB, more than the .* GiB "
-                                         r"of memory of the device \(cpu\): lower num_kvcache_blocks"):
+    with pytest.raises(ValueError, match=r"the KV cache of 1000000000000 blocks needs .* GiB, more than the "
+                                         r".* GiB of memory of the device \(cpu\): lower num_kvcache_blocks"):
         LLM(qwen3_dir, kvcache_block_size=16, num_kvcache_blocks=10**12)
 
 
@@ -360,8 +372,10 @@ def test_one_stop_token_id_is_a_list_of_one():
 @pytest.mark.parametrize("kwargs, exc, message", [
     (dict(stop=b"\n"), TypeError, r"stop must be a str or a list of str, got bytes"),
     (dict(stop=5), TypeError, r"stop must be a str or a list of str, got int"),
-    (dict(stop_token_ids=5.0), TypeError, r"stop_token_ids must be an integer or a list of integers >= 0, got float"),
-    (dict(stop_token_ids="5"), TypeError, r"stop_token_ids must be an integer or a list of integers >= 0, got str"),
+    (dict(stop_token_ids=5.0), TypeError, r"stop_token_ids must be an integer or a list of integers >= 0, "
+                                          r"got float"),
+    (dict(stop_token_ids="5"), TypeError, r"stop_token_ids must be an integer or a list of integers >= 0, "
+                                          r"got str"),
     (dict(stop_token_ids=-1), ValueError, r"stop_token_ids must be a list of integers >= 0, got \[-1\]"),
     (dict(n=np.float64(2.0)), ValueError, r"n must be an integer >= 1"),
     (dict(ignore_eos=np.int64(1)), ValueError, r"ignore_eos must be True or False"),
@@ -383,44 +397,44 @@ def test_a_lone_surrogate_names_the_prompt(engine, reference):
 
 def markdown_table(qwen3_dir: str, tmp: Path) -> str:
     """What each faulty input above raises, as the table in docs/reliability.md."""
-    def seen(fn):
+    rows = ["| input | raised |", "|---|---|"]
+
+    def row(what: str, fn):
         try:
             fn()
-            return "(nothing raised)"
+            seen = "(nothing raised)"
         except Exception as e:
-            text = re.sub(re.escape(str(tmp)) + r"/[\w.\-]+", "<folder>", f"`{type(e).__name__}: {e}`")
-            return text.replace("|", "\\|")
+            seen = re.sub(re.escape(str(tmp)) + r"/[\w.\-]+", "<folder>", f"`{type(e).__name__}: {e}`")
+        rows.append(f"| {what} | " + seen.replace("|", "\\|") + " |")
 
-    rows = ["| input | raised |", "|---|---|"]
     user = tmp / "user"
     user.mkdir()
     (user / "notes.txt").write_text("x")
     dm.gguf_path = lambda: Path(__file__)   # no conversion runs: every case is refused first
-    rows.append(f"| `default_model_path(cache=<a non-empty folder>)` | {seen(lambda: dm.default_model_path(user))} |")
+    row("`default_model_path(cache=<a non-empty folder>)`", lambda: dm.default_model_path(user))
     path, _ = _remote_code_folder(qwen3_dir, tmp / "remote", "evil_model")
-    rows.append(f"| config.json with `auto_map` and an unknown model_type | {seen(lambda: LLM(path, **ENGINE))} |")
+    row("config.json with `auto_map` and an unknown model_type", lambda: LLM(path, **ENGINE))
     path = copy_model(qwen3_dir, tmp / "int", tensors=lambda t: t.update(
         {"model.norm.weight": t["model.norm.weight"].to(torch.int32)}))
-    rows.append(f"| an int32 tensor for a floating parameter | {seen(lambda: LLM(path, **ENGINE))} |")
+    row("an int32 tensor for a floating parameter", lambda: LLM(path, **ENGINE))
     for field, value, _ in BAD_CONFIGS[::2]:
         path = copy_model(qwen3_dir, tmp / f"{field}{value}", config=set_field(field, value))
-        rows.append(f"| config.json `{field}: {value}` | {seen(lambda path=path: LLM(path, **ENGINE))} |")
+        row(f"config.json `{field}: {value}`", lambda path=path: LLM(path, **ENGINE))
     for name in ("config.json", "tokenizer.json", "generation_config.json"):
         path = copy_model(qwen3_dir, tmp / f"garbage_{name}", files={name: "{garbage"})
-        rows.append(f"| garbage {name} | {seen(lambda path=path: LLM(path, **ENGINE))} |")
-    path = copy_model(qwen3_dir, tmp / "nan", tensors=lambda t: t["model.norm.weight"].__setitem__(0, float("nan")))
-    llm = LLM(path, **ENGINE)
-    rows.append(f"| NaN in a weight (first `generate`) | {seen(lambda: llm.generate(PROMPTS, GREEDY, use_tqdm=False))} |")
+        row(f"garbage {name}", lambda path=path: LLM(path, **ENGINE))
+    path = copy_model(qwen3_dir, tmp / "nan", tensors=set_weight("model.norm.weight", 0, float("nan")))
+    broken = LLM(path, **ENGINE)
+    row("NaN in a weight (first `generate`)", lambda: broken.generate(PROMPTS, GREEDY, use_tqdm=False))
+    row("num_kvcache_blocks=10**12", lambda: LLM(qwen3_dir, kvcache_block_size=16, num_kvcache_blocks=10**12))
     llm = LLM(qwen3_dir, **ENGINE)
-    rows.append(f"| num_kvcache_blocks=10**12 | {seen(lambda: LLM(qwen3_dir, kvcache_block_size=16, num_kvcache_blocks=10**12))} |")
     params = SamplingParams()
     params.n = 0
-    rows.append(f"| SamplingParams with `n = 0` set after construction | "
-                f"{seen(lambda: llm.generate(PROMPTS, params, use_tqdm=False))} |")
-    bad_text = ["w5", "w6 \ud800"]
-    rows.append(f"| a lone surrogate in prompt 1 | {seen(lambda: llm.generate(bad_text, GREEDY, use_tqdm=False))} |")
-    for kwargs in ("stop=b'\\n'", "stop_token_ids=5.0"):
-        rows.append(f"| SamplingParams({kwargs}) | {seen(lambda kwargs=kwargs: eval(f'SamplingParams({kwargs})'))} |")
+    row("SamplingParams with `n = 0` set after construction",
+        lambda: llm.generate(PROMPTS, params, use_tqdm=False))
+    row("a lone surrogate in prompt 1", lambda: llm.generate(["w5", "w6 \ud800"], GREEDY, use_tqdm=False))
+    row("SamplingParams(stop=b'\\n')", lambda: SamplingParams(stop=b"\n"))
+    row("SamplingParams(stop_token_ids=5.0)", lambda: SamplingParams(stop_token_ids=5.0))
     return "\n".join(rows)
 
 

@@ -295,8 +295,9 @@ def _encode(tokenizer, text: str, where: str) -> list[int]:
         try:
             text.encode("utf-8")
         except UnicodeEncodeError as e:   # the tokenizer's own message does not say this
-            raise ValueError(f"{where}: its text is not valid Unicode ({e.reason}: {text[e.start:e.end]!r} at "
-                             f"character {e.start}); a str prompt must encode to UTF-8") from None
+            bad = text[e.start:e.end]
+            raise ValueError(f"{where}: its text is not valid Unicode ({e.reason}: {bad!r} at character "
+                             f"{e.start}); a str prompt must encode to UTF-8") from None
         raise
 
 

@@ -165,10 +165,13 @@ class ModelRunner:
         """An explicit num_kvcache_blocks or kv_cache_memory_bytes larger than the device's memory is an
         error before anything is allocated (on CPU, zero-filling it would end in the OOM killer)."""
         need = num_blocks * self.kv_bytes_per_block()
-        total = torch.cuda.mem_get_info()[1] if self.use_cuda else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        if self.use_cuda:
+            total = torch.cuda.mem_get_info()[1]
+        else:
+            total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         if need > total:
-            raise ValueError(f"the KV cache of {num_blocks} blocks needs {need / 2**30:.1f} GiB, more than the "
-                             f"{total / 2**30:.1f} GiB of memory of the device ({self.device}): lower "
+            raise ValueError(f"the KV cache of {num_blocks} blocks needs {need / 2**30:.1f} GiB, more than "
+                             f"the {total / 2**30:.1f} GiB of memory of the device ({self.device}): lower "
                              "num_kvcache_blocks or kv_cache_memory_bytes")
 
     # ---- inputs ---------------------------------------------------------------------------
@@ -254,10 +257,12 @@ class ModelRunner:
         if bool(torch.isfinite(logits).all()):
             self.logits_checked = True
             return
-        self.keep_sampled(torch.zeros(logits.shape[0], dtype=torch.int64, device=logits.device))   # ranks stay in step
-        overflow = " (or float16 activations overflow: try dtype='bfloat16')" if self.dtype == torch.float16 else ""
-        raise ValueError(f"the model's logits contain NaN or inf: the weights in {self.config.model!r} are broken "
-                         f"(NaN or inf in the checkpoint){overflow}")
+        # Send rank 0's (dummy) tokens all the same, so the other ranks stay in step.
+        self.keep_sampled(torch.zeros(logits.shape[0], dtype=torch.int64, device=logits.device))
+        fp16 = " (or float16 activations overflow: try dtype='bfloat16')" \
+            if self.dtype == torch.float16 else ""
+        raise ValueError(f"the model's logits contain NaN or inf: the weights in {self.config.model!r} are "
+                         f"broken (NaN or inf in the checkpoint){fp16}")
 
     def keep_sampled(self, token_ids: torch.Tensor | None, n: int | None = None):
         """Store a step's sampled tokens in sampled_tokens; with tensor parallelism rank 0 sends

@@ -124,7 +124,8 @@ def _check_replaceable(final: Path) -> None:
     if not final.exists() and not final.is_symlink():
         return
     if final.is_symlink() or not final.is_dir():
-        raise ValueError(f"cache {str(final)!r} exists and is not a folder; pass a new folder for the demo model")
+        raise ValueError(f"cache {str(final)!r} exists and is not a folder; pass a new folder for the "
+                         "demo model")
     if any(final.iterdir()) and not (final / MARKER).is_file():
         raise ValueError(f"cache folder {str(final)!r} is not empty and holds no demo-model conversion; "
                          "pass a new or empty folder (nothing in it is deleted)")
@@ -138,10 +139,12 @@ def _move_into_place(tmp: Path, final: Path, info: dict) -> None:
     old = None
     if (final / MARKER).is_file():
         ours = {p.name for p in tmp.iterdir()} | CONVERSION_FILES
-        foreign = sorted(p.name for p in final.iterdir() if p.name not in ours or p.is_symlink() or not p.is_file())
+        foreign = sorted(p.name for p in final.iterdir()
+                         if p.name not in ours or p.is_symlink() or not p.is_file())
         if foreign:
-            raise ValueError(f"cache folder {str(final)!r} holds an earlier conversion and also {', '.join(foreign[:5])}, "
-                             "which a conversion does not write: move them away or pass another folder")
+            raise ValueError(f"cache folder {str(final)!r} holds an earlier conversion and also "
+                             f"{', '.join(foreign[:5])}, which a conversion does not write: move them away "
+                             "or pass another folder")
         old = Path(tempfile.mkdtemp(prefix=f".{final.name}.old-", dir=final.parent))
         try:
             os.replace(final, old)  # onto our own empty folder: atomic
@@ -163,7 +166,8 @@ def _move_into_place(tmp: Path, final: Path, info: dict) -> None:
 def _convert(src: Path, out: Path) -> None:
     for module in ("gguf", "accelerate"):
         if importlib.util.find_spec(module) is None:
-            raise ImportError(f"Converting the default model needs the '{module}' package. Install it with: {INSTALL_HINT}")
+            raise ImportError(f"Converting the default model needs the '{module}' package. "
+                              f"Install it with: {INSTALL_HINT}")
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 

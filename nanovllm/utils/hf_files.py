@@ -19,7 +19,8 @@ def read_json(path: str) -> dict:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
     except (ValueError, UnicodeDecodeError) as e:   # JSONDecodeError is a ValueError
-        raise ValueError(f"{path} is not valid JSON ({e}); restore the file (re-download the model)") from None
+        raise ValueError(f"{path} is not valid JSON ({e}); restore the file (download the model again)") \
+            from None
     if not isinstance(data, dict):
         raise ValueError(f"{path} must hold a JSON object, got {type(data).__name__}")
     return data
@@ -58,7 +59,7 @@ def check_config_values(raw: dict, where: str):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ValueError(f"{where}: {name} must be an integer >= 1, got {value!r}")
     rope = raw.get("rope_parameters")
-    theta = rope.get("rope_theta") if isinstance(rope, dict) and "rope_theta" in rope else raw.get("rope_theta")
+    theta = rope["rope_theta"] if isinstance(rope, dict) and "rope_theta" in rope else raw.get("rope_theta")
     for name, value in (("rms_norm_eps", raw.get("rms_norm_eps")), ("rope_theta", theta)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Real)
                                   or not 0 < value < math.inf):
@@ -71,10 +72,11 @@ def check_head_counts(config: PretrainedConfig, where: str):
         return
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     if heads % kv_heads:
-        raise ValueError(f"{where}: num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv_heads})")
+        raise ValueError(f"{where}: num_attention_heads ({heads}) must be a multiple of "
+                         f"num_key_value_heads ({kv_heads})")
     if getattr(config, "head_dim", None) is None and config.hidden_size % heads:
-        raise ValueError(f"{where}: hidden_size ({config.hidden_size}) must be a multiple of num_attention_heads "
-                         f"({heads}) when head_dim is not given")
+        raise ValueError(f"{where}: hidden_size ({config.hidden_size}) must be a multiple of "
+                         f"num_attention_heads ({heads}) when head_dim is not given")
 
 
 def load_tokenizer(folder: str):

@@ -59,9 +59,9 @@ def load_model(model: nn.Module, path: str):
                 param, tensor = params[name], f.get_tensor(ckpt_name)
                 if param.is_floating_point() and not tensor.is_floating_point():
                     # copy_ would cast the integers (or bools) to float and the model would make garbage.
-                    raise ValueError(f"checkpoint tensor {ckpt_name!r} ({file}) has dtype {tensor.dtype}, but the "
-                                     f"parameter is floating point ({param.dtype}): the checkpoint is broken "
-                                     "or quantized in a format nanovllm does not read")
+                    raise ValueError(f"checkpoint tensor {ckpt_name!r} ({file}) has dtype {tensor.dtype}, "
+                                     f"but the parameter is floating point ({param.dtype}): the checkpoint "
+                                     "is broken or quantized in a format nanovllm does not read")
                 loader = getattr(param, "weight_loader", default_weight_loader)
                 try:
                     loader(param, tensor, *(() if shard_id is None else (shard_id,)))
