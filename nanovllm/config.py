@@ -1,17 +1,27 @@
 """Engine options: strict (unknown names are a TypeError) and validated (bad values a ValueError)."""
+import logging
 import numbers
 import os
+import random
 from dataclasses import dataclass, field, fields
+from typing import Any, Callable
 
 import numpy as np
+import torch
 from transformers import PretrainedConfig
 
 from nanovllm.utils.hf_files import load_hf_config
 
+logger = logging.getLogger(__name__)
+# vLLM's spellings of the model dtype -> ours.
+_DTYPE_NAMES = {"auto": "auto", "half": "float16", "float16": "float16", "bfloat16": "bfloat16",
+                "float": "float32", "float32": "float32", torch.float16: "float16",
+                torch.bfloat16: "bfloat16", torch.float32: "float32"}
+
 
 @dataclass
 class Config:
-    model: str                                  # local folder (a hub id is resolved before Config)
+    model: str                                  # local folder (Config.create resolves a hub id)
     max_num_batched_tokens: int = 16384         # tokens computed in one step (prefill chunks share it)
     max_num_seqs: int = 512                     # sequences in one decode step
     max_model_len: int = 4096                   # prompt + output; capped by max_position_embeddings
@@ -24,19 +34,42 @@ class Config:
     num_kvcache_blocks: int | None = None       # fixed number of KV blocks (any device)
     kv_cache_memory_bytes: int | None = None    # KV-cache budget in bytes (any device; CPU default below)
     device: str = "auto"                        # "auto" (CUDA when available), "cuda", "cpu"
-    dtype: str = "auto"                         # "auto": checkpoint dtype on CUDA, float32 on CPU
+    dtype: str | torch.dtype = "auto"           # "auto": checkpoint dtype on CUDA, float32 on CPU; also
+                                                # "half", "float16", "bfloat16", "float", "float32", a torch.dtype
     load_format: str = "auto"                   # "auto" (safetensors) or "dummy" (random weights)
-    seed: int = 0
+    seed: int | None = 0                        # None: a random seed, drawn once
+    tokenizer: str | None = None                # tokenizer folder or hub id; None: the model's
+    tokenizer_mode: str = "auto"                # "auto" (fast tokenizer when there is one) or "slow"
+    revision: str | None = None                 # hub revision (branch, tag or commit) of model and tokenizer
+    trust_remote_code: bool = False             # accepted for vLLM scripts; remote code is never run
+    disable_log_stats: bool = True              # False: log each generate call's throughput
+    generation_config: str = "auto"             # "auto": the model's generation_config.json gives the default
+                                                # SamplingParams; "vllm": ignore it; or a folder that holds one
+    hf_overrides: dict[str, Any] | Callable | None = None   # set on the HF config after loading (a dict),
+                                                # or a function of it that returns the config to use
+    max_logprobs: int = 20                      # most logprobs / prompt_logprobs a request may ask; -1 = no cap
     hf_config: PretrainedConfig = field(init=False, repr=False)
 
     @classmethod
     def create(cls, model: str, **options) -> "Config":
+        """Options checked by name first, then a hub id (model or tokenizer) resolved to a local folder."""
+        from nanovllm.utils.loader import resolve_model
         known = {f.name for f in fields(cls) if f.init}
         unknown = sorted(set(options) - known)
         if unknown:
             raise TypeError(f"unknown option(s) {', '.join(map(repr, unknown))}; "
                             f"valid options are: {', '.join(sorted(known - {'model'}))}")
-        return cls(model, **options)
+        revision = options.get("revision")
+        if revision is not None and not isinstance(revision, str):
+            raise ValueError(f"revision must be a string (a branch, tag or commit) or None, got {revision!r}")
+        if options.get("tokenizer") is not None:
+            options["tokenizer"] = resolve_model(options["tokenizer"], revision, weights=False)
+        return cls(resolve_model(model, revision), **options)
+
+    def __getstate__(self):
+        # hf_overrides is already applied to hf_config; a function (often a lambda) need not pickle
+        # for the tensor-parallel workers.
+        return {**self.__dict__, "hf_overrides": None}
 
     def __post_init__(self):
         if isinstance(self.model, os.PathLike):
@@ -56,22 +89,39 @@ class Config:
             _check_int(self, "num_kvcache_blocks", 1)
         if self.kv_cache_memory_bytes is not None:
             _check_int(self, "kv_cache_memory_bytes", 1)
+        if self.seed is None:
+            self.seed = random.getrandbits(31)   # drawn once, so every TP rank gets the same
         _check_int(self, "seed", 0)
+        _check_int(self, "max_logprobs", -1)
         if _is_bool(self.gpu_memory_utilization) or not isinstance(self.gpu_memory_utilization, numbers.Real):
             raise ValueError(f"gpu_memory_utilization must be a number in (0, 1], got {self.gpu_memory_utilization!r}")
         self.gpu_memory_utilization = float(self.gpu_memory_utilization)   # a numpy float too
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        for name in ("enforce_eager", "enable_prefix_caching", "async_scheduling"):
+        for name in ("enforce_eager", "enable_prefix_caching", "async_scheduling", "trust_remote_code",
+                     "disable_log_stats"):
             if not _is_bool(getattr(self, name)):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
             setattr(self, name, bool(getattr(self, name)))
         _check_choice(self, "device", ("auto", "cuda", "cpu"))
-        _check_choice(self, "dtype", ("auto", "float32", "bfloat16", "float16"))
+        if not isinstance(self.dtype, (str, torch.dtype)) or self.dtype not in _DTYPE_NAMES:
+            raise ValueError(f"dtype must be one of {tuple(k for k in _DTYPE_NAMES if isinstance(k, str))} "
+                             f"or torch.float16/bfloat16/float32, got {self.dtype!r}")
+        self.dtype = _DTYPE_NAMES[self.dtype]
+        _check_choice(self, "tokenizer_mode", ("auto", "slow"))
+        if not isinstance(self.generation_config, str) or not (
+                self.generation_config in ("auto", "vllm") or os.path.isdir(self.generation_config)):
+            raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder with a generation_config.json, "
+                             f"got {self.generation_config!r}")
+        if self.hf_overrides is not None and not (isinstance(self.hf_overrides, dict) or callable(self.hf_overrides)):
+            raise ValueError(f"hf_overrides must be a dict or a function of the HF config, got {self.hf_overrides!r}")
+        if self.trust_remote_code:
+            logger.warning("trust_remote_code=True: nanovllm never runs code from a model folder; models it "
+                           "supports need none, and a model that needs remote code is refused")
         _check_choice(self, "load_format", ("auto", "dummy"))
         if self.device == "cuda" and self.kvcache_block_size % 16:
             raise ValueError(f"kvcache_block_size must be a multiple of 16 on CUDA, got {self.kvcache_block_size}")
-        self.hf_config = load_hf_config(self.model)
+        self.hf_config = apply_hf_overrides(load_hf_config(self.model), self.hf_overrides)
         self.max_model_len = min(self.max_model_len, self.hf_config.max_position_embeddings)
 
 
@@ -90,3 +140,22 @@ def _check_choice(cfg: Config, name: str, choices: tuple):
     if getattr(cfg, name) not in choices:
         raise ValueError(f"{name} must be one of {choices}, got {getattr(cfg, name)!r}")
 
+
+def apply_hf_overrides(hf_config: PretrainedConfig, overrides) -> PretrainedConfig:
+    """vLLM's hf_overrides: a dict's values set on the config (a dict value updates a sub-config
+    that is itself a config), or a function that returns the config to use."""
+    if overrides is None:
+        return hf_config
+    if callable(overrides):
+        hf_config = overrides(hf_config)
+        if not isinstance(hf_config, PretrainedConfig):
+            raise ValueError(f"hf_overrides must return the HF config, got {type(hf_config).__name__}")
+        return hf_config
+    for key, value in overrides.items():
+        current = getattr(hf_config, key, None)
+        if isinstance(value, dict) and isinstance(current, PretrainedConfig):
+            for k, v in value.items():
+                setattr(current, k, v)
+        else:
+            setattr(hf_config, key, value)
+    return hf_config

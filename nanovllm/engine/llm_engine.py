@@ -15,7 +15,6 @@ from nanovllm.engine.tp_worker import TPWorkers
 from nanovllm.outputs import CompletionOutput, Logprob, RequestOutput
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.hf_files import generation_eos_token_id, load_tokenizer
-from nanovllm.utils.loader import resolve_model
 
 
 def eos_token_ids(config: Config, tokenizer) -> set[int]:
@@ -30,8 +29,8 @@ def eos_token_ids(config: Config, tokenizer) -> set[int]:
 
 class LLMEngine:
     def __init__(self, model: str, **options):
-        self.config = Config.create(resolve_model(model), **options)
-        self.tokenizer = load_tokenizer(self.config.model)
+        self.config = Config.create(model, **options)
+        self.tokenizer = load_tokenizer(self.config.tokenizer or self.config.model, self.config.tokenizer_mode)
         self.workers = self._start_runners()
         c = self.config
         self.scheduler = Scheduler(c.max_num_seqs, c.max_num_batched_tokens, c.max_model_len,

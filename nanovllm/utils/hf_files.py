@@ -79,12 +79,13 @@ def check_head_counts(config: PretrainedConfig, where: str):
                          f"num_attention_heads ({heads}) when head_dim is not given")
 
 
-def load_tokenizer(folder: str):
-    """The folder's tokenizer, or None when it has none (then prompts must be token ids)."""
+def load_tokenizer(folder: str, mode: str = "auto"):
+    """The folder's tokenizer, or None when it has none (then prompts must be token ids).
+    mode "slow": the Python tokenizer even where a fast one exists (vLLM's tokenizer_mode)."""
     if not any(os.path.exists(os.path.join(folder, f)) for f in TOKENIZER_FILES):
         return None
     try:
-        return AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
+        return AutoTokenizer.from_pretrained(folder, trust_remote_code=False, use_fast=mode != "slow")
     except Exception as e:
         for name in _TOKENIZER_JSON:   # transformers' errors for a broken file rarely name it
             if os.path.isfile(os.path.join(folder, name)):

@@ -104,9 +104,10 @@ def load_dummy_weights(model: nn.Module, seed: int = 0):
             param.data.normal_(0.0, 0.02, generator=gen)
 
 
-def resolve_model(model: str | os.PathLike) -> str:
+def resolve_model(model: str | os.PathLike, revision: str | None = None, weights: bool = True) -> str:
     """A local folder (a str or pathlib.Path; `~` is expanded) as is; anything else is a Hugging Face
-    hub id, downloaded (safetensors only)."""
+    hub id, downloaded (safetensors only; weights=False: configuration and tokenizer files only) at
+    `revision` (None: the default branch)."""
     if isinstance(model, os.PathLike):
         model = os.fspath(model)
     if not isinstance(model, str) or not model:
@@ -118,7 +119,8 @@ def resolve_model(model: str | os.PathLike) -> str:
         raise FileNotFoundError(f"model folder {model!r} does not exist (and it is not a hub id like 'org/name')")
     from huggingface_hub import snapshot_download
     try:
-        return snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"])
+        patterns = ["*.json", "*.txt", "*.model", "*.jinja"] + (["*.safetensors"] if weights else [])
+        return snapshot_download(model, revision=revision, allow_patterns=patterns)
     except Exception as e:
         raise FileNotFoundError(
             f"{model!r} is not a local folder and could not be downloaded from the Hugging Face hub "

@@ -1,0 +1,71 @@
+"""vLLM's offline API on the tiny Qwen3 model: constructor options, default sampling params,
+EngineArgs, prompt dicts, stop semantics, SamplingParams extras, prompt logprobs, beam search, chat."""
+import pytest
+import torch
+
+from conftest import EOS, HFOracle, make_model, tokens
+from nanovllm import LLM, SamplingParams
+from nanovllm.config import Config
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+ENGINE = dict(kvcache_block_size=16, num_kvcache_blocks=64, max_model_len=200)
+
+
+@pytest.fixture(scope="module")
+def llm(qwen3_dir):
+    return LLM(qwen3_dir, **ENGINE)
+
+
+# ---- constructor options ------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype, name", [("auto", "auto"), ("half", "float16"), ("float16", "float16"),
+                                         ("bfloat16", "bfloat16"), ("float", "float32"), ("float32", "float32"),
+                                         (torch.float16, "float16"), (torch.bfloat16, "bfloat16"),
+                                         (torch.float32, "float32")])
+def test_dtype_spellings(qwen3_dir, dtype, name):
+    assert Config.create(qwen3_dir, dtype=dtype).dtype == name
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(dtype="fp16"), "dtype must be one of"), (dict(dtype=torch.int8), "dtype must be one of"),
+    (dict(tokenizer_mode="mistral"), "tokenizer_mode must be one of"),
+    (dict(generation_config="nowhere"), "generation_config must be"),
+    (dict(hf_overrides=3), "hf_overrides must be a dict"),
+    (dict(max_logprobs=-2), "max_logprobs must be an integer >= -1"),
+    (dict(trust_remote_code="yes"), "trust_remote_code must be True or False"),
+    (dict(disable_log_stats=None), "disable_log_stats must be True or False"),
+    (dict(revision=3), "revision must be a string"),
+])
+def test_bad_option_values(qwen3_dir, options, message):
+    with pytest.raises(ValueError, match=message):
+        Config.create(qwen3_dir, **options)
+
+
+def test_unknown_option_is_type_error(qwen3_dir):
+    with pytest.raises(TypeError, match="unknown option.*'swap_spac'"):
+        LLM(qwen3_dir, swap_spac=4)
+
+
+def test_vllm_options_accepted(qwen3_dir):
+    c = Config.create(qwen3_dir, tokenizer=qwen3_dir, tokenizer_mode="slow", revision="main", trust_remote_code=True,
+                      seed=None, disable_log_stats=False, generation_config="vllm", max_logprobs=-1)
+    assert isinstance(c.seed, int) and c.tokenizer == qwen3_dir and c.max_logprobs == -1
+
+
+def test_hf_overrides_dict_and_function(qwen3_dir):
+    assert Config.create(qwen3_dir, hf_overrides={"max_position_embeddings": 64}).max_model_len == 64
+
+    def shorter(cfg):
+        cfg.max_position_embeddings = 32
+        return cfg
+    c = Config.create(qwen3_dir, hf_overrides=shorter)
+    assert c.max_model_len == 32 and c.hf_config.max_position_embeddings == 32
+    import pickle
+    assert pickle.loads(pickle.dumps(c)).hf_config.max_position_embeddings == 32   # TP workers get it applied
+
+
+def test_tokenizer_from_another_folder(tmp_path, qwen3_dir):
+    bare = make_model(str(tmp_path / "bare"), tokenizer=False)
+    llm = LLM(bare, tokenizer=qwen3_dir, **ENGINE)
+    out = llm.generate("w5 w6 w7", SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+    assert out[0].prompt_token_ids == [5, 6, 7] and len(out[0].outputs[0].token_ids) == 3
