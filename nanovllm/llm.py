@@ -6,8 +6,10 @@ from nanovllm.sampling_params import SamplingParams
 class LLM(LLMEngine):
     """The user's entry point: `LLM(model, **options).generate(prompts, sampling_params)`."""
 
-    def get_tokenizer(self):
-        return self.tokenizer
+    @property
+    def llm_engine(self) -> LLMEngine:
+        """vLLM scripts reach the engine as llm.llm_engine (get_tokenizer, ...); here the LLM is one."""
+        return self
 
     def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True,

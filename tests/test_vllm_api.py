@@ -69,3 +69,42 @@ def test_tokenizer_from_another_folder(tmp_path, qwen3_dir):
     llm = LLM(bare, tokenizer=qwen3_dir, **ENGINE)
     out = llm.generate("w5 w6 w7", SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
     assert out[0].prompt_token_ids == [5, 6, 7] and len(out[0].outputs[0].token_ids) == 3
+
+
+# ---- default sampling params, llm_engine, EngineArgs ----------------------------------------
+
+def test_default_sampling_params_from_generation_config(tmp_path, qwen3_dir):
+    import json
+    import shutil
+    folder = tmp_path / "m"
+    shutil.copytree(qwen3_dir, folder)
+    (folder / "generation_config.json").write_text(json.dumps(
+        {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "max_new_tokens": 7, "eos_token_id": EOS}))
+    llm = LLM(str(folder), **ENGINE)
+    p = llm.get_default_sampling_params()
+    assert (p.temperature, p.top_p, p.top_k, p.max_tokens) == (0.6, 0.95, 20, 7)
+    out = llm.generate([[5, 6, 7]], use_tqdm=False)   # no params: the defaults
+    assert len(out[0].outputs[0].token_ids) <= 7
+    plain = LLM(str(folder), generation_config="vllm", **ENGINE).get_default_sampling_params()
+    assert (plain.temperature, plain.top_p, plain.max_tokens) == (1.0, 1.0, 16)
+
+
+def test_llm_engine_and_tokenizer(llm):
+    assert llm.llm_engine.get_tokenizer() is llm.get_tokenizer() is llm.tokenizer
+    assert llm.get_default_sampling_params() == SamplingParams()   # the tiny model has no generation config
+
+
+def test_engine_args_on_argparse(qwen3_dir):
+    import argparse
+    import dataclasses
+    from nanovllm import EngineArgs
+    parser = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(parser)
+    args = parser.parse_args(["--model", qwen3_dir, "--max-model-len", "200", "--kvcache-block-size", "16",
+                              "--num-kvcache-blocks", "64", "--no-enable-prefix-caching", "--dtype", "float",
+                              "--hf-overrides", '{"max_position_embeddings": 300}', "--seed", "3"])
+    llm = LLM(**vars(args))
+    c = llm.config
+    assert (c.max_model_len, c.enable_prefix_caching, c.dtype, c.seed) == (200, False, "float32", 3)
+    e = EngineArgs.from_cli_args(args)
+    assert e.max_num_seqs == 512 and LLM(**dataclasses.asdict(e)).config.num_kvcache_blocks == 64

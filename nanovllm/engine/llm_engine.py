@@ -6,6 +6,7 @@ from tqdm.auto import tqdm
 
 from nanovllm.config import Config
 from nanovllm.engine.block_manager import cdiv
+from nanovllm.engine.generation_defaults import default_sampling_overrides
 from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.sampled_tokens import PendingSample
 from nanovllm.engine.scheduler import ScheduledBatch, Scheduler
@@ -36,6 +37,8 @@ class LLMEngine:
         self.scheduler = Scheduler(c.max_num_seqs, c.max_num_batched_tokens, c.max_model_len,
                                    self.model_runner.num_kvcache_blocks, c.kvcache_block_size,
                                    eos_token_ids(c, self.tokenizer), c.enable_prefix_caching, self.tokenizer)
+        # SamplingParams fields the model's generation config sets (used when none are given).
+        self.default_sampling_overrides = default_sampling_overrides(c.model, c.generation_config)
         # The launched batch whose tokens have not been applied yet (see step).
         self._in_flight: tuple[ScheduledBatch, PendingSample] | None = None
 
@@ -56,6 +59,15 @@ class LLMEngine:
                 workers.shutdown()
             raise
         return workers
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's defaults for this model: SamplingParams() with the sampling settings of the
+        model's generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty,
+        max_new_tokens as max_tokens); LLM(generation_config="vllm") ignores that file."""
+        return SamplingParams(**self.default_sampling_overrides)
 
     def shutdown(self):
         """Stop the tensor-parallel workers, remove their shared memory and process group (also
@@ -225,7 +237,7 @@ class LLMEngine:
 
     def _params_list(self, sampling_params, n: int) -> list[SamplingParams]:
         if sampling_params is None:
-            return [SamplingParams()] * n
+            return [self.get_default_sampling_params()] * n
         if isinstance(sampling_params, SamplingParams):
             self._check_params(sampling_params, 0)
             return [sampling_params] * n
