@@ -108,3 +108,18 @@ def test_engine_args_on_argparse(qwen3_dir):
     assert (c.max_model_len, c.enable_prefix_caching, c.dtype, c.seed) == (200, False, "float32", 3)
     e = EngineArgs.from_cli_args(args)
     assert e.max_num_seqs == 512 and LLM(**dataclasses.asdict(e)).config.num_kvcache_blocks == 64
+
+
+# ---- prompt dicts -----------------------------------------------------------------------------
+
+def test_tokens_and_text_prompts(llm):
+    import nanovllm
+    from nanovllm.inputs import TextPrompt, TokensPrompt
+    assert nanovllm.TokensPrompt is TokensPrompt and nanovllm.TextPrompt is TextPrompt
+    greedy = SamplingParams(temperature=0, max_tokens=3)
+    outs = llm.generate([TextPrompt(prompt="w5 w6 w7"), TokensPrompt(prompt_token_ids=[5, 6, 7]),
+                         TokensPrompt(prompt_token_ids=[5, 6, 7], prompt="w5 w6 w7")], greedy, use_tqdm=False)
+    assert tokens(outs)[0] == tokens(outs)[1] == tokens(outs)[2]
+    assert [o.prompt for o in outs] == ["w5 w6 w7", None, "w5 w6 w7"]   # a TokensPrompt's text is reported
+    with pytest.raises(ValueError, match=r"prompt 0: prompt key\(s\) \['multi_modal_data'\] are not supported"):
+        llm.generate({"prompt": "w5", "multi_modal_data": {"image": None}}, greedy, use_tqdm=False)

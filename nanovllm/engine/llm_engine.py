@@ -13,6 +13,7 @@ from nanovllm.engine.scheduler import ScheduledBatch, Scheduler
 from nanovllm.engine.sequence import Sequence, TokenLogprobs
 from nanovllm.engine.stop_checker import ABORT
 from nanovllm.engine.tp_worker import TPWorkers
+from nanovllm.inputs import UNSUPPORTED_PROMPT_KEYS
 from nanovllm.outputs import CompletionOutput, Logprob, RequestOutput
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.hf_files import generation_eos_token_id, load_tokenizer
@@ -258,8 +259,7 @@ class LLMEngine:
 
     def _output(self, seqs: list[Sequence], prompt) -> RequestOutput:
         first = seqs[0]
-        prompt = _unwrap_prompt_dict(prompt, "")
-        return RequestOutput(str(first.seq_id), prompt if isinstance(prompt, str) else None,
+        return RequestOutput(str(first.seq_id), _prompt_text(prompt),
                              first.prompt_token_ids, [self._completion(seq) for seq in seqs], finished=True)
 
     def completion_output(self, seq: Sequence) -> CompletionOutput:
@@ -313,15 +313,28 @@ def _encode(tokenizer, text: str, where: str) -> list[int]:
 
 
 def _unwrap_prompt_dict(prompt, where: str):
-    """vLLM's prompt dicts: {"prompt": text} (TextPrompt) or {"prompt_token_ids": ids} (TokensPrompt)."""
+    """vLLM's prompt dicts -> their text or token ids: TextPrompt {"prompt": text} or TokensPrompt
+    {"prompt_token_ids": ids, optionally "prompt": their text}."""
     if not isinstance(prompt, dict):
         return prompt
-    if set(prompt) == {"prompt"} and isinstance(prompt["prompt"], str):
-        return prompt["prompt"]
-    if set(prompt) == {"prompt_token_ids"} and isinstance(prompt["prompt_token_ids"], (list, tuple)):
-        return prompt["prompt_token_ids"]
-    raise TypeError(f"{where}: a prompt dict must have exactly one key, 'prompt' (a string) or "
-                    f"'prompt_token_ids' (a list of ints); got {prompt!r:.80}")
+    unsupported = [k for k in UNSUPPORTED_PROMPT_KEYS if k in prompt]
+    if unsupported:
+        raise ValueError(f"{where}: prompt key(s) {unsupported} are not supported (nanovllm runs text-only "
+                         "models with one shared prefix cache)")
+    text, ids = prompt.get("prompt"), prompt.get("prompt_token_ids")
+    unknown = sorted(set(prompt) - {"prompt", "prompt_token_ids"})
+    if unknown or (text is None and ids is None) or (text is not None and not isinstance(text, str)) \
+            or (ids is not None and not isinstance(ids, (list, tuple))):
+        raise TypeError(f"{where}: a prompt dict is {{'prompt': str}} (TextPrompt) or {{'prompt_token_ids': "
+                        f"[int, ...]}} with an optional 'prompt' text (TokensPrompt); got {prompt!r:.80}")
+    return ids if ids is not None else text
+
+
+def _prompt_text(prompt) -> str | None:
+    """RequestOutput.prompt: the prompt's text when the user gave one."""
+    if isinstance(prompt, dict):
+        return prompt.get("prompt")
+    return prompt if isinstance(prompt, str) else None
 
 
 def _as_prompt_list(prompts) -> list:
