@@ -29,7 +29,7 @@ BAD_INPUTS = [
      r"prompt 1: token id 512 at position 1 is outside the model's vocabulary \[0, 512\)"),
     ("negative token id", [[-1, 5]], GREEDY, ValueError, r"prompt 0: token id -1 at position 0 is outside"),
     ("prompt longer than max_model_len", [[5] * 3, [5] * 101], GREEDY, ValueError,
-     r"prompt 1 has 101 tokens, more than max_model_len=100"),
+     r"prompt 1 has 101 tokens, too many for max_model_len=100"),
     ("prompt larger than the whole KV cache", [[5] * 65], GREEDY, ValueError,
      r"prompt 0 has 65 tokens and cannot fit in the whole KV cache \(4 blocks of 16 tokens\).*num_kvcache_blocks"),
     ("None as prompts", None, GREEDY, TypeError, r"prompts must be a string, a list of token ids, or a list of those; got NoneType"),

@@ -123,3 +123,20 @@ def test_tokens_and_text_prompts(llm):
     assert [o.prompt for o in outs] == ["w5 w6 w7", None, "w5 w6 w7"]   # a TokensPrompt's text is reported
     with pytest.raises(ValueError, match=r"prompt 0: prompt key\(s\) \['multi_modal_data'\] are not supported"):
         llm.generate({"prompt": "w5", "multi_modal_data": {"image": None}}, greedy, use_tqdm=False)
+
+
+# ---- stop semantics (vLLM v1) -------------------------------------------------------------------
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_stop_token_stays_in_ids_not_in_text(llm, skip):
+    free = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    ids = tokens(free)[0]
+    k = next(i for i in range(1, 8) if ids[i] not in ids[:i] and ids[i] > 2)   # an ordinary word, "w<id>"
+    stop_id = ids[k]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, stop_token_ids=[stop_id],
+                            skip_special_tokens=skip)
+    c = llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs[0]
+    assert c.token_ids == ids[:k + 1] and (c.finish_reason, c.stop_reason) == ("stop", stop_id)
+    assert c.text == " ".join(f"w{t}" for t in ids[:k])
+    params.include_stop_str_in_output = True
+    assert llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs[0].text.endswith(f"w{stop_id}")

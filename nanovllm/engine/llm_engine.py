@@ -110,9 +110,10 @@ class LLMEngine:
             bad = next(i for i, t in enumerate(ids) if not 0 <= t < vocab)
             raise ValueError(f"{where}: token id {ids[bad]} at position {bad} is outside the model's "
                              f"vocabulary [0, {vocab})")
-        if len(ids) > self.config.max_model_len:
-            raise ValueError(f"{where} has {len(ids)} tokens, more than max_model_len={self.config.max_model_len}; "
-                             "shorten it or raise max_model_len")
+        limit = self.config.max_model_len
+        if len(ids) >= limit:   # the prompt and at least one output token must fit
+            raise ValueError(f"{where} has {len(ids)} tokens, too many for max_model_len={limit} (prompt + "
+                             f"output): shorten it to at most {limit - 1} tokens or raise max_model_len")
         blocks = self.model_runner.num_kvcache_blocks
         if cdiv(len(ids), self.config.kvcache_block_size) > blocks:
             raise ValueError(f"{where} has {len(ids)} tokens and cannot fit in the whole KV cache "
@@ -271,7 +272,8 @@ class LLMEngine:
         if isinstance(seq.stop_reason, str):
             text = seq.detokenizer.text   # already cut at the stop string
         else:
-            text = self.tokenizer.decode(ids, skip_special_tokens=p.skip_special_tokens) if self.tokenizer else ""
+            text = self.tokenizer.decode(text_token_ids(seq), skip_special_tokens=p.skip_special_tokens) \
+                if self.tokenizer else ""
         logprobs = self._logprob_dicts(ids, seq.logprobs) if seq.logprobs is not None else None
         cumulative = sum(lp.logprob for lp in seq.logprobs) if seq.logprobs is not None else None
         return CompletionOutput(seq.index, text, ids, cumulative, logprobs,
@@ -293,6 +295,17 @@ class LLMEngine:
                 entry.setdefault(t, Logprob(value, rank, name(t)))
             dicts.append(entry)
         return dicts
+
+
+def text_token_ids(seq: Sequence) -> list[int]:
+    """The output tokens whose text is the output's text. As in vLLM v1, the token that stopped the
+    sequence (EOS or one of stop_token_ids) stays in token_ids, but its text is left out (whatever
+    skip_special_tokens says) unless include_stop_str_in_output."""
+    ids = seq.completion_token_ids
+    stopped_by_token = seq.finish_reason == "stop" and not isinstance(seq.stop_reason, str)
+    if stopped_by_token and ids and not seq.sampling_params.include_stop_str_in_output:
+        return ids[:-1]
+    return ids
 
 
 def _is_token_id(t) -> bool:
