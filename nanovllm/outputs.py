@@ -30,6 +30,9 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = True
+    # SamplingParams.prompt_logprobs: None for the first prompt token, then {token id: Logprob} per token
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    num_cached_tokens: int = 0            # prompt tokens whose KV came from the prefix cache
 
     def __getitem__(self, key: str):
         # nano-vllm style: out["text"], out["token_ids"] read the first completion

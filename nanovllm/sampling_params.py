@@ -24,8 +24,16 @@ class SamplingParams:
     ignore_eos: bool = False
     max_tokens: int | None = 16             # None: up to max_model_len
     min_tokens: int = 0                     # EOS and stop tokens cannot end the output before this
-    logprobs: int | None = None             # top-k log probabilities per output token (+ the sampled one)
+    logprobs: int | None = None             # top-k log probabilities per output token (+ the sampled one);
+                                            # True means 1, -1 the whole vocabulary
+    prompt_logprobs: int | None = None      # the same for each prompt token (RequestOutput.prompt_logprobs)
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    detokenize: bool = True                        # False: outputs carry token ids only (text "")
+    logit_bias: dict[int, float] | None = None     # token id -> added to its logit, clamped to [-100, 100]
+    allowed_token_ids: list[int] | None = None     # only these tokens may be sampled
+    bad_words: list[str] | None = None             # words never generated (as in vLLM: their last token
+                                                   # is banned where the output ends in the rest of them)
 
     def __post_init__(self):
         self.validate()
@@ -46,10 +54,11 @@ class SamplingParams:
         _check_float(self, "min_p", lambda v: 0 <= v <= 1, "in [0, 1]")
         if self.seed is not None and _not_int(self.seed):
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
-        self.seed = None if self.seed is None else int(self.seed)
+        self.seed = None if self.seed in (None, -1) else int(self.seed)   # vLLM: -1 means unseeded
         self.stop = _string_list(self.stop)
         self.stop_token_ids = _token_list(self.stop_token_ids)
-        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
+        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens",
+                     "spaces_between_special_tokens", "detokenize"):
             if not isinstance(getattr(self, name), (bool, np.bool_)):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
             setattr(self, name, bool(getattr(self, name)))
@@ -58,8 +67,17 @@ class SamplingParams:
         _check_int(self, "min_tokens", 0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
-        if self.logprobs is not None:
-            _check_int(self, "logprobs", 0)
+        for name in ("logprobs", "prompt_logprobs"):
+            _check_num_logprobs(self, name)
+        self.logit_bias = _logit_bias(self.logit_bias)
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = _token_list(self.allowed_token_ids, "allowed_token_ids")
+            if not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids must not be empty (None allows every token)")
+        if self.bad_words is not None:
+            self.bad_words = _string_list(self.bad_words, "bad_words")
+        if self.stop and not self.detokenize:
+            raise ValueError("stop strings need detokenize=True (use stop_token_ids)")
         if self.greedy:
             # Truncation changes nothing for an argmax; clearing it keeps greedy rows on the fast path.
             self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
@@ -67,6 +85,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < _EPS
+
+    @property
+    def has_token_constraints(self) -> bool:
+        """logit_bias, allowed_token_ids or bad_words: work for the sampler's torch path."""
+        return bool(self.logit_bias) or self.allowed_token_ids is not None or bool(self.bad_words)
 
     @property
     def has_penalties(self) -> bool:
@@ -96,25 +119,52 @@ def _check_float(params, name: str, ok, allowed: str):
     setattr(params, name, float(value))
 
 
-def _string_list(stop) -> list[str]:
+def _string_list(stop, name: str = "stop") -> list[str]:
     if isinstance(stop, (bytes, bytearray)) or not (stop is None or hasattr(stop, "__iter__")):
-        raise TypeError(f"stop must be a str or a list of str, got {type(stop).__name__} {stop!r:.40}")
+        raise TypeError(f"{name} must be a str or a list of str, got {type(stop).__name__} {stop!r:.40}")
     stop = [stop] if isinstance(stop, str) else list(stop or [])
     if not all(isinstance(s, str) and s for s in stop):
-        raise ValueError(f"stop must be a non-empty string or a list of them, got {stop!r}")
+        raise ValueError(f"{name} must be a non-empty string or a list of them, got {stop!r}")
     return stop
 
 
-def _token_list(ids) -> list[int]:
+def _token_list(ids, name: str = "stop_token_ids") -> list[int]:
     """One id or a list of them (as stop takes one string or a list)."""
     if ids is None:
         return []
     if not _not_int(ids):
         ids = [ids]
     elif isinstance(ids, (str, bytes, bytearray)) or not hasattr(ids, "__iter__"):
-        raise TypeError(f"stop_token_ids must be an integer or a list of integers >= 0, "
+        raise TypeError(f"{name} must be an integer or a list of integers >= 0, "
                         f"got {type(ids).__name__}")
     ids = list(ids)
     if any(_not_int(t) or t < 0 for t in ids):
-        raise ValueError(f"stop_token_ids must be a list of integers >= 0, got {ids!r}")
+        raise ValueError(f"{name} must be a list of integers >= 0, got {ids!r}")
     return [int(t) for t in ids]
+
+
+def _check_num_logprobs(params, name: str):
+    """None, True (= 1), -1 (the whole vocabulary) or an integer >= 0, as vLLM takes them."""
+    value = getattr(params, name)
+    if value is True:
+        setattr(params, name, 1)
+    elif value is not None and (_not_int(value) or value < -1):
+        raise ValueError(f"{name} must be an integer >= 0, -1 (the whole vocabulary) or None, got {value!r}")
+
+
+def _logit_bias(bias) -> dict[int, float] | None:
+    """{token id: bias}; keys may be digit strings (as JSON writes them); values clamped to [-100, 100]
+    as in vLLM."""
+    if bias is None:
+        return None
+    if not isinstance(bias, dict):
+        raise ValueError(f"logit_bias must be a dict {{token id: bias}}, got {bias!r}")
+    out = {}
+    for key, value in bias.items():
+        token = int(key) if isinstance(key, str) and key.isdigit() else key
+        if _not_int(token) or token < 0:
+            raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {key!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+            raise ValueError(f"logit_bias[{key!r}] must be a number, got {value!r}")
+        out[token] = min(max(float(value), -100.0), 100.0)
+    return out

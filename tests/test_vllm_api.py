@@ -140,3 +140,111 @@ def test_stop_token_stays_in_ids_not_in_text(llm, skip):
     assert c.text == " ".join(f"w{t}" for t in ids[:k])
     params.include_stop_str_in_output = True
     assert llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs[0].text.endswith(f"w{stop_id}")
+
+
+# ---- SamplingParams extras ------------------------------------------------------------------------
+
+def test_sampling_params_vllm_spellings():
+    assert SamplingParams(seed=-1).seed is None
+    assert SamplingParams(logprobs=True).logprobs == 1 and SamplingParams(prompt_logprobs=True).prompt_logprobs == 1
+    assert SamplingParams(logprobs=-1).logprobs == -1
+    assert SamplingParams(logit_bias={"7": 500, 8: -3}).logit_bias == {7: 100.0, 8: -3.0}   # clamped as vLLM
+    for bad, message in [(dict(logprobs=-2), "logprobs must be an integer >= 0, -1"),
+                         (dict(allowed_token_ids=[]), "allowed_token_ids must not be empty"),
+                         (dict(allowed_token_ids=[-1]), "allowed_token_ids must be a list of integers"),
+                         (dict(logit_bias={"x": 1}), "logit_bias keys must be token ids"),
+                         (dict(logit_bias={3: "big"}), r"logit_bias\[3\] must be a number"),
+                         (dict(bad_words=[""]), "bad_words must be a non-empty string"),
+                         (dict(detokenize=False, stop=["x"]), "stop strings need detokenize=True"),
+                         (dict(spaces_between_special_tokens=1), "spaces_between_special_tokens must be True")]:
+        with pytest.raises(ValueError, match=message):
+            SamplingParams(**bad)
+
+
+def test_engine_checks_of_new_params(llm):
+    for params, message in [(SamplingParams(logit_bias={512: 1.0}), "logit_bias token ids must be in"),
+                            (SamplingParams(allowed_token_ids=[600]), "allowed_token_ids token ids must be in"),
+                            (SamplingParams(logprobs=21), "logprobs=21 is more than max_logprobs=20"),
+                            (SamplingParams(prompt_logprobs=-1), "prompt_logprobs=-1 is more than max_logprobs")]:
+        with pytest.raises(ValueError, match=message):
+            llm.generate([[5, 6]], params, use_tqdm=False)
+
+
+def test_logit_bias_and_allowed_token_ids(qwen3_dir, llm):
+    prompt = [5, 6, 7, 8]
+    biased = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True,
+                                                   logit_bias={42: 100.0}), use_tqdm=False)
+    assert tokens(biased)[0] == [42] * 5
+    allowed = [11, 200, 300, 400]
+    outs = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True,
+                                                 allowed_token_ids=allowed), use_tqdm=False)
+    ids = tokens(outs)[0]
+    oracle = HFOracle(qwen3_dir)
+    logits = oracle.logits(prompt + ids)
+    for i, t in enumerate(ids):   # each token is the best of the allowed ones
+        row = logits[len(prompt) - 1 + i]
+        assert t in allowed and row[t] >= row[allowed].max() - 1e-3
+    sampled = llm.generate([prompt] * 4, SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True,
+                                                        allowed_token_ids=allowed, seed=1), use_tqdm=False)
+    assert all(set(t) <= set(allowed) for t in tokens(sampled))
+
+
+def test_raw_logprobs_are_not_biased(llm):
+    plain = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=1, logprobs=1), use_tqdm=False)
+    biased = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=1, logprobs=1,
+                                                      logit_bias={42: 100.0}), use_tqdm=False)
+    assert biased[0].outputs[0].token_ids == [42]
+    lp_plain = plain[0].outputs[0].logprobs[0]
+    top = next(iter(lp_plain))
+    assert biased[0].outputs[0].logprobs[0][top].logprob == pytest.approx(lp_plain[top].logprob, abs=1e-5)
+
+
+def test_bad_words_single_and_multi_token(llm):
+    prompt = [5, 6, 7]
+    free = tokens(llm.generate([prompt], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
+                               use_tqdm=False))[0]
+    a = free[0]
+    no_a = tokens(llm.generate([prompt], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True,
+                                                        bad_words=[f"w{a}"]), use_tqdm=False))[0]
+    assert a not in no_a
+    # Two words: the second may not follow the first, but each alone is fine.
+    pair = f"w{free[0]} w{free[1]}"
+    out = tokens(llm.generate([prompt], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True,
+                                                       bad_words=[pair]), use_tqdm=False))[0]
+    assert out[0] == free[0] and out[1] != free[1]
+    assert all(out[i:i + 2] != free[:2] for i in range(len(out) - 1))
+
+
+def test_detokenize_false(llm):
+    p = dict(temperature=0, max_tokens=4, ignore_eos=True, logprobs=1)
+    with_text, ids_only = (llm.generate([[5, 6, 7]], SamplingParams(**p, detokenize=d), use_tqdm=False)[0].outputs[0]
+                           for d in (True, False))
+    assert ids_only.token_ids == with_text.token_ids and with_text.text and ids_only.text == ""
+    assert all(lp.decoded_token is None for d in ids_only.logprobs for lp in d.values())
+
+
+@pytest.mark.parametrize("engine", [dict(), dict(max_num_batched_tokens=16)], ids=["whole", "chunked"])
+def test_prompt_logprobs_match_transformers(qwen3_dir, engine):
+    llm = LLM(qwen3_dir, **{**ENGINE, **engine})
+    prompt = list(range(10, 50))   # 40 tokens: over two full blocks of 16
+    params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3)
+    llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)   # fills the prefix cache
+    out = llm.generate([prompt], params, use_tqdm=False)[0]
+    assert out.num_cached_tokens == 0   # prompt logprobs compute every position, as vLLM (no cache hits)
+    lp = out.prompt_logprobs
+    assert len(lp) == len(prompt) and lp[0] is None
+    ref = torch.log_softmax(HFOracle(qwen3_dir).logits(prompt), dim=-1)
+    for i in range(1, len(prompt)):
+        entry, row = lp[i], ref[i - 1]
+        tok = prompt[i]
+        assert list(entry)[0] == tok and entry[tok].logprob == pytest.approx(row[tok].item(), abs=1e-4)
+        assert entry[tok].rank == int((row > row[tok]).sum()) + 1
+        top = row.topk(3)
+        for rank, (value, t) in enumerate(zip(top.values.tolist(), top.indices.tolist()), start=1):
+            assert entry[t].logprob == pytest.approx(value, abs=1e-4)
+            assert t == tok or entry[t].rank == rank
+        assert entry[tok].decoded_token == f"w{tok}"
+    again = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)[0]
+    assert again.num_cached_tokens == 32 and again.prompt_logprobs is None   # two full blocks from the cache
+    one = llm.generate([[5]], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+    assert one.prompt_logprobs == [None]

@@ -54,7 +54,7 @@ class BlockManager:
         last block): there must be logits to sample from."""
         bs = self.block_size
         ids, hashes, h = [], [], None
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or seq.wants_prompt_logprobs:
             return ids, hashes
         for i in range((seq.num_tokens - 1) // bs):
             tokens = seq.token_ids[i * bs:(i + 1) * bs]
@@ -81,6 +81,8 @@ class BlockManager:
         seq.block_table = cached + fresh
         seq.block_hashes = hashes
         seq.num_computed_tokens = len(cached) * self.block_size
+        if seq.num_cached_tokens is None:   # a preempted sequence's later hits are not prompt-cache hits
+            seq.num_cached_tokens = seq.num_computed_tokens
 
     def deallocate(self, seq):
         # Free the tail first: it then is evicted before the (more shareable) head of the prompt.

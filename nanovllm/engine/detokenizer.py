@@ -10,13 +10,14 @@ class IncrementalDetokenizer:
     prefix_offset: int = 0   # output tokens [prefix_offset, read_offset) give the new text its context
     read_offset: int = 0     # output tokens before this are already in `text`
 
-    def step(self, tokenizer, output_ids: list[int], skip_special_tokens: bool) -> str:
+    def step(self, tokenizer, output_ids: list[int], skip_special_tokens: bool,
+             spaces_between_special_tokens: bool = True) -> str:
         """Decode the newest output tokens; return the text they add (appended to `text`)."""
         # Decoding with the previous tokens as context keeps word boundaries (leading spaces)
         # right; the difference of the two decodes is the new text.
-        prefix = tokenizer.decode(output_ids[self.prefix_offset:self.read_offset],
-                                  skip_special_tokens=skip_special_tokens)
-        full = tokenizer.decode(output_ids[self.prefix_offset:], skip_special_tokens=skip_special_tokens)
+        options = dict(skip_special_tokens=skip_special_tokens, spaces_between_special_tokens=spaces_between_special_tokens)
+        prefix = tokenizer.decode(output_ids[self.prefix_offset:self.read_offset], **options)
+        full = tokenizer.decode(output_ids[self.prefix_offset:], **options)
         if full.endswith("\ufffd"):
             return ""   # a multi-byte character is split across tokens: wait for the rest
         new_text = full[len(prefix):]

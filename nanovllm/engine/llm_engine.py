@@ -12,6 +12,7 @@ from nanovllm.engine.sampled_tokens import PendingSample
 from nanovllm.engine.scheduler import ScheduledBatch, Scheduler
 from nanovllm.engine.sequence import Sequence, TokenLogprobs
 from nanovllm.engine.stop_checker import ABORT
+from nanovllm.engine.token_constraints import bad_words_token_ids
 from nanovllm.engine.tp_worker import TPWorkers
 from nanovllm.inputs import UNSUPPORTED_PROMPT_KEYS
 from nanovllm.outputs import CompletionOutput, Logprob, RequestOutput
@@ -146,11 +147,28 @@ class LLMEngine:
         if params.stop and self.tokenizer is None:
             raise ValueError(f"sampling_params {index}: stop strings need a tokenizer; the model folder has none "
                              "(use stop_token_ids)")
+        for name in ("logit_bias", "allowed_token_ids"):
+            if any(t >= vocab for t in getattr(params, name) or ()):
+                raise ValueError(f"sampling_params {index}: {name} token ids must be in [0, {vocab}) "
+                                 "(the model's vocabulary)")
+        if params.bad_words and self.tokenizer is None:
+            raise ValueError(f"sampling_params {index}: bad_words need a tokenizer; the model folder has none")
+        cap = self.config.max_logprobs
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, name)
+            if k is not None and cap != -1 and (k == -1 or k > cap):
+                raise ValueError(f"sampling_params {index}: {name}={k} is more than max_logprobs={cap}; "
+                                 "ask for fewer or raise LLM(max_logprobs=...) (-1: no cap)")
 
     def _new_seqs(self, token_ids: list[int], params: SamplingParams) -> list[Sequence]:
         # n sequences share the prompt (the prefix cache shares its blocks once they are computed).
         eos = frozenset(self.scheduler.eos_token_ids)
-        return [Sequence(token_ids, params, index=i, eos_token_ids=eos) for i in range(params.n)]
+        seqs = [Sequence(token_ids, params, index=i, eos_token_ids=eos) for i in range(params.n)]
+        if params.bad_words:
+            bad = bad_words_token_ids(self.tokenizer, params.bad_words)
+            for seq in seqs:
+                seq.bad_words_ids = bad
+        return seqs
 
     # ---- stepping -------------------------------------------------------------------------
 
@@ -185,13 +203,15 @@ class LLMEngine:
 
     def _can_run_ahead(self, batch: ScheduledBatch) -> bool:
         """May the next batch be launched before this one's tokens are on the host? Not with
-        penalties: their token counts are built on the host from the known tokens. (Without
-        async_scheduling nothing is left in flight to ask about.)"""
-        return not any(seq.sampling_params.has_penalties for seq in batch.sampling_seqs)
+        penalties or bad_words: their token counts and bans are built on the host from the known
+        tokens. (Without async_scheduling nothing is left in flight to ask about.)"""
+        return not any(seq.sampling_params.has_penalties or seq.bad_words_ids for seq in batch.sampling_seqs)
 
     def _apply(self, batch: ScheduledBatch, pending: PendingSample) -> list[Sequence]:
         """Wait for a launched batch's tokens and apply them; return the sequences that finished."""
         sampled = pending.result()
+        if sampled.prompt_logprobs:
+            add_prompt_logprobs(batch, sampled.prompt_logprobs)
         return self.scheduler.complete(batch, sampled.token_ids, sampled.logprobs)
 
     def _drain(self):
@@ -260,8 +280,13 @@ class LLMEngine:
 
     def _output(self, seqs: list[Sequence], prompt) -> RequestOutput:
         first = seqs[0]
-        return RequestOutput(str(first.seq_id), _prompt_text(prompt),
-                             first.prompt_token_ids, [self._completion(seq) for seq in seqs], finished=True)
+        prompt_logprobs = None
+        if first.prompt_logprobs is not None:   # vLLM's shape: None for the first token, then one dict each
+            prompt_logprobs = [None] + self._logprob_dicts(first.prompt_token_ids[1:], first.prompt_logprobs,
+                                                           first.sampling_params.detokenize)
+        return RequestOutput(str(first.seq_id), _prompt_text(prompt), first.prompt_token_ids,
+                             [self._completion(seq) for seq in seqs], finished=True,
+                             prompt_logprobs=prompt_logprobs, num_cached_tokens=first.num_cached_tokens or 0)
 
     def completion_output(self, seq: Sequence) -> CompletionOutput:
         """A finished sequence's CompletionOutput, as generate reports it (for streaming callers)."""
@@ -271,21 +296,24 @@ class LLMEngine:
         ids, p = seq.completion_token_ids, seq.sampling_params
         if isinstance(seq.stop_reason, str):
             text = seq.detokenizer.text   # already cut at the stop string
+        elif self.tokenizer is None or not p.detokenize:
+            text = ""
         else:
-            text = self.tokenizer.decode(text_token_ids(seq), skip_special_tokens=p.skip_special_tokens) \
-                if self.tokenizer else ""
-        logprobs = self._logprob_dicts(ids, seq.logprobs) if seq.logprobs is not None else None
+            text = self.tokenizer.decode(text_token_ids(seq), skip_special_tokens=p.skip_special_tokens,
+                                         spaces_between_special_tokens=p.spaces_between_special_tokens)
+        logprobs = self._logprob_dicts(ids, seq.logprobs, p.detokenize) if seq.logprobs is not None else None
         cumulative = sum(lp.logprob for lp in seq.logprobs) if seq.logprobs is not None else None
         return CompletionOutput(seq.index, text, ids, cumulative, logprobs,
                                 finish_reason=seq.finish_reason, stop_reason=seq.stop_reason)
 
-    def _logprob_dicts(self, ids: list[int], logprobs: list[TokenLogprobs]) -> list[dict[int, Logprob]]:
-        """vLLM's shape: per output token, {token id: Logprob}, the sampled token first."""
+    def _logprob_dicts(self, ids: list[int], logprobs: list[TokenLogprobs],
+                       detokenize: bool = True) -> list[dict[int, Logprob]]:
+        """vLLM's shape: per token, {token id: Logprob}, the chosen (sampled or prompt) token first."""
         names: dict[int, str | None] = {}
 
         def name(t: int) -> str | None:
             if t not in names:
-                names[t] = self.tokenizer.decode([t]) if self.tokenizer else None
+                names[t] = self.tokenizer.decode([t]) if self.tokenizer and detokenize else None
             return names[t]
 
         dicts = []
@@ -295,6 +323,18 @@ class LLMEngine:
                 entry.setdefault(t, Logprob(value, rank, name(t)))
             dicts.append(entry)
         return dicts
+
+
+def add_prompt_logprobs(batch: ScheduledBatch, rows: dict[int, tuple[int, list[TokenLogprobs]]]):
+    """Append a prefill step's prompt logprobs (seq_id -> first position, one entry per position).
+    Positions already there are skipped: a sequence preempted before its last chunk's logprobs
+    arrived computes them again."""
+    for seq in batch.seqs:
+        if seq.seq_id in rows:
+            first, entries = rows[seq.seq_id]
+            have = len(seq.prompt_logprobs)
+            if first <= have:
+                seq.prompt_logprobs.extend(entries[have - first:])
 
 
 def text_token_ids(seq: Sequence) -> list[int]:

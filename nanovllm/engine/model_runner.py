@@ -10,7 +10,7 @@ import torch
 from nanovllm.config import Config
 from nanovllm.engine.block_manager import cdiv
 from nanovllm.engine.decode_graphs import DecodeGraphs, DecodeInputs
-from nanovllm.engine.sampled_tokens import PendingSample
+from nanovllm.engine.sampled_tokens import PendingSample, prompt_logprobs
 from nanovllm.engine.scheduler import ScheduledBatch
 from nanovllm.engine.step_input import StepInput
 from nanovllm.kernels import paged_kv_slots
@@ -203,6 +203,9 @@ class ModelRunner:
             cu_k.append(cu_k[-1] + end)
             if samples:
                 logits_indices.append(cu_q[-1] - 1)
+        # Rows after the sampling rows: the positions whose logits give prompt logprobs.
+        for first, count in zip(cu_q, step.prompt_logprob_counts or ()):
+            logits_indices.extend(range(first, first + count))
         cu_seqlens_k = self._tensor(cu_k, torch.int32)
         block_tables = kv_slots = None
         if any(step.starts):   # some sequence has a cached prefix: keys are read from the pages
@@ -246,10 +249,16 @@ class ModelRunner:
             return PendingSample(None, None)
         if not self.logits_checked:
             self.check_first_logits(logits)
-        out = self.sampler.sample(logits, sampling)
-        self.keep_sampled(out.token_ids)
+        prompt = None
+        if step.prompt_logprob_counts:   # their rows follow the sampling rows
+            num_sampling = len(batch.sampling_seqs)
+            logits, prompt = logits[:num_sampling], prompt_logprobs(logits[num_sampling:], batch, step)
+        out = self.sampler.sample(logits, sampling) if logits.size(0) else None
+        self.keep_sampled(out.token_ids if out is not None else None, 0)
         self.pending_rows = {seq.seq_id: row for row, seq in enumerate(batch.sampling_seqs)}
-        return PendingSample(out, sampling)
+        pending = PendingSample(out, sampling)
+        pending.prompt_logprobs = prompt
+        return pending
 
     def check_first_logits(self, logits: torch.Tensor):
         """NaN or inf logits mean broken weights (or a float16 overflow); sampling would turn them into
@@ -268,6 +277,8 @@ class ModelRunner:
         """Store a step's sampled tokens in sampled_tokens; with tensor parallelism rank 0 sends
         them to the other ranks (which pass token_ids=None and the row count n)."""
         n = token_ids.numel() if token_ids is not None else n
+        if n == 0:   # a prefill step that only computed prompt logprobs: every rank skips this
+            return
         if token_ids is not None:
             self.sampled_tokens[:n].copy_(token_ids)
         if self.group is not None and self.group.size > 1:

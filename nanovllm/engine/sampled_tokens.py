@@ -4,7 +4,7 @@ from dataclasses import dataclass
 import torch
 
 from nanovllm.engine.sequence import TokenLogprobs
-from nanovllm.layers.sampler import SamplerOutput, SamplingTensors
+from nanovllm.layers.sampler import Sampler, SamplerOutput, SamplingTensors
 
 
 @dataclass
@@ -12,6 +12,8 @@ class SampledTokens:
     """What a step gives the host, in the order of the sequences that sampled."""
     token_ids: list[int]
     logprobs: list[TokenLogprobs | None] | None = None   # None when no sequence asked
+    # seq_id -> (first prompt position, logprobs of the prompt tokens after it, one per position)
+    prompt_logprobs: dict[int, tuple[int, list[TokenLogprobs]]] | None = None
 
 
 class PendingSample:
@@ -21,6 +23,7 @@ class PendingSample:
 
     def __init__(self, out: SamplerOutput | None, sampling: SamplingTensors | None):
         self.num_logprobs = sampling.num_logprobs if sampling is not None else None
+        self.prompt_logprobs: PendingPromptLogprobs | None = None
         self.host, self.event = None, None
         if out is None:
             return
@@ -33,6 +36,12 @@ class PendingSample:
             self.event.record()
 
     def result(self) -> SampledTokens:
+        sampled = self._sampled()
+        if self.prompt_logprobs is not None:
+            sampled.prompt_logprobs = self.prompt_logprobs.result()
+        return sampled
+
+    def _sampled(self) -> SampledTokens:
         if self.host is None:
             return SampledTokens([])
         if self.event is not None:
@@ -45,3 +54,36 @@ class PendingSample:
         rows = [None if k is None else TokenLogprobs(logprob[i], rank[i], top_ids[i][:k], top_lp[i][:k])
                 for i, k in enumerate(self.num_logprobs)]
         return SampledTokens(token_ids, rows)
+
+
+class PendingPromptLogprobs:
+    """Prompt logprobs of one prefill step on their way to the host (rare: only requests that ask;
+    the copy is synchronous)."""
+
+    def __init__(self, out: SamplerOutput, spans: list[tuple[int, int, int, int]]):
+        self.spans = spans   # (seq_id, first position, rows, k) in row order
+        self.host = [out.sampled_logprobs.cpu(), out.ranks.cpu(), out.top_logprobs.cpu(), out.top_ids.cpu()]
+
+    def result(self) -> dict[int, tuple[int, list[TokenLogprobs]]]:
+        logprob, rank, top_lp, top_ids = (t.tolist() for t in self.host)
+        out, row = {}, 0
+        for seq_id, first, count, k in self.spans:
+            out[seq_id] = (first, [TokenLogprobs(logprob[i], rank[i], top_ids[i][:k], top_lp[i][:k])
+                                   for i in range(row, row + count)])
+            row += count
+        return out
+
+
+def prompt_logprobs(logits: torch.Tensor, batch, step) -> PendingPromptLogprobs:
+    """logits: [sum of step.prompt_logprob_counts, vocab], one row per prompt position in step
+    order -> the raw-model log-softmax of the prompt token each position predicts, its rank and
+    the top-k (k: the largest prompt_logprobs asked; -1 is the whole vocabulary)."""
+    vocab, spans, targets = logits.size(1), [], []
+    for seq, start, count in zip(batch.seqs, step.starts, step.prompt_logprob_counts):
+        if count:
+            k = seq.sampling_params.prompt_logprobs
+            spans.append((seq.seq_id, start, count, vocab if k == -1 else k))
+            targets += seq.token_ids[start + 1:start + 1 + count]
+    raw = torch.log_softmax(logits.float(), dim=-1)
+    target_ids = torch.tensor(targets, dtype=torch.int64, device=logits.device)
+    return PendingPromptLogprobs(Sampler.with_logprobs(target_ids, raw, max(s[3] for s in spans)), spans)

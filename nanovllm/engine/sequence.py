@@ -47,6 +47,10 @@ class Sequence:
         p = sampling_params
         self.min_tokens_banned = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else eos_token_ids)
         self.logprobs: list[TokenLogprobs] | None = [] if p.logprobs is not None else None
+        # prompt_logprobs[i] is for prompt token i + 1 (the first token has none), filled by prefill.
+        self.prompt_logprobs: list[TokenLogprobs] | None = [] if p.prompt_logprobs is not None else None
+        self.bad_words_ids: list[list[int]] = []   # bad_words as token ids (set by the engine's tokenizer)
+        self.num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache (first allocation)
         self.detokenizer: IncrementalDetokenizer | None = IncrementalDetokenizer() if p.stop else None
 
     def __len__(self):
@@ -74,6 +78,12 @@ class Sequence:
     @property
     def completion_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Are prompt logprobs still to be computed? Until they are, the prefix cache is not used
+        for this sequence (every prompt position must be computed, as in vLLM)."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
 
     @property
     def is_finished(self) -> bool:

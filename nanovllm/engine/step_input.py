@@ -20,6 +20,8 @@ class StepInput:
     samples: list[bool]            # this step reaches the sequence's end, so its logits are sampled
     token_rows: list[int] | None = None   # decode: row of the previous step's sampled tokens that is
                                           # this sequence's input (-1: the id is in token_ids)
+    prompt_logprob_counts: list[int] | None = None   # prefill: positions from `start` on whose logits are
+                                          # also computed (for prompt_logprobs); None when no sequence asks
 
     @classmethod
     def of(cls, batch: ScheduledBatch, pending_rows: dict[int, int] | None = None) -> "StepInput":
@@ -34,8 +36,18 @@ class StepInput:
             token_rows = [pending_rows[seq.seq_id] if seq.num_pending else -1 for seq in seqs]
             token_ids = [ids or [0] for ids in token_ids]
         return cls(batch.is_prefill, [seq.seq_id for seq in seqs], starts, token_ids,
-                   [seq.block_table for seq in seqs], batch.samples, token_rows)
+                   [seq.block_table for seq in seqs], batch.samples, token_rows,
+                   prompt_logprob_counts(batch, starts))
 
     @property
     def num_seqs(self) -> int:
         return len(self.seq_ids)
+
+
+def prompt_logprob_counts(batch: ScheduledBatch, starts: list[int]) -> list[int] | None:
+    """Per sequence: how many of this chunk's positions predict a prompt token (position p gives
+    the logprob of prompt token p + 1) for a sequence that still wants its prompt logprobs."""
+    if not batch.is_prefill or not any(seq.wants_prompt_logprobs for seq in batch.seqs):
+        return None
+    return [max(0, min(start + n, seq.num_prompt_tokens - 1) - start) if seq.wants_prompt_logprobs else 0
+            for seq, start, n in zip(batch.seqs, starts, batch.num_new_tokens)]

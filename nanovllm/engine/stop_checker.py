@@ -43,7 +43,8 @@ class StopChecker:
     def _stop_string(self, seq: Sequence, counts: bool) -> str | None:
         # Every token is detokenized (also those min_tokens holds off): the text grows incrementally.
         detok, params = seq.detokenizer, seq.sampling_params
-        new_text = detok.step(self.tokenizer, seq.completion_token_ids, params.skip_special_tokens)
+        new_text = detok.step(self.tokenizer, seq.completion_token_ids, params.skip_special_tokens,
+                              params.spaces_between_special_tokens)
         if not counts:
             return None
         return detok.find_stop(len(new_text), params.stop, params.include_stop_str_in_output)

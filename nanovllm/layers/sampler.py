@@ -9,6 +9,7 @@ import torch
 import xxhash
 
 from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.token_constraints import banned_by_bad_words
 
 
 @dataclass
@@ -25,7 +26,11 @@ class SamplingTensors:
     repetition: torch.Tensor | None = None      # [n] fp32; with output_tokens and prompt_tokens
     output_tokens: torch.Tensor | None = None   # [n, max_out] int64, padded with ids >= vocab
     prompt_tokens: torch.Tensor | None = None   # [n, max_prompt] int64, padded with ids >= vocab
-    banned: tuple[torch.Tensor, torch.Tensor] | None = None   # (rows, token ids) to forbid (min_tokens)
+    banned: tuple[torch.Tensor, torch.Tensor] | None = None   # (rows, token ids) to forbid (min_tokens,
+                                                              # bad_words)
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None   # (rows, token ids, fp32 bias)
+    allowed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # allowed_token_ids: ([n] bool, the row is limited; rows; token ids it may sample)
     seeds: list[tuple[int, int]] | None = None  # (row, seed of this step) for seeded rows
     row_seeds: torch.Tensor | None = None       # [n] int64, every row's seed of this step; set
                                                 # only when temperature is the only knob (fused path)
@@ -65,24 +70,46 @@ class Sampler:
         params = [seq.sampling_params for seq in seqs]
         banned = [(row, t) for row, seq in enumerate(seqs)
                   if seq.output_index < seq.sampling_params.min_tokens for t in seq.min_tokens_banned]
-        asked = [p.logprobs for p in params if p.logprobs is not None]
+        # logit_bias, allowed_token_ids, bad_words: the torch path. Checked inline (no property call):
+        # this runs for every decode step.
+        constrained = any(p.logit_bias or p.allowed_token_ids is not None or p.bad_words for p in params)
+        if constrained:
+            banned += bad_word_bans(seqs)
+        vocab = self.vocab_size
+        asked = [vocab if p.logprobs == -1 else p.logprobs for p in params if p.logprobs is not None]
         penalized = any(p.has_penalties for p in params)
         all_greedy = all(p.greedy for p in params)
-        if all_greedy and not banned and not asked and not penalized:
+        if all_greedy and not banned and not asked and not penalized and not constrained:
             return None
         t = SamplingTensors(
             temperatures=self._tensor([0.0 if p.greedy else p.temperature for p in params]),
             all_greedy=all_greedy,
             max_logprobs=max(asked) if asked else None,
-            num_logprobs=[p.logprobs for p in params] if asked else None)
+            num_logprobs=[None if p.logprobs is None else vocab if p.logprobs == -1 else p.logprobs
+                          for p in params] if asked else None)
         if not all_greedy:
-            self._prepare_draw(t, seqs, fused=not (penalized or banned or asked))
+            self._prepare_draw(t, seqs, fused=not (penalized or banned or asked or constrained))
         if penalized:
             self._prepare_penalties(t, seqs)
         if banned:
             rows, tokens = zip(*banned)
             t.banned = (self._tensor(list(rows), torch.int64), self._tensor(list(tokens), torch.int64))
+        if constrained:
+            self._prepare_constraints(t, params)
         return t
+
+    def _prepare_constraints(self, t: SamplingTensors, params):
+        """logit_bias as (rows, tokens, bias); allowed_token_ids as (limited rows, rows, tokens)."""
+        bias = [(row, tok, b) for row, p in enumerate(params) for tok, b in (p.logit_bias or {}).items()]
+        if bias:
+            rows, tokens, values = zip(*bias)
+            t.logit_bias = (self._tensor(list(rows), torch.int64), self._tensor(list(tokens), torch.int64),
+                            self._tensor(list(values)))
+        limited = [p.allowed_token_ids is not None for p in params]
+        if any(limited):
+            rows, tokens = zip(*[(row, tok) for row, p in enumerate(params) for tok in p.allowed_token_ids or ()])
+            t.allowed = (self._tensor(limited, torch.bool), self._tensor(list(rows), torch.int64),
+                         self._tensor(list(tokens), torch.int64))
 
     def _prepare_draw(self, t: SamplingTensors, seqs: list[Sequence], fused: bool):
         """Truncation knobs and seeds; the fused kernel's row seeds when temperature is the only knob."""
@@ -141,9 +168,7 @@ class Sampler:
         logits = logits.float()
         # vLLM v1 reports logprobs of the raw model output, before penalties and temperature.
         raw_logprobs = torch.log_softmax(logits, dim=-1) if params.max_logprobs is not None else None
-        logits = apply_penalties(logits.clone(), params)
-        if params.banned is not None:
-            logits[params.banned] = float("-inf")
+        logits = apply_penalties(apply_token_constraints(logits.clone(), params), params)
         if params.all_greedy:
             token_ids = logits.argmax(dim=-1)
         else:
@@ -185,6 +210,28 @@ def step_seed(seed: int, index: int, step: int) -> int:
     A pure function of these three, so a seeded completion's tokens depend on nothing else (not
     the batch, not preemption), and the n completions of one request differ."""
     return xxhash.xxh64_intdigest(f"{seed}/{index}/{step}".encode())
+
+
+def bad_word_bans(seqs: list[Sequence]) -> list[tuple[int, int]]:
+    """(row, token) pairs that would complete one of the row's bad words now."""
+    return [(row, t) for row, seq in enumerate(seqs) if seq.bad_words_ids
+            for t in banned_by_bad_words(seq.bad_words_ids, seq.completion_token_ids)]
+
+
+def apply_token_constraints(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
+    """vLLM's logits processors that run before the penalties, in place: logit_bias added; tokens
+    outside a row's allowed_token_ids, and banned tokens (min_tokens, bad_words), set to -inf."""
+    if params.logit_bias is not None:
+        rows, tokens, bias = params.logit_bias
+        logits.index_put_((rows, tokens), bias, accumulate=True)
+    if params.allowed is not None:
+        limited, rows, tokens = params.allowed
+        blocked = limited.unsqueeze(1).expand_as(logits).clone()   # [n, vocab]
+        blocked[rows, tokens] = False
+        logits.masked_fill_(blocked, float("-inf"))
+    if params.banned is not None:
+        logits[params.banned] = float("-inf")
+    return logits
 
 
 def apply_penalties(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
