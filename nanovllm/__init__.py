@@ -1,7 +1,9 @@
+from nanovllm.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from nanovllm.engine.arg_utils import EngineArgs
 from nanovllm.inputs import TextPrompt, TokensPrompt
 from nanovllm.llm import LLM
 from nanovllm.outputs import CompletionOutput, RequestOutput
 from nanovllm.sampling_params import SamplingParams
 
-__all__ = ["LLM", "EngineArgs", "SamplingParams", "RequestOutput", "CompletionOutput", "TextPrompt", "TokensPrompt"]
+__all__ = ["LLM", "EngineArgs", "SamplingParams", "RequestOutput", "CompletionOutput", "TextPrompt", "TokensPrompt",
+           "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence"]

@@ -4,6 +4,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from nanovllm.beam_search import BeamSearchParams  # noqa: F401  (vllm.sampling_params has it too)
+
 _EPS = 1e-5   # temperatures below this are greedy, as in vLLM
 
 

@@ -248,3 +248,63 @@ def test_prompt_logprobs_match_transformers(qwen3_dir, engine):
     assert again.num_cached_tokens == 32 and again.prompt_logprobs is None   # two full blocks from the cache
     one = llm.generate([[5]], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
     assert one.prompt_logprobs == [None]
+
+
+# ---- beam search ----------------------------------------------------------------------------------
+
+def test_beam_search_params_validation():
+    from nanovllm.sampling_params import BeamSearchParams
+    for bad, message in [(dict(beam_width=0, max_tokens=3), "beam_width must be an integer >= 1"),
+                         (dict(beam_width=2, max_tokens=0), "max_tokens must be an integer >= 1"),
+                         (dict(beam_width=2, max_tokens=3, temperature=-1), "temperature must be a number >= 0")]:
+        with pytest.raises(ValueError, match=message):
+            BeamSearchParams(**bad)
+
+
+def test_beam_search_best_beam_is_exhaustive_best(tmp_path):
+    """A 24-token vocabulary, 2 new tokens, beam_width = vocabulary: the best beam's score is the
+    best score over every continuation of up to two tokens (an EOS ends one early)."""
+    from nanovllm import BeamSearchParams
+    vocab, prompt = 24, [5, 6, 7, 8]
+    folder = make_model(str(tmp_path / "v24"), vocab_size=vocab, tokenizer=False)
+    llm = LLM(folder, max_logprobs=-1, **ENGINE)
+    out = llm.beam_search([{"prompt_token_ids": prompt}], BeamSearchParams(beam_width=vocab, max_tokens=2))[0]
+    oracle = HFOracle(folder)
+    first = torch.log_softmax(oracle.logits(prompt)[-1], dim=-1)
+    best = first[EOS].item() / len(prompt)   # [EOS]: the EOS does not count in the length
+    for t in range(vocab):
+        if t == EOS:
+            continue
+        second = torch.log_softmax(oracle.logits(prompt + [t])[-1], dim=-1)
+        for u in range(vocab):
+            length = len(prompt) + 2 - (u == EOS)
+            best = max(best, (first[t] + second[u]).item() / length)
+    top = out.sequences[0]
+    length = len(top.tokens) - (top.tokens[-1] == EOS)
+    assert top.tokens[:len(prompt)] == prompt and top.cum_logprob / length == pytest.approx(best, abs=1e-4)
+    assert len(out.sequences) == vocab
+    scores = [s.cum_logprob / (len(s.tokens) - (s.tokens[-1] == EOS)) for s in out.sequences]
+    assert scores == sorted(scores, reverse=True)
+
+
+def test_beam_search_shares_prompt_blocks_and_width_one_is_greedy(llm, monkeypatch):
+    from nanovllm import BeamSearchParams
+    prompt = list(range(10, 50))   # two full blocks of 16
+    cached = []
+    generate = llm.generate
+
+    def spy(*args, **kwargs):
+        outs = generate(*args, **kwargs)
+        cached.append([o.num_cached_tokens for o in outs])
+        return outs
+    monkeypatch.setattr(llm, "generate", spy)
+    out = llm.beam_search(["w5 w6 w7", {"prompt_token_ids": prompt}],
+                          BeamSearchParams(beam_width=3, max_tokens=4, ignore_eos=True))
+    assert [len(o.sequences) for o in out] == [3, 3]
+    assert all(len(s.tokens) == 3 + 4 for s in out[0].sequences) and out[0].sequences[0].text.startswith("w5 w6 w7")
+    assert all(n >= 32 for n in cached[-1][-3:])   # the long prompt's beams read its blocks from the cache
+    monkeypatch.undo()
+    greedy = tokens(llm.generate([prompt], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                                 use_tqdm=False))[0]
+    one = llm.beam_search([{"prompt_token_ids": prompt}], BeamSearchParams(beam_width=1, max_tokens=4, ignore_eos=True))
+    assert one[0].sequences[0].tokens == prompt + greedy
