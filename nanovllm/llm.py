@@ -1,4 +1,5 @@
 from nanovllm.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence, beam_score, extend
+from nanovllm.chat_utils import load_chat_template, parse_conversation
 from nanovllm.engine.llm_engine import LLMEngine, _as_prompt_list
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import SamplingParams
@@ -53,23 +54,33 @@ class LLM(LLMEngine):
         return results
 
     def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-             use_tqdm: bool = True, add_generation_prompt: bool = True,
-             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+             use_tqdm=True, chat_template: str | None = None, chat_template_content_format: str = "auto",
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             tools: list[dict] | None = None, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
         """vLLM's LLM.chat: `messages` is one conversation (a list of {"role", "content"} dicts) or a
-        list of them; each is rendered with the tokenizer's chat template and generated from."""
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError("chat needs a tokenizer with a chat template (tokenizer.chat_template); "
-                             "this model folder has none: use generate with a formatted prompt")
+        list of them; each is rendered with the chat template (the tokenizer's, or `chat_template`)
+        and generated from. continue_final_message: the last (assistant) message is continued
+        rather than a new one started; tools: function definitions the template shows the model."""
+        template = load_chat_template(chat_template)
+        if self.tokenizer is None or not (template or getattr(self.tokenizer, "chat_template", None)):
+            raise ValueError("chat needs a tokenizer with a chat template (tokenizer.chat_template) or "
+                             "chat_template=...; this model folder has none: use generate with a formatted prompt")
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message=True continues the last message, so it needs "
+                             "add_generation_prompt=False")
+        if chat_template_content_format not in ("auto", "string", "openai"):
+            raise ValueError(f"chat_template_content_format must be 'auto', 'string' or 'openai', "
+                             f"got {chat_template_content_format!r}")
         if not isinstance(messages, (list, tuple)) or not messages:
             raise TypeError("messages must be a conversation (a list of message dicts) or a list of conversations")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
-        prompts = [self.tokenizer.apply_chat_template(list(c), tokenize=False,
-                                                      add_generation_prompt=add_generation_prompt,
-                                                      **(chat_template_kwargs or {}))
-                   for c in conversations]
+        options = dict(add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+                       **({"chat_template": template} if template else {}), **({"tools": tools} if tools else {}),
+                       **(chat_template_kwargs or {}))
+        prompts = [self.tokenizer.apply_chat_template(
+                       parse_conversation(c, f"conversation {i}", chat_template_content_format),
+                       tokenize=False, **options)
+                   for i, c in enumerate(conversations)]
         # The template already writes any BOS it wants; encoding must not add another.
-        ids = [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
-        outputs = self.generate(ids, sampling_params, use_tqdm=use_tqdm)
-        for out, prompt in zip(outputs, prompts):
-            out.prompt = prompt
-        return outputs
+        ids = [{"prompt_token_ids": self.tokenizer.encode(p, add_special_tokens=False), "prompt": p} for p in prompts]
+        return self.generate(ids, sampling_params, use_tqdm=use_tqdm)

@@ -308,3 +308,36 @@ def test_beam_search_shares_prompt_blocks_and_width_one_is_greedy(llm, monkeypat
                                  use_tqdm=False))[0]
     one = llm.beam_search([{"prompt_token_ids": prompt}], BeamSearchParams(beam_width=1, max_tokens=4, ignore_eos=True))
     assert one[0].sequences[0].tokens == prompt + greedy
+
+
+# ---- chat -------------------------------------------------------------------------------------------
+
+TEMPLATE = ("{% if tools %}w{{ 10 + tools | length }} {% endif %}{% for m in messages %}{{ m['content'] }} "
+            "{% endfor %}{% if add_generation_prompt %}w9{% endif %}")
+
+
+def test_chat_template_tools_and_content_parts(llm, tmp_path):
+    greedy = SamplingParams(temperature=0, max_tokens=2)
+    out = llm.chat([{"role": "user", "content": [{"type": "text", "text": "w5"}, {"type": "text", "text": "w6"}]}],
+                   greedy, use_tqdm=False, chat_template=TEMPLATE)[0]
+    assert out.prompt == "w5\nw6 w9" and out.prompt_token_ids == [5, 6, 9]
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}] * 2
+    out = llm.chat([{"role": "user", "content": "w5"}], greedy, use_tqdm=False, chat_template=TEMPLATE, tools=tools)[0]
+    assert out.prompt_token_ids == [12, 5, 9]
+    path = tmp_path / "t.jinja"
+    path.write_text(TEMPLATE)
+    assert llm.chat([[{"role": "user", "content": "w7"}]], greedy, use_tqdm=False,
+                    chat_template=str(path))[0].prompt_token_ids == [7, 9]
+
+
+def test_chat_errors(llm):
+    with pytest.raises(ValueError, match="needs a tokenizer with a chat template"):
+        llm.chat([{"role": "user", "content": "w5"}])
+    with pytest.raises(ValueError, match=r"conversation 1, message 1 \(role 'assistant'\) has no 'content'"):
+        llm.chat([[{"role": "user", "content": "w5"}], [{"role": "user", "content": "w5"}, {"role": "assistant"}]],
+                 chat_template=TEMPLATE)
+    with pytest.raises(ValueError, match="continue_final_message=True continues the last message"):
+        llm.chat([{"role": "user", "content": "w5"}], chat_template=TEMPLATE, continue_final_message=True)
+    with pytest.raises(ValueError, match="content part of type 'image_url' is not supported"):
+        llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+                 chat_template=TEMPLATE)

@@ -1,0 +1,57 @@
+"""Chat messages as vLLM's LLM.chat takes them, checked and made ready for a chat template."""
+import os
+
+
+def parse_conversation(messages, where: str, content_format: str = "auto") -> list[dict]:
+    """Check each message ({"role", "content"}, OpenAI style) and return copies the template can
+    render. Content may be a string or OpenAI content parts ([{"type": "text", "text": ...}]);
+    with content_format "auto" or "string" the text parts are joined with newlines, as vLLM does
+    for templates that expect a string ("openai" passes the parts through). An assistant message
+    that carries tool_calls may leave content out."""
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise TypeError(f"{where} must be a non-empty list of message dicts")
+    parsed = []
+    for i, message in enumerate(messages):
+        name = f"{where}, message {i}"
+        if not isinstance(message, dict):
+            raise TypeError(f"{name} must be a dict with 'role' and 'content', got {type(message).__name__}")
+        if not isinstance(message.get("role"), str):
+            raise ValueError(f"{name} has no 'role' (a string such as 'user'): {message!r:.80}")
+        message = dict(message)
+        content = message.get("content")
+        if content is None:
+            if not message.get("tool_calls"):
+                raise ValueError(f"{name} (role {message['role']!r}) has no 'content'")
+        elif isinstance(content, (list, tuple)) and content_format != "openai":
+            message["content"] = "\n".join(_text_parts(content, name))
+        elif not isinstance(content, (str, list, tuple)):
+            raise ValueError(f"{name}: 'content' must be a string or a list of content parts, "
+                             f"got {type(content).__name__}")
+        parsed.append(message)
+    return parsed
+
+
+def _text_parts(parts, name: str) -> list[str]:
+    texts = []
+    for part in parts:
+        if isinstance(part, str):
+            texts.append(part)
+        elif isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
+            texts.append(part["text"])
+        else:
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise ValueError(f"{name}: content part of type {kind!r} is not supported (text-only models: "
+                             "use {'type': 'text', 'text': ...})")
+    return texts
+
+
+def load_chat_template(chat_template: str | None) -> str | None:
+    """A template string, or the path of a file that holds one (as vLLM's --chat-template takes)."""
+    if chat_template is None:
+        return None
+    if not isinstance(chat_template, str):
+        raise TypeError(f"chat_template must be a Jinja template string or a file path, got {type(chat_template).__name__}")
+    if "{" not in chat_template and os.path.isfile(chat_template):
+        with open(chat_template) as f:
+            return f.read()
+    return chat_template
