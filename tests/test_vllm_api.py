@@ -341,3 +341,38 @@ def test_chat_errors(llm):
     with pytest.raises(ValueError, match="content part of type 'image_url' is not supported"):
         llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
                  chat_template=TEMPLATE)
+
+
+# ---- progress bar -----------------------------------------------------------------------------------
+
+def test_progress_bar_counts_prompts_and_takes_a_callable(llm, monkeypatch):
+    import io
+    from functools import partial
+
+    from tqdm import tqdm
+    from nanovllm.engine import progress
+    bars = []
+
+    def make(**kwargs):
+        bar = tqdm(file=io.StringIO(), **kwargs)
+        bars.append(bar)
+        return bar
+    outs = llm.generate([[5, 6], [7, 8, 9]], SamplingParams(n=3, max_tokens=4, ignore_eos=True), use_tqdm=make)
+    bar = bars[0]
+    assert bar.total == 2 and bar.n == 2 and len(outs) == 2   # prompts, not the 6 sequences
+    assert "est. speed input" in bar.postfix and "output" in bar.postfix
+    # Redraws are throttled: with no minimum interval each of the ~6 steps would draw a line.
+    monkeypatch.setattr(progress, "REDRAW_SECONDS", 10.0)
+    log = io.StringIO()
+    llm.generate([[5, 6]] * 4, SamplingParams(max_tokens=20, ignore_eos=True), use_tqdm=partial(tqdm, file=log))
+    assert log.getvalue().count("\r") <= 4
+    with pytest.raises(TypeError, match="use_tqdm must be True, False or a tqdm-like callable"):
+        llm.generate([[5]], use_tqdm="yes")
+
+
+def test_log_stats_when_asked(qwen3_dir, caplog):
+    import logging
+    llm = LLM(qwen3_dir, disable_log_stats=False, **ENGINE)
+    with caplog.at_level(logging.INFO, logger="nanovllm.engine.llm_engine"):
+        llm.generate([[5, 6]], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert "generate: 1 prompts, est. speed input" in caplog.text

@@ -1,13 +1,12 @@
 """The engine: tokenizer, model runner and scheduler; add_request / step / generate."""
+import logging
 import numbers
-import time
-
-from tqdm.auto import tqdm
 
 from nanovllm.config import Config
 from nanovllm.engine.block_manager import cdiv
 from nanovllm.engine.generation_defaults import default_sampling_overrides
 from nanovllm.engine.model_runner import ModelRunner
+from nanovllm.engine.progress import Progress, check_use_tqdm
 from nanovllm.engine.sampled_tokens import PendingSample
 from nanovllm.engine.scheduler import ScheduledBatch, Scheduler
 from nanovllm.engine.sequence import Sequence, TokenLogprobs
@@ -18,6 +17,8 @@ from nanovllm.inputs import UNSUPPORTED_PROMPT_KEYS
 from nanovllm.outputs import CompletionOutput, Logprob, RequestOutput
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.hf_files import generation_eos_token_id, load_tokenizer
+
+logger = logging.getLogger(__name__)
 
 
 def eos_token_ids(config: Config, tokenizer) -> set[int]:
@@ -225,7 +226,10 @@ class LLMEngine:
         return self.scheduler.is_finished() and self._in_flight is None
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm=True) -> list[RequestOutput]:
+        """vLLM's LLM.generate: one RequestOutput per prompt, in prompt order. use_tqdm: show a
+        progress bar (True), none (False), or draw it with this tqdm-like callable."""
+        check_use_tqdm(use_tqdm)
         prompts = _as_prompt_list(prompts)
         params = self._params_list(sampling_params, len(prompts))
         token_ids = [self._token_ids(p, i) for i, p in enumerate(prompts)]   # all checked before any is queued
@@ -234,7 +238,7 @@ class LLMEngine:
         for seq in seqs:
             self.scheduler.add(seq)
         try:
-            self._run_until_done(seqs, use_tqdm)
+            self._run_until_done(requests, use_tqdm)
             self._drain()
         except BaseException:
             self._in_flight = None
@@ -242,20 +246,26 @@ class LLMEngine:
             raise
         return [self._output(request, p) for request, p in zip(requests, prompts)]
 
-    def _run_until_done(self, seqs: list[Sequence], use_tqdm: bool):
-        bar = tqdm(total=len(seqs), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
-        prefill_tps = decode_tps = 0.0
-        with bar:
+    def _run_until_done(self, requests: list[list[Sequence]], use_tqdm):
+        progress = Progress(use_tqdm, len(requests))
+        prompt_of = {seq.seq_id: i for i, request in enumerate(requests) for seq in request}
+        unfinished = [len(request) for request in requests]   # sequences left per prompt (for the bar)
+        seqs = [seq for request in requests for seq in request]
+        try:
             while not all(seq.is_finished for seq in seqs):
-                t = time.perf_counter()
                 finished, batch = self.step()
-                dt = max(time.perf_counter() - t, 1e-9)
-                if batch.is_prefill:
-                    prefill_tps = batch.num_tokens / dt
-                elif batch.seqs:
-                    decode_tps = len(batch.seqs) / dt
-                bar.set_postfix(prefill=f"{prefill_tps:.0f}tok/s", decode=f"{decode_tps:.0f}tok/s")
-                bar.update(len(finished))
+                done = 0
+                for seq in finished:
+                    i = prompt_of.get(seq.seq_id)
+                    if i is not None:
+                        unfinished[i] -= 1
+                        done += unfinished[i] == 0
+                prompt_tokens = batch.num_tokens if batch.is_prefill else 0
+                progress.step(prompt_tokens, len(batch.sampling_seqs), done)
+        finally:
+            summary = progress.close()
+        if not self.config.disable_log_stats:
+            logger.info("generate: %d prompts, %s", len(requests), summary)
 
     def _params_list(self, sampling_params, n: int) -> list[SamplingParams]:
         if sampling_params is None:
