@@ -89,11 +89,6 @@ class SamplingParams:
         return self.temperature < _EPS
 
     @property
-    def has_token_constraints(self) -> bool:
-        """logit_bias, allowed_token_ids or bad_words: work for the sampler's torch path."""
-        return bool(self.logit_bias) or self.allowed_token_ids is not None or bool(self.bad_words)
-
-    @property
     def has_penalties(self) -> bool:
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
