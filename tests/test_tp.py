@@ -74,6 +74,21 @@ def test_tp2_matches_tp1_qwen3_with_preemption_and_prefix_cache(qwen3_dir, qwen3
     assert any(n > 0 for n in cached), "the second run should have hit the prefix cache"
 
 
+def test_tp2_prompt_logprobs_and_token_constraints_match_tp1(qwen3_dir, qwen3_tp2):
+    """Prompt logprobs take extra logits rows in prefill (chunked here) on every rank; a chunk that
+    only computes them samples nothing on any rank."""
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, prompt_logprobs=2,
+                            logit_bias={7: 5.0}, bad_words=["w9"])
+
+    tp2, tp1 = (llm.generate(PROMPTS[2:], params, use_tqdm=False) for llm in (qwen3_tp2, LLM(qwen3_dir, **OPTIONS)))
+    for a, b in zip(tp2, tp1):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.prompt_logprobs[0] is None and len(a.prompt_logprobs) == len(b.prompt_logprobs) == len(a.prompt_token_ids)
+        for x, y in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
+            assert list(x)[0] == list(y)[0]   # the prompt token
+            assert [lp.logprob for lp in x.values()] == pytest.approx([lp.logprob for lp in y.values()], abs=1e-4)
+
+
 def test_tp2_matches_tp1_llama(llama_dir, llama_tp2):
     assert tokens(llama_tp2) == reference(llama_dir)
 

@@ -376,3 +376,34 @@ def test_log_stats_when_asked(qwen3_dir, caplog):
     with caplog.at_level(logging.INFO, logger="nanovllm.engine.llm_engine"):
         llm.generate([[5, 6]], SamplingParams(max_tokens=2), use_tqdm=False)
     assert "generate: 1 prompts, est. speed input" in caplog.text
+
+
+# ---- on the GPU (skipped without CUDA) ----------------------------------------------------------------
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_new_sampling_features_on_gpu(qwen3_dir):
+    """CUDA graphs, async scheduling and the fused sampler for plain rows, in one batch with rows
+    that take the torch path (logit_bias, allowed_token_ids, bad_words) and a chunked prompt with
+    prompt_logprobs."""
+    from nanovllm import BeamSearchParams
+    llm = LLM(qwen3_dir, device="cuda", dtype="float32", kvcache_block_size=16, num_kvcache_blocks=64,
+              max_model_len=200, max_num_batched_tokens=32)
+    prompt = list(range(10, 50))
+    free = tokens(llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                               use_tqdm=False))[0]
+    allowed = [11, 200, 300]
+    params = [SamplingParams(temperature=0.7, max_tokens=8, ignore_eos=True, seed=3),
+              SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logit_bias={42: 100.0}),
+              SamplingParams(temperature=0.9, max_tokens=8, ignore_eos=True, allowed_token_ids=allowed),
+              SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, bad_words=[f"w{free[0]}"]),
+              SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, prompt_logprobs=2)]
+    outs = llm.generate([prompt] * 5, params, use_tqdm=False)
+    ids = tokens(outs)
+    assert ids[1] == [42] * 8 and set(ids[2]) <= set(allowed) and free[0] not in ids[3] and ids[4] == free
+    ref = torch.log_softmax(HFOracle(qwen3_dir).logits(prompt), dim=-1)
+    lp = outs[4].prompt_logprobs
+    assert lp[0] is None and len(lp) == len(prompt)
+    for i in range(1, len(prompt)):
+        assert lp[i][prompt[i]].logprob == pytest.approx(ref[i - 1, prompt[i]].item(), abs=1e-3)
+    one = llm.beam_search([{"prompt_token_ids": prompt}], BeamSearchParams(beam_width=1, max_tokens=8, ignore_eos=True))
+    assert one[0].sequences[0].tokens == prompt + free

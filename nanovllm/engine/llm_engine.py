@@ -260,8 +260,10 @@ class LLMEngine:
                     if i is not None:
                         unfinished[i] -= 1
                         done += unfinished[i] == 0
-                prompt_tokens = batch.num_tokens if batch.is_prefill else 0
-                progress.step(prompt_tokens, len(batch.sampling_seqs), done)
+                if batch.is_prefill:
+                    progress.step(batch.num_tokens, sum(batch.samples), done)
+                else:   # every decode sequence samples one token
+                    progress.step(0, len(batch.seqs), done)
         finally:
             summary = progress.close()
         if not self.config.disable_log_stats:
