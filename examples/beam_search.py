@@ -17,7 +17,8 @@ def main():
     args["model"] = args["model"] or default_model_path()
 
     llm = LLM(**args)
-    outputs = llm.beam_search([{"prompt": "The capital of France is"}, {"prompt": "Hello, my name is"}], params)
+    prompts = [{"prompt": "The capital of France is"}, {"prompt": "Hello, my name is"}]
+    outputs = llm.beam_search(prompts, params)
     for output in outputs:
         for i, beam in enumerate(output.sequences):
             print(f"beam {i}: score {beam.cum_logprob:.3f}  {beam.text!r}")

@@ -10,7 +10,8 @@ from nanovllm.utils.default_model import default_model_path
 
 
 def create_parser():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     EngineArgs.add_cli_args(parser)
     parser.set_defaults(model=None)   # None: the built-in SmolLM2-135M-Instruct
     sampling_group = parser.add_argument_group("Sampling parameters")

@@ -5,5 +5,5 @@ from nanovllm.llm import LLM
 from nanovllm.outputs import CompletionOutput, RequestOutput
 from nanovllm.sampling_params import SamplingParams
 
-__all__ = ["LLM", "EngineArgs", "SamplingParams", "RequestOutput", "CompletionOutput", "TextPrompt", "TokensPrompt",
-           "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence"]
+__all__ = ["LLM", "EngineArgs", "SamplingParams", "RequestOutput", "CompletionOutput", "TextPrompt",
+           "TokensPrompt", "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence"]

@@ -24,7 +24,8 @@ class BeamSearchParams:
         for name, ok in (("temperature", lambda v: v >= 0), ("length_penalty", lambda v: True)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
-                raise ValueError(f"{name} must be a number{' >= 0' if name == 'temperature' else ''}, got {value!r}")
+                at_least = " >= 0" if name == "temperature" else ""
+                raise ValueError(f"{name} must be a number{at_least}, got {value!r}")
         for name in ("ignore_eos", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
@@ -54,5 +55,6 @@ def beam_score(beam: BeamSearchSequence, eos_token_ids, length_penalty: float) -
 
 def extend(beam: BeamSearchSequence, step_logprobs: dict[int, Logprob]) -> list[BeamSearchSequence]:
     """beam followed by each token of one step's logprobs."""
-    return [BeamSearchSequence(beam.tokens + [t], beam.logprobs + [step_logprobs], beam.cum_logprob + lp.logprob)
+    return [BeamSearchSequence(beam.tokens + [t], beam.logprobs + [step_logprobs],
+                               beam.cum_logprob + lp.logprob)
             for t, lp in step_logprobs.items()]

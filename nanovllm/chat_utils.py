@@ -50,7 +50,8 @@ def load_chat_template(chat_template: str | None) -> str | None:
     if chat_template is None:
         return None
     if not isinstance(chat_template, str):
-        raise TypeError(f"chat_template must be a Jinja template string or a file path, got {type(chat_template).__name__}")
+        raise TypeError("chat_template must be a Jinja template string or a file path, "
+                        f"got {type(chat_template).__name__}")
     if "{" not in chat_template and os.path.isfile(chat_template):
         with open(chat_template) as f:
             return f.read()

@@ -3,8 +3,9 @@ import logging
 import numbers
 import os
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -34,8 +35,9 @@ class Config:
     num_kvcache_blocks: int | None = None       # fixed number of KV blocks (any device)
     kv_cache_memory_bytes: int | None = None    # KV-cache budget in bytes (any device; CPU default below)
     device: str = "auto"                        # "auto" (CUDA when available), "cuda", "cpu"
-    dtype: str | torch.dtype = "auto"           # "auto": checkpoint dtype on CUDA, float32 on CPU; also
-                                                # "half", "float16", "bfloat16", "float", "float32", a torch.dtype
+    dtype: str | torch.dtype = "auto"           # "auto": checkpoint dtype on CUDA, float32 on CPU;
+                                                # also "half", "float16", "bfloat16", "float", "float32",
+                                                # or a torch.dtype
     load_format: str = "auto"                   # "auto" (safetensors) or "dummy" (random weights)
     seed: int | None = 0                        # None: a random seed, drawn once
     tokenizer: str | None = None                # tokenizer folder or hub id; None: the model's
@@ -43,11 +45,11 @@ class Config:
     revision: str | None = None                 # hub revision (branch, tag or commit) of model and tokenizer
     trust_remote_code: bool = False             # accepted for vLLM scripts; remote code is never run
     disable_log_stats: bool = True              # False: log each generate call's throughput
-    generation_config: str = "auto"             # "auto": the model's generation_config.json gives the default
-                                                # SamplingParams; "vllm": ignore it; or a folder that holds one
+    generation_config: str = "auto"             # "auto": the model's generation_config.json gives the
+                                                # default SamplingParams; "vllm": ignore it; or a folder
     hf_overrides: dict[str, Any] | Callable | None = None   # set on the HF config after loading (a dict),
                                                 # or a function of it that returns the config to use
-    max_logprobs: int = 20                      # most logprobs / prompt_logprobs a request may ask; -1 = no cap
+    max_logprobs: int = 20                      # most logprobs / prompt_logprobs a request asks; -1: no cap
     hf_config: PretrainedConfig = field(init=False, repr=False)
 
     @classmethod
@@ -111,10 +113,11 @@ class Config:
         _check_choice(self, "tokenizer_mode", ("auto", "slow"))
         if not isinstance(self.generation_config, str) or not (
                 self.generation_config in ("auto", "vllm") or os.path.isdir(self.generation_config)):
-            raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder with a generation_config.json, "
-                             f"got {self.generation_config!r}")
-        if self.hf_overrides is not None and not (isinstance(self.hf_overrides, dict) or callable(self.hf_overrides)):
-            raise ValueError(f"hf_overrides must be a dict or a function of the HF config, got {self.hf_overrides!r}")
+            raise ValueError("generation_config must be 'auto', 'vllm' or a folder with a "
+                             f"generation_config.json, got {self.generation_config!r}")
+        overrides = self.hf_overrides
+        if overrides is not None and not (isinstance(overrides, dict) or callable(overrides)):
+            raise ValueError(f"hf_overrides must be a dict or a function of the HF config, got {overrides!r}")
         if self.trust_remote_code:
             logger.warning("trust_remote_code=True: nanovllm never runs code from a model folder; models it "
                            "supports need none, and a model that needs remote code is refused")

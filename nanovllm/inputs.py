@@ -1,5 +1,10 @@
 """vLLM's prompt dicts: LLM.generate takes these as well as plain strings and token-id lists."""
-from typing import NotRequired, TypedDict
+from typing import TypedDict
+
+try:
+    from typing import NotRequired
+except ImportError:   # Python 3.10 (torch installs typing_extensions)
+    from typing_extensions import NotRequired
 
 
 class TextPrompt(TypedDict):

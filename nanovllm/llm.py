@@ -13,7 +13,8 @@ class LLM(LLMEngine):
         """vLLM scripts reach the engine as llm.llm_engine (get_tokenizer, ...); here the LLM is one."""
         return self
 
-    def beam_search(self, prompts, params: BeamSearchParams, use_tqdm: bool = False) -> list[BeamSearchOutput]:
+    def beam_search(self, prompts, params: BeamSearchParams,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
         """vLLM's LLM.beam_search: for each prompt (a string, token ids or a prompt dict), the
         params.beam_width best beams of up to params.max_tokens tokens, best first."""
         if not isinstance(params, BeamSearchParams):
@@ -56,7 +57,8 @@ class LLM(LLMEngine):
     def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
              use_tqdm=True, chat_template: str | None = None, chat_template_content_format: str = "auto",
              add_generation_prompt: bool = True, continue_final_message: bool = False,
-             tools: list[dict] | None = None, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+             tools: list[dict] | None = None,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
         """vLLM's LLM.chat: `messages` is one conversation (a list of {"role", "content"} dicts) or a
         list of them; each is rendered with the chat template (the tokenizer's, or `chat_template`)
         and generated from. continue_final_message: the last (assistant) message is continued
@@ -64,7 +66,8 @@ class LLM(LLMEngine):
         template = load_chat_template(chat_template)
         if self.tokenizer is None or not (template or getattr(self.tokenizer, "chat_template", None)):
             raise ValueError("chat needs a tokenizer with a chat template (tokenizer.chat_template) or "
-                             "chat_template=...; this model folder has none: use generate with a formatted prompt")
+                             "chat_template=...; this model folder has none: use generate with a "
+                             "formatted prompt")
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message=True continues the last message, so it needs "
                              "add_generation_prompt=False")
@@ -74,13 +77,15 @@ class LLM(LLMEngine):
         if not isinstance(messages, (list, tuple)) or not messages:
             raise TypeError("messages must be a conversation (a list of message dicts) or a list of conversations")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
-        options = dict(add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
-                       **({"chat_template": template} if template else {}), **({"tools": tools} if tools else {}),
-                       **(chat_template_kwargs or {}))
+        options = dict(add_generation_prompt=add_generation_prompt,
+                       continue_final_message=continue_final_message,
+                       **({"chat_template": template} if template else {}),
+                       **({"tools": tools} if tools else {}), **(chat_template_kwargs or {}))
         prompts = [self.tokenizer.apply_chat_template(
                        parse_conversation(c, f"conversation {i}", chat_template_content_format),
                        tokenize=False, **options)
                    for i, c in enumerate(conversations)]
         # The template already writes any BOS it wants; encoding must not add another.
-        ids = [{"prompt_token_ids": self.tokenizer.encode(p, add_special_tokens=False), "prompt": p} for p in prompts]
+        ids = [{"prompt_token_ids": self.tokenizer.encode(p, add_special_tokens=False), "prompt": p}
+               for p in prompts]
         return self.generate(ids, sampling_params, use_tqdm=use_tqdm)

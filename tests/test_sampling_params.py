@@ -27,7 +27,8 @@ def test_normalisation():
     ("n", 0), ("n", 1.5), ("temperature", -0.1), ("temperature", "hot"), ("top_p", 0.0), ("top_p", 1.1),
     ("top_k", -2), ("top_k", 2.0), ("min_p", -0.1), ("min_p", 1.5), ("seed", 1.0), ("seed", "1"),
     ("presence_penalty", 2.5), ("frequency_penalty", -3), ("repetition_penalty", 0.0),
-    ("max_tokens", 0), ("min_tokens", -1), ("logprobs", -2), ("prompt_logprobs", 1.5), ("logprobs", 1.0), ("stop", [""]),
+    ("max_tokens", 0), ("min_tokens", -1), ("logprobs", -2), ("prompt_logprobs", 1.5), ("logprobs", 1.0),
+    ("stop", [""]),
     ("stop", [1]), ("stop_token_ids", [-1]), ("stop_token_ids", ["a"]), ("ignore_eos", 1),
     ("include_stop_str_in_output", "yes"), ("skip_special_tokens", None),
 ])

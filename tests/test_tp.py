@@ -80,13 +80,16 @@ def test_tp2_prompt_logprobs_and_token_constraints_match_tp1(qwen3_dir, qwen3_tp
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, prompt_logprobs=2,
                             logit_bias={7: 5.0}, bad_words=["w9"])
 
-    tp2, tp1 = (llm.generate(PROMPTS[2:], params, use_tqdm=False) for llm in (qwen3_tp2, LLM(qwen3_dir, **OPTIONS)))
+    tp2, tp1 = (llm.generate(PROMPTS[2:], params, use_tqdm=False)
+                for llm in (qwen3_tp2, LLM(qwen3_dir, **OPTIONS)))
     for a, b in zip(tp2, tp1):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        assert a.prompt_logprobs[0] is None and len(a.prompt_logprobs) == len(b.prompt_logprobs) == len(a.prompt_token_ids)
+        assert a.prompt_logprobs[0] is None
+        assert len(a.prompt_logprobs) == len(b.prompt_logprobs) == len(a.prompt_token_ids)
         for x, y in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
             assert list(x)[0] == list(y)[0]   # the prompt token
-            assert [lp.logprob for lp in x.values()] == pytest.approx([lp.logprob for lp in y.values()], abs=1e-4)
+            expected = [lp.logprob for lp in y.values()]
+            assert [lp.logprob for lp in x.values()] == pytest.approx(expected, abs=1e-4)
 
 
 def test_tp2_matches_tp1_llama(llama_dir, llama_tp2):

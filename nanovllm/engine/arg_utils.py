@@ -24,7 +24,8 @@ class _CliArgs:
             flag = "--" + f.name.replace("_", "-")
             help_text = f"default: {f.default!r}"
             if _base_type(f.type) is bool:
-                group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
+                group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
+                                   help=help_text)
             else:
                 group.add_argument(flag, type=_parser_of(f), default=f.default, help=help_text)
         return parser

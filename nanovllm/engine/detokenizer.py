@@ -15,7 +15,8 @@ class IncrementalDetokenizer:
         """Decode the newest output tokens; return the text they add (appended to `text`)."""
         # Decoding with the previous tokens as context keeps word boundaries (leading spaces)
         # right; the difference of the two decodes is the new text.
-        options = dict(skip_special_tokens=skip_special_tokens, spaces_between_special_tokens=spaces_between_special_tokens)
+        options = dict(skip_special_tokens=skip_special_tokens,
+                       spaces_between_special_tokens=spaces_between_special_tokens)
         prefix = tokenizer.decode(output_ids[self.prefix_offset:self.read_offset], **options)
         full = tokenizer.decode(output_ids[self.prefix_offset:], **options)
         if full.endswith("\ufffd"):

@@ -10,8 +10,8 @@ _SAMPLING_KEYS = {"repetition_penalty": "repetition_penalty", "temperature": "te
 
 def default_sampling_overrides(model_folder: str, generation_config: str) -> dict:
     """SamplingParams fields the model's generation config sets: as vLLM reads them, only values
-    that differ from transformers' GenerationConfig defaults. generation_config: "auto" (the model folder), "vllm" (none)
-    or another folder."""
+    that differ from transformers' GenerationConfig defaults. generation_config: "auto" (the model
+    folder), "vllm" (none) or another folder."""
     if generation_config == "vllm":
         return {}
     folder = model_folder if generation_config == "auto" else generation_config

@@ -33,10 +33,9 @@ def eos_token_ids(config: Config, tokenizer) -> set[int]:
 
 class LLMEngine:
     def __init__(self, model: str, **options):
-        self.config = Config.create(model, **options)
-        self.tokenizer = load_tokenizer(self.config.tokenizer or self.config.model, self.config.tokenizer_mode)
+        self.config = c = Config.create(model, **options)
+        self.tokenizer = load_tokenizer(c.tokenizer or c.model, c.tokenizer_mode)
         self.workers = self._start_runners()
-        c = self.config
         self.scheduler = Scheduler(c.max_num_seqs, c.max_num_batched_tokens, c.max_model_len,
                                    self.model_runner.num_kvcache_blocks, c.kvcache_block_size,
                                    eos_token_ids(c, self.tokenizer), c.enable_prefix_caching, self.tokenizer)
@@ -153,7 +152,8 @@ class LLMEngine:
                 raise ValueError(f"sampling_params {index}: {name} token ids must be in [0, {vocab}) "
                                  "(the model's vocabulary)")
         if params.bad_words and self.tokenizer is None:
-            raise ValueError(f"sampling_params {index}: bad_words need a tokenizer; the model folder has none")
+            raise ValueError(f"sampling_params {index}: bad_words need a tokenizer; the model folder has "
+                             "none")
         cap = self.config.max_logprobs
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(params, name)

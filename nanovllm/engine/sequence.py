@@ -50,7 +50,7 @@ class Sequence:
         # prompt_logprobs[i] is for prompt token i + 1 (the first token has none), filled by prefill.
         self.prompt_logprobs: list[TokenLogprobs] | None = [] if p.prompt_logprobs is not None else None
         self.bad_words_ids: list[list[int]] = []   # bad_words as token ids (set by the engine's tokenizer)
-        self.num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache (first allocation)
+        self.num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache (set once)
         self.detokenizer: IncrementalDetokenizer | None = IncrementalDetokenizer() if p.stop else None
 
     def __len__(self):
