@@ -107,7 +107,8 @@ class Sampler:
                             self._tensor(list(values)))
         limited = [p.allowed_token_ids is not None for p in params]
         if any(limited):
-            rows, tokens = zip(*[(row, tok) for row, p in enumerate(params) for tok in p.allowed_token_ids or ()])
+            pairs = [(row, tok) for row, p in enumerate(params) for tok in p.allowed_token_ids or ()]
+            rows, tokens = zip(*pairs)
             t.allowed = (self._tensor(limited, torch.bool), self._tensor(list(rows), torch.int64),
                          self._tensor(list(tokens), torch.int64))
 
