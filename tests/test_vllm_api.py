@@ -392,9 +392,9 @@ def test_log_stats_when_asked(qwen3_dir, caplog):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_new_sampling_features_on_gpu(qwen3_dir):
-    """CUDA graphs, async scheduling and the fused sampler for plain rows, in one batch with rows
-    that take the torch path (logit_bias, allowed_token_ids, bad_words) and a chunked prompt with
-    prompt_logprobs."""
+    """With CUDA graphs and async scheduling: rows that take the sampler's torch path (logit_bias,
+    allowed_token_ids, bad_words) in one batch with a plain sampled row and a chunked prompt with
+    prompt_logprobs; a plain sampled batch alone still takes the fused kernel."""
     from nanovllm import BeamSearchParams
     llm = LLM(qwen3_dir, device="cuda", dtype="float32", kvcache_block_size=16, num_kvcache_blocks=64,
               max_model_len=200, max_num_batched_tokens=32)
@@ -408,6 +408,8 @@ def test_new_sampling_features_on_gpu(qwen3_dir):
               SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, bad_words=[f"w{free[0]}"]),
               SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, prompt_logprobs=2)]
     outs = llm.generate([prompt] * 5, params, use_tqdm=False)
+    fused = llm.generate([prompt] * 2, params[0], use_tqdm=False)   # temperature only: the fused kernel
+    assert tokens(fused)[0] == tokens(fused)[1] and len(tokens(fused)[0]) == 8   # same seed, same tokens
     ids = tokens(outs)
     assert ids[1] == [42] * 8 and set(ids[2]) <= set(allowed) and free[0] not in ids[3] and ids[4] == free
     ref = torch.log_softmax(HFOracle(qwen3_dir).logits(prompt), dim=-1)
