@@ -15,8 +15,9 @@ class IncrementalDetokenizer:
         """Decode the newest output tokens; return the text they add (appended to `text`)."""
         # Decoding with the previous tokens as context keeps word boundaries (leading spaces)
         # right; the difference of the two decodes is the new text.
-        options = dict(skip_special_tokens=skip_special_tokens,
-                       spaces_between_special_tokens=spaces_between_special_tokens)
+        options = dict(skip_special_tokens=skip_special_tokens)
+        if not spaces_between_special_tokens:   # passed only when asked: the default needs no option
+            options["spaces_between_special_tokens"] = False
         prefix = tokenizer.decode(output_ids[self.prefix_offset:self.read_offset], **options)
         full = tokenizer.decode(output_ids[self.prefix_offset:], **options)
         if full.endswith("\ufffd"):
