@@ -17,5 +17,5 @@ def default_sampling_overrides(model_folder: str, generation_config: str) -> dic
     folder = model_folder if generation_config == "auto" else generation_config
     if not os.path.isfile(os.path.join(folder, "generation_config.json")):
         return {}
-    diff = GenerationConfig.from_pretrained(folder).to_diff_dict()
+    diff = GenerationConfig.from_pretrained(folder, trust_remote_code=False).to_diff_dict()
     return {ours: diff[key] for key, ours in _SAMPLING_KEYS.items() if diff.get(key) is not None}
