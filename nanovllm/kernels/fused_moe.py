@@ -13,10 +13,12 @@ Nothing reads a count on the host (grids are sized by the worst case, surplus pr
 once), so the path is CUDA-graph safe. Roundings follow transformers in the model's dtype: gate and
 up rounded, silu rounded, their product rounded, the down output rounded before the weight.
 
-Tiles: the module constants below are knobs (read at every call; benchmarks/moe_sweep.py sets them).
-Decode has few pairs per expert, so its blocks are short and its weight tiles wide in K (the GEMMs
-are bound by reading each touched expert's weights once); prefill has many, so its tiles are the
-usual compute-bound ones. The defaults are first choices for the H200, to be replaced by the sweep.
+Tiles: the module constants below are knobs (read at every call; benchmarks/moe_sweep.py sweeps
+them). BLOCK_N counts columns of gate and of up each (a gate/up program computes 2 * BLOCK_N).
+Decode has few pairs per expert (256 tokens x top 8 of 128 experts: 16 each), so its blocks are
+short and the GEMMs are bound by reading each touched expert's weights once; prefill has hundreds
+per expert, so its tiles are the usual compute-bound ones. The defaults are untimed first choices
+for the H200 (informed by vLLM's public tuning table for these shapes), to be replaced by the sweep.
 """
 from dataclasses import dataclass
 
@@ -26,9 +28,11 @@ import triton.language as tl
 
 # pairs per expert (num_tokens * top_k / num_experts) up to which the decode tiles are used
 DECODE_MAX_PAIRS_PER_EXPERT = 32
-DECODE_BLOCK_M, DECODE_BLOCK_N, DECODE_BLOCK_K, DECODE_WARPS, DECODE_STAGES = 16, 64, 128, 4, 4
-PREFILL_BLOCK_M, PREFILL_BLOCK_N, PREFILL_BLOCK_K, PREFILL_WARPS, PREFILL_STAGES = 64, 128, 64, 8, 3
-GROUP_M = 8   # block rows that share their weight tiles in L2 before moving to the next columns
+DECODE_BLOCK_M, DECODE_BLOCK_N, DECODE_BLOCK_K, DECODE_WARPS, DECODE_STAGES = 16, 64, 128, 4, 3
+PREFILL_BLOCK_M, PREFILL_BLOCK_N, PREFILL_BLOCK_K, PREFILL_WARPS, PREFILL_STAGES = 128, 128, 64, 8, 3
+# Block rows swept together per column range: an expert's second block (more than BLOCK_M pairs)
+# then finds the weight tile the first one read still in L2.
+GROUP_M = 8
 
 
 @dataclass(frozen=True)
@@ -55,7 +59,7 @@ def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
 
 # ---- sorting pairs by expert -------------------------------------------------------------------
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def _count_kernel(ids_ptr, counts_ptr, ranks_ptr, num_pairs, BLOCK: tl.constexpr):
     # Each pair's rank among its expert's pairs (in no particular order: only the blocks' sums,
     # never their order, reach the output).
@@ -66,7 +70,7 @@ def _count_kernel(ids_ptr, counts_ptr, ranks_ptr, num_pairs, BLOCK: tl.constexpr
     tl.store(ranks_ptr + offs, rank, mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_blocks"])
 def _offsets_kernel(counts_ptr, starts_ptr, block_expert_ptr, num_padded_ptr, num_blocks,
                     NUM_EXPERTS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr,
                     CHUNK: tl.constexpr):
@@ -86,7 +90,7 @@ def _offsets_kernel(counts_ptr, starts_ptr, block_expert_ptr, num_padded_ptr, nu
         tl.store(block_expert_ptr + b, tl.sum(ended.to(tl.int32), 1), mask=b < num_blocks)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def _scatter_kernel(ids_ptr, ranks_ptr, starts_ptr, sorted_ptr, num_pairs, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < num_pairs
