@@ -27,6 +27,9 @@ def fused_experts(x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
     """The Triton kernels on CUDA, the torch reference elsewhere (see kernels/fused_moe.py)."""
     if x.is_cuda and ATTENTION_BACKEND != "torch":
         return fused_moe_triton(x, w13, w2, topk_weights, topk_ids)
+    if x.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise ValueError("the torch MoE reference reads the routing on the host, which a CUDA graph cannot "
+                         "capture: with NANOVLLM_ATTENTION_BACKEND=torch pass enforce_eager=True")
     return fused_moe_ref(x, w13, w2, topk_weights, topk_ids)
 
 
