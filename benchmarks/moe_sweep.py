@@ -57,12 +57,12 @@ def copy_bandwidth() -> float:
 def parts(num_tokens, inter, weights, x, router, topk_weights, ids) -> str:
     tiles = fm.choose_tiles(num_tokens * K, E)
     w13, w2 = weights
-    route = ms(lambda: select_experts(x @ router.T, K, True))
+    route = ms(lambda: fm.select_experts_triton(x @ router.T, K, True))
     sort = ms(lambda: fm.align_by_expert(ids, E, tiles.block_m))
     total = ms(lambda: fm.fused_moe_triton(x, w13, w2, topk_weights, ids))
     y = torch.empty(num_tokens, K, H, dtype=x.dtype, device=x.device)
     summed = ms(lambda: y.sum(dim=1))
-    return (f"route {route * 1e3:6.1f}us  sort {sort * 1e3:6.1f}us  sum {summed * 1e3:6.1f}us  "
+    return (f"gate+route {route * 1e3:6.1f}us  sort {sort * 1e3:6.1f}us  sum {summed * 1e3:6.1f}us  "
             f"gemms {max(total - sort - summed, 0) * 1e3:7.1f}us  (fused_moe_triton {total * 1e3:7.1f}us)")
 
 

@@ -230,3 +230,14 @@ def test_interp_fused_moe_matches_reference(num_tokens, inter, block_m, block_n)
     weights, ids = select_experts(logits, top_k, renormalize=True)
     out = fused_moe_triton(x, w13, w2, weights, ids, Tiles(block_m, block_n, 16, 4, 1))
     torch.testing.assert_close(out, fused_moe_ref(x, w13, w2, weights, ids), atol=1e-5, rtol=1e-5)
+
+
+@interp
+@pytest.mark.parametrize("num_tokens,experts,top_k,renormalize", [(1, 8, 2, True), (37, 6, 3, False), (20, 128, 8, True)])
+def test_interp_select_experts_matches_reference(num_tokens, experts, top_k, renormalize):
+    from nanovllm.kernels.fused_moe import select_experts_triton
+    logits = torch.randn(num_tokens, experts, generator=torch.Generator().manual_seed(experts))
+    weights, ids = select_experts_triton(logits, top_k, renormalize)
+    want_weights, want_ids = select_experts(logits, top_k, renormalize)
+    assert torch.equal(ids.long(), want_ids)
+    torch.testing.assert_close(weights, want_weights)

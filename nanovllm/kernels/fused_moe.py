@@ -57,6 +57,55 @@ def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
     return num_pairs // block_m + min(num_experts, num_pairs)
 
 
+# ---- the router's choice -----------------------------------------------------------------------
+
+@triton.jit(do_not_specialize=["num_tokens"])
+def _select_experts_kernel(logits_ptr, weights_ptr, ids_ptr, num_tokens, logits_stride,
+                           NUM_EXPERTS: tl.constexpr, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
+                           BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr):
+    # ROWS tokens a program: softmax in fp32, top_k by repeated max (the lowest index wins a tie, as
+    # in torch.topk), optional renormalisation, weights rounded to the logits' dtype.
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    e = tl.arange(0, BLOCK_E)[None, :]
+    row_ok = rows < num_tokens
+    logits = tl.load(logits_ptr + rows.to(tl.int64)[:, None] * logits_stride + e,
+                     mask=row_ok[:, None] & (e < NUM_EXPERTS), other=float("-inf")).to(tl.float32)
+    p = tl.exp(logits - tl.max(logits, 1)[:, None])
+    p = p / tl.sum(p, 1)[:, None]
+    k = tl.arange(0, BLOCK_K)[None, :]
+    top_w = tl.zeros([ROWS, BLOCK_K], dtype=tl.float32)
+    top_i = tl.zeros([ROWS, BLOCK_K], dtype=tl.int32)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(p, 1)[:, None]
+        index = tl.min(tl.where(p == best, e, BLOCK_E), 1)[:, None]
+        top_w = tl.where(k == j, best, top_w)
+        top_i = tl.where(k == j, index, top_i)
+        p = tl.where(e == index, -1.0, p)
+    if RENORMALIZE:
+        top_w = top_w / tl.sum(top_w, 1)[:, None]
+    out = rows.to(tl.int64)[:, None] * TOP_K + k
+    out_ok = row_ok[:, None] & (k < TOP_K)
+    tl.store(weights_ptr + out, top_w.to(weights_ptr.dtype.element_ty), mask=out_ok)
+    tl.store(ids_ptr + out, top_i, mask=out_ok)
+
+
+def select_experts_triton(router_logits: torch.Tensor, top_k: int, renormalize: bool):
+    """kernels/moe_reference.select_experts in one kernel: router_logits: [num_tokens, num_experts]
+    -> (weights: [num_tokens, top_k] in the logits' dtype, ids: [num_tokens, top_k] int32)."""
+    num_tokens, num_experts = router_logits.shape
+    assert router_logits.stride(1) == 1
+    weights = torch.empty(num_tokens, top_k, dtype=router_logits.dtype, device=router_logits.device)
+    ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=router_logits.device)
+    if num_tokens:
+        block_e = triton.next_power_of_2(num_experts)
+        rows = max(1, 2048 // block_e)
+        _select_experts_kernel[(triton.cdiv(num_tokens, rows),)](
+            router_logits, weights, ids, num_tokens, router_logits.stride(0), NUM_EXPERTS=num_experts,
+            TOP_K=top_k, RENORMALIZE=renormalize, BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(top_k),
+            ROWS=rows, num_warps=4)
+    return weights, ids
+
+
 # ---- sorting pairs by expert -------------------------------------------------------------------
 
 @triton.jit(do_not_specialize=["num_pairs"])

@@ -15,12 +15,19 @@ from nanovllm.utils.distributed import all_reduce, tp_rank, tp_size
 from nanovllm.utils.loader import default_weight_loader
 
 if ATTENTION_BACKEND != "torch":
-    from nanovllm.kernels.fused_moe import fused_moe_triton
+    from nanovllm.kernels.fused_moe import fused_moe_triton, select_experts_triton
 
 
 def num_experts_of(config: PretrainedConfig) -> int:
     # transformers 5 stores Qwen3-MoE's num_experts as num_local_experts (an attribute alias)
     return getattr(config, "num_experts", None) or config.num_local_experts
+
+
+def route(router_logits: torch.Tensor, top_k: int, renormalize: bool):
+    """(weights, ids): [num_tokens, top_k] each; one Triton kernel on CUDA."""
+    if router_logits.is_cuda and ATTENTION_BACKEND != "torch":
+        return select_experts_triton(router_logits, top_k, renormalize)
+    return select_experts(router_logits, top_k, renormalize)
 
 
 def fused_experts(x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
@@ -80,7 +87,7 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [num_tokens, hidden] -> [num_tokens, hidden]
-        topk_weights, topk_ids = select_experts(self.gate(x), self.top_k, self.renormalize)
+        topk_weights, topk_ids = route(self.gate(x), self.top_k, self.renormalize)
         return all_reduce(self.experts(x, topk_weights, topk_ids))
 
 
