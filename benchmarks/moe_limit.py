@@ -18,7 +18,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench import workload  # noqa: E402
+from bench import workload
 
 BANDWIDTH, PEAK = 4.3e12, 770e12   # H200: measured device copy bytes/s; bf16 dense tensor-core FLOP/s
 DTYPE_BYTES = 2
@@ -77,7 +77,8 @@ def main():
         with open(os.path.join(folder, "config.json")) as f:
             r = limit(json.load(f))
         print(f"{os.path.basename(folder):<16} {r['weights_gb']:>10.1f} {r['experts_touched_at_batch_256']:>11.1f} "
-              f"{r['prefill_s']:>9.2f} {r['decode_s']:>8.2f} {r['tokens_per_s']:>18,.0f} {2 * r['tokens_per_s']:>7,.0f}")
+              f"{r['prefill_s']:>9.2f} {r['decode_s']:>8.2f} {r['tokens_per_s']:>18,.0f} "
+              f"{2 * r['tokens_per_s']:>7,.0f}")
 
 
 if __name__ == "__main__":

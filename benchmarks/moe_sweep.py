@@ -66,7 +66,8 @@ def parts(num_tokens, inter, weights, x, router, topk_weights, ids) -> str:
             f"gemms {max(total - sort - summed, 0) * 1e3:7.1f}us  (fused_moe_triton {total * 1e3:7.1f}us)")
 
 
-DECODE_GRID = dict(block_m=(16, 32), block_n=(32, 64, 128), block_k=(64, 128, 256), num_warps=(4,), num_stages=(2, 3, 4))
+DECODE_GRID = dict(block_m=(16, 32), block_n=(32, 64, 128), block_k=(64, 128, 256), num_warps=(4,),
+                   num_stages=(2, 3, 4))
 PREFILL_GRID = dict(block_m=(64, 128), block_n=(64, 128), block_k=(32, 64), num_warps=(4, 8), num_stages=(3, 4))
 QUICK = dict(decode=dict(block_m=(16, 32), block_n=(64, 128), block_k=(64, 128), num_warps=(4,), num_stages=(2, 3)),
              prefill=dict(block_m=(64, 128), block_n=(64, 128), block_k=(64,), num_warps=(4, 8), num_stages=(3, 4)))
@@ -105,7 +106,8 @@ def main():
     p.add_argument("--json")
     args = p.parse_args()
     COPY_TBS = copy_bandwidth()
-    print(f"{torch.cuda.get_device_name() if DEVICE == 'cuda' else DEVICE}: copy {COPY_TBS:.2f} TB/s; E={E} top-{K} hidden {H} inter {args.inter}")
+    device = torch.cuda.get_device_name() if DEVICE == "cuda" else DEVICE
+    print(f"{device}: copy {COPY_TBS:.2f} TB/s; E={E} top-{K} hidden {H} inter {args.inter}")
     weights = case(1, args.inter)[0]
     record = dict(copy_tbs=COPY_TBS, inter=args.inter, rows=[])
     print("tokens  tiles(BM,BN,BK,w,s)    ms/layer  achieved   parts")

@@ -233,7 +233,8 @@ def test_interp_fused_moe_matches_reference(num_tokens, inter, block_m, block_n)
 
 
 @interp
-@pytest.mark.parametrize("num_tokens,experts,top_k,renormalize", [(1, 8, 2, True), (37, 6, 3, False), (20, 128, 8, True)])
+@pytest.mark.parametrize("num_tokens,experts,top_k,renormalize",
+                         [(1, 8, 2, True), (37, 6, 3, False), (20, 128, 8, True)])
 def test_interp_select_experts_matches_reference(num_tokens, experts, top_k, renormalize):
     from nanovllm.kernels.fused_moe import select_experts_triton
     logits = torch.randn(num_tokens, experts, generator=torch.Generator().manual_seed(experts))
