@@ -69,8 +69,8 @@ def parts(num_tokens, inter, weights, x, router, topk_weights, ids) -> str:
 DECODE_GRID = dict(block_m=(16, 32), block_n=(32, 64, 128), block_k=(64, 128, 256), num_warps=(4,),
                    num_stages=(2, 3, 4))
 PREFILL_GRID = dict(block_m=(64, 128), block_n=(64, 128), block_k=(32, 64), num_warps=(4, 8), num_stages=(3, 4))
-QUICK = dict(decode=dict(block_m=(16, 32), block_n=(64, 128), block_k=(64, 128), num_warps=(4,), num_stages=(2, 3)),
-             prefill=dict(block_m=(64, 128), block_n=(64, 128), block_k=(64,), num_warps=(4, 8), num_stages=(3, 4)))
+QUICK = dict(decode=dict(block_m=(16, 32), block_n=(64, 128), block_k=(128,), num_warps=(4,), num_stages=(2, 3)),
+             prefill=dict(block_m=(64, 128), block_n=(128,), block_k=(64,), num_warps=(4, 8), num_stages=(3,)))
 
 
 def sweep(regime: str, sizes, grid: dict, inter: int, weights) -> dict:
