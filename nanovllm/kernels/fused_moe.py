@@ -1,4 +1,5 @@
-"""Fused mixture-of-experts on the GPU in Triton: the (token, expert) pairs are sorted by expert and
+"""Fused mixture-of-experts on the GPU in Triton: the router's choice (softmax, top-k, renormalise) in
+one kernel (select_experts_triton); then the (token, expert) pairs are sorted by expert and
 padded so that each BLOCK_M rows belong to one expert; then one grouped GEMM computes gate and up
 with SiLU-and-mul for every block, a second the down projection times the router weight, and a sum
 over each token's top_k rows gives the output.
