@@ -15,6 +15,7 @@ import torch
 import triton.testing
 
 from nanovllm.kernels import fused_moe as fm
+from nanovllm.kernels import moe_routing
 from nanovllm.kernels.moe_reference import select_experts
 
 E, K, H = 128, 8, 2048
@@ -57,8 +58,8 @@ def copy_bandwidth() -> float:
 def parts(num_tokens, inter, weights, x, router, topk_weights, ids) -> str:
     tiles = fm.choose_tiles(num_tokens * K, E)
     w13, w2 = weights
-    route = ms(lambda: fm.select_experts_triton(x @ router.T, K, True))
-    sort = ms(lambda: fm.align_by_expert(ids, E, tiles.block_m))
+    route = ms(lambda: moe_routing.select_experts_triton(x @ router.T, K, True))
+    sort = ms(lambda: moe_routing.align_by_expert(ids, E, tiles.block_m))
     total = ms(lambda: fm.fused_moe_triton(x, w13, w2, topk_weights, ids))
     y = torch.empty(num_tokens, K, H, dtype=x.dtype, device=x.device)
     summed = ms(lambda: y.sum(dim=1))

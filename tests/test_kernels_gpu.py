@@ -359,8 +359,8 @@ def test_fused_moe_cuda_graph_replay_matches_eager(moe_weights):
 def test_select_experts_kernel_matches_reference(num_tokens):
     """The router kernel against torch's softmax + topk on bf16 logits (which tie often: a tie may
     take either expert, so compare the chosen probabilities, not the indices)."""
-    from nanovllm.kernels.fused_moe import select_experts_triton
     from nanovllm.kernels.moe_reference import select_experts
+    from nanovllm.kernels.moe_routing import select_experts_triton
     gen = torch.Generator(device="cuda").manual_seed(num_tokens)
     logits = torch.randn(num_tokens, MOE_E, device="cuda", generator=gen).bfloat16()
     weights, ids = select_experts_triton(logits, MOE_K, renormalize=True)

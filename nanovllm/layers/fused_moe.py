@@ -15,7 +15,8 @@ from nanovllm.utils.distributed import all_reduce, tp_rank, tp_size
 from nanovllm.utils.loader import default_weight_loader
 
 if ATTENTION_BACKEND != "torch":
-    from nanovllm.kernels.fused_moe import fused_moe_triton, select_experts_triton
+    from nanovllm.kernels.fused_moe import fused_moe_triton
+    from nanovllm.kernels.moe_routing import select_experts_triton
 
 
 def num_experts_of(config: PretrainedConfig) -> int:
