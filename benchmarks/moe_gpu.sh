@@ -4,7 +4,7 @@
 #                                   Qwen3-30B-A3B shapes with dummy weights, a quick tile sweep of the kernels
 #   bash benchmarks/moe_gpu.sh tp   two H200s: bench.py at TP=2, then one rank's shard (inter 384) timed
 #   bash benchmarks/moe_gpu.sh profile   one H200: benchmarks/profile_bench.py on the 30B-A3B shapes (about 5 minutes)
-# Ends with a table: tokens/s against the workload's limit (benchmarks/moe_limit.py).
+# Ends with a table: tokens/s against the workload's limit (bench.py's h200_limit, docs/moe.md).
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name --format=csv,noheader | sort | uniq -c
@@ -36,13 +36,9 @@ else
 fi
 python - "$OUT" <<'PY'
 import glob, json, os, sys
-sys.path.insert(0, "benchmarks")
-from moe_limit import limit
-with open("configs/qwen3-30b-a3b/config.json") as f:
-    one_gpu = limit(json.load(f))["tokens_per_s"]
 print(f"{'run':<6} {'tokens/s':>9} {'limit':>7} {'of limit':>8} {'start-up s':>10}")
 for path in sorted(glob.glob(os.path.join(sys.argv[1], "bench_*.json"))):
     r = json.load(open(path))
-    lim = one_gpu * r["tp"]
-    print(f"{'tp' + str(r['tp']):<6} {r['tokens_per_s']:>9,.0f} {lim:>7,.0f} {r['tokens_per_s'] / lim:>8.1%} {r['startup_s']:>10}")
+    print(f"tp{r['tp']:<4} {r['tokens_per_s']:>9,.0f} {r['h200_limit_tokens_per_s']:>7,} "
+          f"{r['fraction_of_h200_limit']:>8.1%} {r['startup_s']:>10}")
 PY

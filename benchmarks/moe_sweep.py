@@ -8,6 +8,7 @@ call (router, sort, gate/up, down, sum), and a sweep of tile configs for each re
 --inter 384 gives one rank's shard under TP=2. Reads nothing from the engine; the best tiles per
 regime are printed as the knobs of nanovllm/kernels/fused_moe.py to set."""
 import argparse
+import functools
 import itertools
 import json
 
@@ -69,9 +70,12 @@ def parts(num_tokens, inter, weights, x, router, topk_weights, ids) -> str:
 
 DECODE_GRID = dict(block_m=(16, 32), block_n=(32, 64, 128), block_k=(64, 128, 256), num_warps=(4,),
                    num_stages=(2, 3, 4))
-PREFILL_GRID = dict(block_m=(64, 128), block_n=(64, 128), block_k=(32, 64), num_warps=(4, 8), num_stages=(3, 4))
-QUICK = dict(decode=dict(block_m=(16, 32), block_n=(64, 128), block_k=(128,), num_warps=(4,), num_stages=(2, 3)),
-             prefill=dict(block_m=(64, 128), block_n=(128,), block_k=(64,), num_warps=(4, 8), num_stages=(3,)))
+PREFILL_GRID = dict(block_m=(64, 128), block_n=(64, 128), block_k=(32, 64), num_warps=(4, 8),
+                    num_stages=(3, 4))
+QUICK = dict(decode=dict(block_m=(16, 32), block_n=(64, 128), block_k=(128,), num_warps=(4,),
+                         num_stages=(2, 3)),
+             prefill=dict(block_m=(64, 128), block_n=(128,), block_k=(64,), num_warps=(4, 8),
+                          num_stages=(3,)))
 
 
 def sweep(regime: str, sizes, grid: dict, inter: int, weights) -> dict:
@@ -80,13 +84,14 @@ def sweep(regime: str, sizes, grid: dict, inter: int, weights) -> dict:
     times = {}
     for tiles in configs:
         try:
-            times[tiles] = [ms(lambda: fm.fused_moe_triton(x, *weights, w, ids, tiles))
+            times[tiles] = [ms(functools.partial(fm.fused_moe_triton, x, *weights, w, ids, tiles))
                             for x, _, w, ids in cases.values()]
         except Exception as e:   # e.g. out of shared memory
             print(f"  {tiles}: {type(e).__name__}")
     default = fm.choose_tiles(sizes[-1] * K, E)
     best = min(times, key=lambda t: sum(times[t]))
-    print(f"{regime} sweep over {len(times)} tile configs, ms per call at {', '.join(map(str, sizes))} tokens:")
+    sizes_shown = ", ".join(map(str, sizes))
+    print(f"{regime} sweep over {len(times)} tile configs, ms per call at {sizes_shown} tokens:")
     for tiles in sorted(times, key=lambda t: sum(times[t]))[:5] + ([default] if default in times else []):
         tag = "  (default)" if tiles == default else ""
         print(f"  BM {tiles.block_m:3d} BN {tiles.block_n:3d} BK {tiles.block_k:3d} warps {tiles.num_warps} "
@@ -117,7 +122,8 @@ def main():
         t, achieved = figures(n, args.inter, weights, x, w, ids)
         tiles = fm.choose_tiles(n * K, E)
         shown = f"{tiles.block_m},{tiles.block_n},{tiles.block_k},{tiles.num_warps},{tiles.num_stages}"
-        print(f"{n:6d}  {shown:<20}  {t:8.4f}  {achieved}   {parts(n, args.inter, weights, x, router, w, ids)}")
+        split = parts(n, args.inter, weights, x, router, w, ids)
+        print(f"{n:6d}  {shown:<20}  {t:8.4f}  {achieved}   {split}")
         record["rows"].append(dict(tokens=n, ms=t, achieved=achieved.strip()))
     if not args.no_sweep:
         grids = QUICK if args.quick else dict(decode=DECODE_GRID, prefill=PREFILL_GRID)

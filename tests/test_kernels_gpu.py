@@ -319,8 +319,8 @@ def assert_moe_close(out: torch.Tensor, x, w13, w2, weights, ids):
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.parametrize("num_tokens,skewed", [(1, False), (7, False), (64, False), (256, False), (2048, False),
-                                               (4096, True)])
+@pytest.mark.parametrize("num_tokens,skewed", [(1, False), (7, False), (64, False), (256, False),
+                                               (2048, False), (4096, True)])
 def test_fused_moe_matches_reference(moe_weights, num_tokens, skewed):
     from nanovllm.kernels.fused_moe import fused_moe_triton
     w13, w2 = moe_weights

@@ -20,8 +20,8 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 # 9 blocks of 16 tokens and 48-token steps: long prompts are prefilled in chunks and decoding preempts
 SMALL = dict(kvcache_block_size=16, num_kvcache_blocks=9, max_num_batched_tokens=48, max_num_seqs=4)
 VARIANTS = {
-    "moe": {},                                                  # layer 1 dense (mlp_only_layers), top-k renormalised
-    "moe-step2": dict(decoder_sparse_step=2, mlp_only_layers=[], norm_topk_prob=False),   # layer 1 sparse only
+    "moe": {},   # layer 1 dense (mlp_only_layers), top-k renormalised
+    "moe-step2": dict(decoder_sparse_step=2, mlp_only_layers=[], norm_topk_prob=False),   # layer 1 sparse
 }
 
 
@@ -73,11 +73,13 @@ def test_select_experts_picks_top_k_and_renormalises():
 
 def test_fused_moe_ref_is_the_weighted_sum_of_experts():
     g = torch.Generator().manual_seed(0)
-    x, w13, w2 = torch.randn(5, 8, generator=g), torch.randn(4, 12, 8, generator=g), torch.randn(4, 8, 6, generator=g)
+    x = torch.randn(5, 8, generator=g)
+    w13, w2 = torch.randn(4, 12, 8, generator=g), torch.randn(4, 8, 6, generator=g)
     weights, ids = torch.rand(5, 2, generator=g), torch.tensor([[0, 3], [3, 1], [1, 0], [2, 3], [3, 0]])
     out = fused_moe_ref(x, w13, w2, weights, ids)
     for t in range(5):
-        want = sum(weights[t, k] * (w2[e] @ (torch.nn.functional.silu(w13[e, :6] @ x[t]) * (w13[e, 6:] @ x[t])))
+        silu = torch.nn.functional.silu
+        want = sum(weights[t, k] * (w2[e] @ (silu(w13[e, :6] @ x[t]) * (w13[e, 6:] @ x[t])))
                    for k, e in enumerate(ids[t].tolist()))
         torch.testing.assert_close(out[t], want)
 
@@ -89,7 +91,8 @@ def test_layer_pattern_follows_the_config(moe):
     theirs = [isinstance(layer.mlp, Qwen3MoeSparseMoeBlock) for layer in oracle.model.model.layers]
     ours = [isinstance(layer.mlp, SparseMoeBlock) for layer in model.model.layers]
     assert ours == theirs and True in ours and False in ours
-    assert all(isinstance(layer.mlp, LlamaMLP) for layer, sparse in zip(model.model.layers, ours) if not sparse)
+    dense = [layer.mlp for layer, sparse in zip(model.model.layers, ours) if not sparse]
+    assert all(isinstance(mlp, LlamaMLP) for mlp in dense)
 
 
 # ---- end to end against transformers -----------------------------------------------------------
@@ -142,7 +145,8 @@ def test_preemption_and_chunked_prefill_match_transformers(moe):
 def test_tp2_matches_transformers_and_tp1(moe_dir):
     prompts = random_prompts(4, [5, 17, 33, 40], seed=1)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    expected = [o.outputs[0].token_ids for o in LLM(moe_dir, **SMALL).generate(prompts, params, use_tqdm=False)]
+    tp1 = LLM(moe_dir, **SMALL)
+    expected = [o.outputs[0].token_ids for o in tp1.generate(prompts, params, use_tqdm=False)]
     llm = LLM(moe_dir, tensor_parallel_size=2, **SMALL)
     try:
         experts = llm.model_runner.model.model.layers[0].mlp.experts
@@ -154,6 +158,37 @@ def test_tp2_matches_transformers_and_tp1(moe_dir):
     oracle = HFOracle(moe_dir)
     for prompt, ids in zip(prompts, got):
         oracle.assert_greedy(prompt, ids)
+
+
+# ---- bench.py's limit -----------------------------------------------------------------------------
+
+def test_h200_limit_reads_only_the_touched_experts():
+    import bench
+    # one sequence: each decode step touches exactly top_k experts of each MoE layer
+    config = dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=16, intermediate_size=128, vocab_size=1000, num_experts=8, num_experts_per_tok=2,
+                  moe_intermediate_size=32, mlp_only_layers=[1])
+    attn, router, expert = 64 * (4 + 2 * 2) * 16 + 4 * 16 * 64, 8 * 64, 3 * 64 * 32
+    body = 3 * attn + 3 * 64 * 128 + 2 * router   # layer 1 dense, layers 0 and 2 with experts
+    active, lm_head = body + 2 * 2 * expert, 1000 * 64
+    kv_per_token = 3 * 2 * 2 * 16 * 2
+    reads = sum(2 * (body + lm_head + 2 * 2 * expert) + kv_per_token * (1 + step) for step in range(1000))
+    prefill = (2 * active + 2 * lm_head + 4 * 3 * 4 * 16 / 2) / bench.H200_BF16_FLOP_PER_S
+    expected = 1000 / (reads / bench.H200_COPY_BYTES_PER_S + prefill)
+    assert bench.h200_limit(config, [1], [1000]) == pytest.approx(expected, rel=1e-9)
+
+
+def test_h200_limit_of_qwen3_30b_a3b():
+    """docs/moe.md's figures: at batch 256 every step reads all 128 experts of all 48 layers."""
+    import json
+
+    import bench
+    with open(os.path.join(os.path.dirname(__file__), "..", "configs", "qwen3-30b-a3b", "config.json")) as f:
+        config = json.load(f)
+    prompts, params = bench.workload(256, 1024, 1024, 0.6)
+    lens, outs = [len(p) for p in prompts], [p.max_tokens for p in params]
+    assert bench.h200_limit(config, lens, outs) == pytest.approx(7_673, rel=0.002)
+    assert bench.h200_limit(config, lens, outs, tp=2) == pytest.approx(15_346, rel=0.002)
 
 
 # ---- the loader --------------------------------------------------------------------------------
@@ -168,7 +203,8 @@ def _edit_checkpoint(path: str, edit):
 def test_loader_names_a_missing_expert_tensor(tmp_path):
     path = make_model(str(tmp_path), "qwen3_moe", tokenizer=False)
     _edit_checkpoint(path, lambda t: t.pop("model.layers.2.mlp.experts.5.up_proj.weight"))
-    with pytest.raises(ValueError, match=r"no tensor for: model\.layers\.2\.mlp\.experts\.5\.up_proj\.weight$"):
+    missing = r"no tensor for: model\.layers\.2\.mlp\.experts\.5\.up_proj\.weight$"
+    with pytest.raises(ValueError, match=missing):
         LLM(path, num_kvcache_blocks=4, kvcache_block_size=16)
 
 
@@ -217,7 +253,8 @@ def test_interp_align_by_expert_groups_every_pair_once(num_tokens, experts, top_
 
 
 @interp
-@pytest.mark.parametrize("num_tokens,inter,block_m,block_n", [(1, 32, 16, 16), (13, 48, 16, 32), (37, 32, 32, 16)])
+@pytest.mark.parametrize("num_tokens,inter,block_m,block_n",
+                         [(1, 32, 16, 16), (13, 48, 16, 32), (37, 32, 32, 16)])
 def test_interp_fused_moe_matches_reference(num_tokens, inter, block_m, block_n):
     from nanovllm.kernels.fused_moe import Tiles, fused_moe_triton
     g = torch.Generator().manual_seed(num_tokens)

@@ -143,7 +143,8 @@ def _down_kernel(h_ptr, w_ptr, y_ptr, weights_ptr, sorted_ptr, block_expert_ptr,
     dtype = y_ptr.dtype.element_ty
     weight = tl.load(weights_ptr + pair, mask=valid, other=0.0).to(tl.float32)
     y = _rounded(acc, dtype) * weight[:, None]
-    tl.store(y_ptr + pair[:, None] * HIDDEN + cols[None, :], y.to(dtype), mask=valid[:, None] & col_ok[None, :])
+    y_ptrs = y_ptr + pair[:, None] * HIDDEN + cols[None, :]
+    tl.store(y_ptrs, y.to(dtype), mask=valid[:, None] & col_ok[None, :])
 
 
 def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,

@@ -104,7 +104,7 @@ def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
 
 @dataclass
 class Alignment:
-    sorted_pairs: torch.Tensor    # [max_blocks * block_m] int32: pair index (token * top_k + k), num_pairs = padding
+    sorted_pairs: torch.Tensor    # [max_blocks * block_m] int32: pair (token * top_k + k); num_pairs: padding
     block_expert: torch.Tensor    # [max_blocks] int32: the expert of each block (num_experts: unused block)
     num_padded: torch.Tensor      # [1] int32: rows in use (a multiple of block_m)
 

@@ -43,7 +43,8 @@ def fused_experts(x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
 
 class FusedMoE(nn.Module):
     """num_experts SiLU-gated MLPs stacked into two parameters (this rank's shard):
-    w13: [num_experts, 2 * inter / tp, hidden] (gate rows, then up rows); w2: [num_experts, hidden, inter / tp].
+    w13: [num_experts, 2 * inter / tp, hidden] (gate rows, then up rows);
+    w2: [num_experts, hidden, inter / tp].
     Checkpoint tensors arrive one expert and projection at a time, shard_id = (expert, 0 gate | 1 up)
     for w13 and (expert, 0) for w2 (utils/loader.py maps HF's per-expert names)."""
 
@@ -67,7 +68,8 @@ class FusedMoE(nn.Module):
         default_weight_loader(dest, loaded)
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        # x: [num_tokens, hidden]; topk_*: [num_tokens, top_k] -> this rank's partial sum: [num_tokens, hidden]
+        # x: [num_tokens, hidden]; topk_*: [num_tokens, top_k]
+        # -> this rank's partial sum: [num_tokens, hidden]
         return fused_experts(x, self.w13, self.w2, topk_weights, topk_ids)
 
 
@@ -81,7 +83,8 @@ class SparseMoeBlock(nn.Module):
         num_experts = num_experts_of(config)
         self.top_k = config.num_experts_per_tok
         if not 1 <= self.top_k <= num_experts:
-            raise ValueError(f"num_experts_per_tok ({self.top_k}) must be between 1 and num_experts ({num_experts})")
+            raise ValueError(f"num_experts_per_tok ({self.top_k}) must be between 1 and num_experts "
+                             f"({num_experts})")
         self.renormalize = bool(getattr(config, "norm_topk_prob", False))
         self.gate = ReplicatedLinear(config.hidden_size, num_experts)
         self.experts = FusedMoE(num_experts, config.hidden_size, config.moe_intermediate_size)
