@@ -208,6 +208,14 @@ def test_loader_names_a_missing_expert_tensor(tmp_path):
         LLM(path, num_kvcache_blocks=4, kvcache_block_size=16)
 
 
+def test_loader_refuses_an_expert_past_num_experts(tmp_path):
+    path = make_model(str(tmp_path), "qwen3_moe", tokenizer=False)
+    name = "model.layers.0.mlp.experts.8.gate_proj.weight"   # experts 0-7
+    _edit_checkpoint(path, lambda t: t.update({name: torch.zeros(32, 64)}))
+    with pytest.raises(ValueError, match=rf"{name}.*expert 8 is past the config's num_experts \(8\)"):
+        LLM(path, num_kvcache_blocks=4, kvcache_block_size=16)
+
+
 def test_loader_refuses_a_misshapen_expert_tensor(tmp_path):
     path = make_model(str(tmp_path), "qwen3_moe", tokenizer=False)
     name = "model.layers.0.mlp.experts.1.down_proj.weight"

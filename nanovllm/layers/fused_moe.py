@@ -59,6 +59,8 @@ class FusedMoE(nn.Module):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, int]):
         expert, index = shard_id
+        if not 0 <= expert < param.shape[0]:
+            raise ValueError(f"expert {expert} is past the config's num_experts ({param.shape[0]})")
         if param is self.w13:   # gate or up: [inter, hidden], split along the intermediate rows
             dest = param.data[expert].narrow(0, index * self.inter, self.inter)
             loaded = _shard(loaded, 0, self.inter, self.tp_rank, self.tp_size)
