@@ -1,6 +1,10 @@
 """The engine: tokenizer, model runner and scheduler; add_request / step / generate."""
+import functools
 import numbers
+import threading
 import time
+import weakref
+from contextlib import contextmanager
 
 from tqdm.auto import tqdm
 
@@ -28,8 +32,31 @@ def eos_token_ids(config: Config, tokenizer) -> set[int]:
     return ids
 
 
+def serialised(method):
+    """Run an engine method holding the engine's lock, so threads sharing one engine take turns: a
+    generate call runs from queueing its first sequence to building its last output with no other
+    caller's step in between, and gives exactly the tokens it would alone. Also refuses a broken
+    engine, and finishes a reset that a second interrupt cut short."""
+    @functools.wraps(method)
+    def locked(self, *args, **kwargs):
+        with self._lock:
+            if self._broken is not None:
+                raise RuntimeError(f"this engine can no longer run: {self._broken}. Create a new LLM "
+                                   "(and shut this one down)")
+            if self._dirty:
+                self._reset()
+            return method(self, *args, **kwargs)
+    return locked
+
+
 class LLMEngine:
     def __init__(self, model: str, **options):
+        self._lock = threading.RLock()   # see serialised
+        self._dirty = False   # the bookkeeping may be half-updated: reset it before the next call
+        self._broken: str | None = None   # why the engine cannot run any more steps
+        # Every sequence queued and still alive, so a reset ends them all, also one that was
+        # between two queues when the failure came.
+        self._queued: weakref.WeakSet[Sequence] = weakref.WeakSet()
         self.config = Config.create(resolve_model(model), **options)
         self.tokenizer = load_tokenizer(self.config.model)
         self.workers = self._start_runners()
@@ -108,19 +135,54 @@ class LLMEngine:
                              "memory (gpu_memory_utilization, kv_cache_memory_bytes or num_kvcache_blocks)")
         return ids
 
+    @serialised
     def add_request(self, prompt: str | list[int], sampling_params: SamplingParams | None = None) -> list[Sequence]:
         """Queue one prompt; return its sampling_params.n sequences (completions 0..n-1)."""
         params = self._params_list(sampling_params, 1)[0]
         seqs = self._new_seqs(self._token_ids(prompt, 0), params)
-        for seq in seqs:
-            self.scheduler.add(seq)
+        with self._reset_on_error():
+            self._queue(seqs)
         return seqs
 
+    def _queue(self, seqs: list[Sequence]):
+        self._queued.update(seqs)
+        for seq in seqs:
+            self.scheduler.add(seq)
+
+    # ---- failures -------------------------------------------------------------------------
+
+    @contextmanager
+    def _reset_on_error(self):
+        """Any exception or interrupt inside leaves the engine as a fresh one (see _reset). The
+        dirty flag covers an interrupt that lands in the recovery itself: the next call resets."""
+        was_dirty, self._dirty = self._dirty, True
+        try:
+            yield
+        except BaseException:
+            self._reset()
+            raise
+        self._dirty = was_dirty
+
+    def _reset(self):
+        """After a failure anywhere in a call or step: drop the batch in flight, end every queued
+        sequence with finish_reason "abort", and rebuild the scheduler's queues and blocks from
+        nothing (the prefix cache too), since an interrupt may have landed between any two
+        updates of them. The model runner needs nothing: a new sequence reads no state of an old one."""
+        self._dirty = True
+        self._in_flight = None
+        for seq in list(self._queued):
+            seq.abort()
+        self._queued.clear()
+        self.scheduler.reset()
+        self._dirty = False
+
+    @serialised
     def abort(self, seqs: list[Sequence]):
         """Stop these sequences now (their client went away) and free their KV blocks; a token
         still in flight for one of them is dropped when it arrives."""
-        for seq in seqs:
-            self.scheduler.finish(seq, ABORT)
+        with self._reset_on_error():
+            for seq in seqs:
+                self.scheduler.finish(seq, ABORT)
 
     def _check_params(self, params: SamplingParams, index: int):
         try:
@@ -141,11 +203,17 @@ class LLMEngine:
 
     # ---- stepping -------------------------------------------------------------------------
 
+    @serialised
     def step(self) -> tuple[list[Sequence], ScheduledBatch]:
         """Schedule one batch and launch it; then apply the results of the batch launched before
         it. The host so does its bookkeeping while the device computes, and waits only for
         tokens of the previous batch (async_scheduling; otherwise each batch is applied at once).
-        Returns the sequences that finished, and the batch launched."""
+        Returns the sequences that finished, and the batch launched. An exception aborts every
+        queued request (see _reset)."""
+        with self._reset_on_error():
+            return self._step()
+
+    def _step(self) -> tuple[list[Sequence], ScheduledBatch]:
         finished = []
         if self._in_flight and not self._can_run_ahead(self._in_flight[0]):
             finished += self._apply(*self._in_flight)
@@ -155,9 +223,9 @@ class LLMEngine:
         if batch.seqs:
             try:
                 launched = batch, self.model_runner.launch(batch)
-            except Exception as e:
+            except BaseException as e:
                 if self.workers is not None:
-                    self.workers.raise_if_died(e)   # a collective failed because a worker died: say so
+                    self._break_tp_step(e)
                 raise
             self.scheduler.advance(batch)
         else:
@@ -169,6 +237,17 @@ class LLMEngine:
             finished += self._apply(*launched)
             self._in_flight = None
         return finished, batch
+
+    def _break_tp_step(self, error: BaseException):
+        """A launch under tensor parallelism failed or was interrupted: the workers may have run
+        (or be waiting in) a step that rank 0 did not finish, so the ranks are out of step and
+        the next collective would hang or mix two steps. Mark the engine broken."""
+        if self.workers.closed:
+            return   # shut down: every call already says so
+        self._broken = (f"a step under tensor parallelism was cut short ({type(error).__name__}: {error}), "
+                        "so the ranks may be out of step")
+        if isinstance(error, Exception):
+            self.workers.raise_if_died(error)   # a collective failed because a worker died: say so
 
     def _can_run_ahead(self, batch: ScheduledBatch) -> bool:
         """May the next batch be launched before this one's tokens are on the host? Not with
@@ -188,26 +267,25 @@ class LLMEngine:
             self._in_flight = None
             self._apply(batch, pending)
 
+    @serialised
     def is_finished(self) -> bool:
         return self.scheduler.is_finished() and self._in_flight is None
 
+    @serialised
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
+        """Threads may share an engine: their calls are served one after another (see serialised).
+        An exception or Ctrl-C anywhere inside leaves the engine as a fresh one (see _reset)."""
         prompts = _as_prompt_list(prompts)
         params = self._params_list(sampling_params, len(prompts))
         token_ids = [self._token_ids(p, i) for i, p in enumerate(prompts)]   # all checked before any is queued
         requests = [self._new_seqs(ids, sp) for ids, sp in zip(token_ids, params)]
         seqs = [seq for request in requests for seq in request]
-        for seq in seqs:
-            self.scheduler.add(seq)
-        try:
+        with self._reset_on_error():
+            self._queue(seqs)
             self._run_until_done(seqs, use_tqdm)
             self._drain()
-        except BaseException:
-            self._in_flight = None
-            self.scheduler.abort_all()   # leave the engine empty and usable
-            raise
-        return [self._output(request, p) for request, p in zip(requests, prompts)]
+            return [self._output(request, p) for request, p in zip(requests, prompts)]
 
     def _run_until_done(self, seqs: list[Sequence], use_tqdm: bool):
         bar = tqdm(total=len(seqs), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
@@ -215,7 +293,7 @@ class LLMEngine:
         with bar:
             while not all(seq.is_finished for seq in seqs):
                 t = time.perf_counter()
-                finished, batch = self.step()
+                finished, batch = self._step()
                 dt = max(time.perf_counter() - t, 1e-9)
                 if batch.is_prefill:
                     prefill_tps = batch.num_tokens / dt
