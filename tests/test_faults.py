@@ -10,6 +10,8 @@ raises at the k-th line run in the engine's files reproduces that exactly, for e
 import os
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 
@@ -211,21 +213,41 @@ def test_a_fault_in_a_hand_driven_step_aborts_the_queued_requests(engine, monkey
 
 # ---- tensor parallelism ---------------------------------------------------------------------
 
-def test_tp_interrupted_step_breaks_the_engine_and_other_faults_do_not(qwen3_dir):
-    """In a subprocess with a deadline: a desynchronised TP group could hang."""
+def test_tp_threads_and_faults(qwen3_dir):
+    """A TP=2 engine shared by threads gives each its lone outputs (one call at a time: two steps
+    mixed in the workers' channel would deadlock the ranks); a fault outside the model step leaves
+    it usable; an interrupt inside one marks it broken. In a subprocess with a deadline: a
+    desynchronised TP group could hang."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(os.path.dirname(__file__)),
                                                         os.environ.get("PYTHONPATH", "")])}
     result = subprocess.run([sys.executable, __file__, "tp", qwen3_dir], env=env, capture_output=True,
-                            text=True, timeout=240)
+                            text=True, timeout=180)
     assert result.returncode == 0 and "TP FAULTS OK" in result.stdout, result.stdout[-3000:] + result.stderr[-3000:]
 
 
 def tp_faults(path: str):
-    import time
     import torch
     torch.set_num_threads(1)
-    llm = LLM(path, tensor_parallel_size=2, **OPTIONS)
+    llm = LLM(path, tensor_parallel_size=2, device="cpu", **OPTIONS)   # gloo, also on a GPU machine
     expected = run(llm)
+
+    # Threads: each call's outputs are its lone outputs.
+    jobs = [(PROMPTS[i:i + 2], PARAMS[i:i + 2]) for i in range(4)]
+    alone = [summary(llm.generate(p, sp, use_tqdm=False)) for p, sp in jobs]
+    got = {}
+
+    def generate(i):
+        got[i] = [summary(llm.generate(*jobs[i], use_tqdm=False)) for _ in range(2)]
+
+    threads = [threading.Thread(target=generate, args=(i,), daemon=True) for i in range(len(jobs))]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 60
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    assert not any(t.is_alive() for t in threads), "a thread is still running: deadlock?"
+    assert [got.get(i) for i in range(len(jobs))] == [[a] * 2 for a in alone]
+    assert_clean(llm)
 
     # A fault outside the model step (here in the scheduler) leaves every rank in step.
     real = Scheduler.complete

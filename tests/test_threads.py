@@ -3,6 +3,7 @@ after another (the engine's lock), so every caller gets exactly the outputs it g
 call that fails leaves the other threads' calls untouched. (Tensor parallelism: tests/test_faults.py
 runs the same check on a TP=2 engine in its subprocess.)"""
 import threading
+import time
 
 import pytest
 
@@ -57,8 +58,9 @@ def run_threads(targets, timeout_s: float = 120):
     threads = [threading.Thread(target=wrapped, args=(t,), daemon=True) for t in targets]
     for t in threads:
         t.start()
+    deadline = time.monotonic() + timeout_s
     for t in threads:
-        t.join(timeout_s)
+        t.join(max(0.0, deadline - time.monotonic()))
     assert not any(t.is_alive() for t in threads), "a thread is still running: deadlock?"
     if errors:
         raise errors[0]
