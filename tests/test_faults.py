@@ -16,10 +16,9 @@ import time
 import pytest
 
 from conftest import assert_clean, random_prompts
-
 from nanovllm import LLM, SamplingParams
-from nanovllm.engine import block_manager, detokenizer, llm_engine, model_runner, sampling_inputs, scheduler, \
-    sequence, step_input
+from nanovllm.engine import (block_manager, detokenizer, llm_engine, model_runner, sampling_inputs, scheduler,
+                             sequence, step_input)
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.detokenizer import IncrementalDetokenizer
 from nanovllm.engine.model_runner import ModelRunner
@@ -57,7 +56,7 @@ def run(llm):
 def engine_and_expected(path: str, async_scheduling: bool):
     llm = LLM(path, async_scheduling=async_scheduling, **OPTIONS)
     expected = run(LLM(path, async_scheduling=async_scheduling, **OPTIONS))
-    assert any(c[2] == "stop" for o in expected for c in o), "no stop string matched: the scenario misses that path"
+    assert any(c[2] == "stop" for o in expected for c in o), "no stop string matched: the scenario misses it"
     return llm, expected
 
 
@@ -128,7 +127,8 @@ def test_a_fault_at_any_line_leaves_a_fresh_engine(request, which):
     missed = []
     for i, k in enumerate(points):
         error = KeyboardInterrupt if i % 2 == 0 else RuntimeError
-        if not assert_recovers(llm, expected, error, lambda: traced_run(llm, FaultAtLine(k, error))):
+        fault = FaultAtLine(k, error)
+        if not assert_recovers(llm, expected, error, lambda: traced_run(llm, fault)):  # noqa: B023 - called at once
             missed.append((k, error))
     assert not missed, f"faults swallowed instead of re-raised, of {lines} lines: {missed}"
 
@@ -166,19 +166,24 @@ FUNCTIONS = [
 ]
 
 
+def fail_on_call(real, k: int, error: BaseException):
+    """real, wrapped to raise error on its k-th call; and the list its calls are counted in."""
+    calls = []
+
+    def faulty(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == k:
+            raise error
+        return real(*args, **kwargs)
+    return faulty, calls
+
+
 @pytest.mark.parametrize("owner,name", FUNCTIONS, ids=[f"{o.__name__}.{n}" for o, n in FUNCTIONS])
 def test_a_fault_in_a_function_leaves_a_fresh_engine(engine, monkeypatch, owner, name):
     llm, expected = engine
     real = getattr(owner, name)
     for k, error in [(1, KeyboardInterrupt), (2, RuntimeError), (5, KeyboardInterrupt)]:
-        calls = []
-
-        def faulty(*args, **kwargs):
-            calls.append(1)
-            if len(calls) == k:
-                raise error(f"injected in {name}")
-            return real(*args, **kwargs)
-
+        faulty, calls = fail_on_call(real, k, error(f"injected in {name}"))
         monkeypatch.setattr(owner, name, faulty)
         fired = assert_recovers(llm, expected, error, lambda: llm.generate(PROMPTS, PARAMS, use_tqdm=False),
                                 disarm=lambda: monkeypatch.setattr(owner, name, real))
@@ -222,7 +227,8 @@ def test_tp_threads_and_faults(qwen3_dir):
                                                         os.environ.get("PYTHONPATH", "")])}
     result = subprocess.run([sys.executable, __file__, "tp", qwen3_dir], env=env, capture_output=True,
                             text=True, timeout=180)
-    assert result.returncode == 0 and "TP FAULTS OK" in result.stdout, result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.returncode == 0 and "TP FAULTS OK" in result.stdout, \
+        result.stdout[-3000:] + result.stderr[-3000:]
 
 
 def tp_faults(path: str):
@@ -251,15 +257,7 @@ def tp_faults(path: str):
 
     # A fault outside the model step (here in the scheduler) leaves every rank in step.
     real = Scheduler.complete
-    calls = []
-
-    def faulty(*args):
-        calls.append(1)
-        if len(calls) == 3:
-            raise KeyboardInterrupt("injected in complete")
-        return real(*args)
-
-    Scheduler.complete = faulty
+    Scheduler.complete, _ = fail_on_call(real, 3, KeyboardInterrupt("injected in complete"))
     try:
         llm.generate(PROMPTS, PARAMS, use_tqdm=False)
         raise AssertionError("the fault did not fire")
@@ -270,15 +268,8 @@ def tp_faults(path: str):
     assert run(llm) == expected
 
     # Ctrl-C after the workers got a step and before rank 0 finished its part: broken, at once.
-    real_forward, calls = llm.model_runner.forward_step, []
-
-    def interrupted(step):
-        calls.append(1)
-        if len(calls) == 2:
-            raise KeyboardInterrupt("injected in rank 0's step")
-        return real_forward(step)
-
-    llm.model_runner.forward_step = interrupted
+    llm.model_runner.forward_step, _ = fail_on_call(llm.model_runner.forward_step, 2,
+                                                    KeyboardInterrupt("injected in rank 0's step"))
     try:
         llm.generate(PROMPTS, PARAMS, use_tqdm=False)
         raise AssertionError("the fault did not fire")

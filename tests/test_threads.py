@@ -18,7 +18,8 @@ OPTIONS = dict(kvcache_block_size=8, num_kvcache_blocks=24, max_num_batched_toke
 # logprobs, penalties), so tokens of one caller showing up in another's output would be seen.
 JOBS = [
     (random_prompts(3, [5, 20, 9], seed=1), SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)),
-    (random_prompts(2, [12, 3], seed=2), SamplingParams(temperature=0.9, seed=7, n=2, max_tokens=6, ignore_eos=True)),
+    (random_prompts(2, [12, 3], seed=2), SamplingParams(temperature=0.9, seed=7, n=2, max_tokens=6,
+                                                        ignore_eos=True)),
     (random_prompts(2, [30, 6], seed=3), SamplingParams(temperature=0, max_tokens=9, stop=["w1"], logprobs=1,
                                                         ignore_eos=True)),
     (random_prompts(1, [17], seed=4), SamplingParams(temperature=0, max_tokens=5, frequency_penalty=0.5,
@@ -69,7 +70,7 @@ def run_threads(targets, timeout_s: float = 120):
 def test_threads_get_exactly_the_outputs_they_get_alone(llm):
     alone = [summary(llm.generate(p, sp, use_tqdm=False)) for p, sp in JOBS]
     chat_alone = summary(llm.chat(CHAT, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False))
-    by_hand_alone = [list(o.outputs[0].token_ids) for o in llm.generate(JOBS[0][0], JOBS[0][1], use_tqdm=False)]
+    by_hand_alone = [list(o.outputs[0].token_ids) for o in llm.generate(*JOBS[0], use_tqdm=False)]
     got = {}
 
     def generate(i, reps=3):
