@@ -17,14 +17,16 @@ import pytest
 
 from conftest import assert_clean, random_prompts
 from nanovllm import LLM, SamplingParams
-from nanovllm.engine import (block_manager, detokenizer, llm_engine, model_runner, sampling_inputs, scheduler,
-                             sequence, step_input)
+from nanovllm.engine import (block_manager, decode_graphs, detokenizer, llm_engine, model_runner,
+                             sampled_tokens, scheduler, sequence, step_input, stop_checker)
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.detokenizer import IncrementalDetokenizer
 from nanovllm.engine.model_runner import ModelRunner
-from nanovllm.engine.sampling_inputs import PendingSample
+from nanovllm.engine.sampled_tokens import PendingSample
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.stop_checker import StopChecker
+from nanovllm.layers import sampler
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -40,8 +42,9 @@ PARAMS = [
     SamplingParams(temperature=0, max_tokens=4, presence_penalty=0.5, ignore_eos=True),   # waits each step
     SamplingParams(temperature=0, max_tokens=7, ignore_eos=True),
 ]
-ENGINE_FILES = {m.__file__ for m in (llm_engine, scheduler, block_manager, sequence, detokenizer,
-                                     model_runner, sampling_inputs, step_input)}
+ENGINE_MODULES = (llm_engine, scheduler, block_manager, sequence, stop_checker, detokenizer, model_runner,
+                  decode_graphs, step_input, sampled_tokens, sampler)
+ENGINE_FILES = {m.__file__ for m in ENGINE_MODULES}
 
 
 def summary(outputs) -> list:
@@ -159,10 +162,10 @@ FUNCTIONS = [
     (BlockManager, "register_computed"), (BlockManager, "_take_free_block"),
     (Scheduler, "add"), (Scheduler, "schedule"), (Scheduler, "advance"), (Scheduler, "complete"),
     (Scheduler, "finish"), (Scheduler, "_preempt"),
-    (Sequence, "append_token"),
+    (Sequence, "append_token"), (StopChecker, "check"),
     (IncrementalDetokenizer, "step"), (IncrementalDetokenizer, "find_stop"),
     (ModelRunner, "launch"), (PendingSample, "result"),
-    (llm_engine.LLMEngine, "_apply_stop_strings"), (llm_engine.LLMEngine, "_output"),
+    (llm_engine.LLMEngine, "_apply"), (llm_engine.LLMEngine, "_output"),
 ]
 
 
