@@ -13,7 +13,8 @@ from nanovllm.engine.detokenizer import IncrementalDetokenizer
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-OPTIONS = dict(kvcache_block_size=8, num_kvcache_blocks=24, max_num_batched_tokens=32, max_num_seqs=4)
+OPTIONS = dict(device="cpu", kvcache_block_size=8, num_kvcache_blocks=24, max_num_batched_tokens=32,
+               max_num_seqs=4)   # on CPU also on a GPU machine: CUDA wants blocks of 16 tokens
 # Each job: its own prompts and params (greedy, seeded sampling with n=2, stop strings with
 # logprobs, penalties), so tokens of one caller showing up in another's output would be seen.
 JOBS = [
