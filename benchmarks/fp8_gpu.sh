@@ -4,7 +4,8 @@
 # 1. decode bandwidth over an FP8 cache (batch 256 x context 1024, bf16 beside it; bench.py's mixed contexts)
 # 2. bench.py --kv-cache-dtype fp8, then auto (bf16), then fp8 with --calculate-kv-scales
 # 3. the FP8 decode tile sweep; bench.py fp8 again with its best tile when that is not the default
-# 4. accuracy on a real model (MODEL=a Hugging Face folder, e.g. the converted SmolLM2; skipped without one)
+# 4. accuracy on a real model (MODEL=a Hugging Face folder, or GGUF=SmolLM2's GGUF file with gguf and
+#    accelerate installed; skipped without either)
 # 5. the GPU kernel tests and the FP8 engine tests (on GPU 1 alongside 1-4 when two GPUs are visible)
 # and a summary table at the end.
 export PYTHONPATH=. PYTHONUNBUFFERED=1
@@ -58,11 +59,11 @@ d.BLOCK_N_FP8, d.NUM_WARPS_FP8 = $1, $2
 sys.argv = ['bench.py', '--kv-cache-dtype', 'fp8', '--json', '$OUT/bench_fp8_tile_$1x$2.json']
 runpy.run_path('bench.py', run_name='__main__')" 2>&1 | grep -v -i warn | tail -1 | sed "s/^/[fp8 tile $1x$2] /"
 fi
-if [[ -n $MODEL ]]; then
-  timeout 150 python benchmarks/fp8_accuracy.py --model "$MODEL" --json "$OUT/fp8_accuracy.json" 2>&1 \
-    | grep -v -i warn | tail -6
+if [[ -n $MODEL || -n $GGUF ]]; then
+  timeout 150 python benchmarks/fp8_accuracy.py ${MODEL:+--model "$MODEL"} ${GGUF:+--gguf "$GGUF"} \
+    --json "$OUT/fp8_accuracy.json" 2>&1 | grep -v -i warn | tail -6
 else
-  echo "accuracy skipped: set MODEL to a Hugging Face folder (e.g. the converted SmolLM2-135M-Instruct)"
+  echo "accuracy skipped: set MODEL to a Hugging Face folder or GGUF to a GGUF file (SmolLM2's)"
 fi
 if [[ -n $tests ]]; then wait $tests; else run_tests; fi
 grep -E "passed|failed" "$OUT/fp8_tests.log" | tail -2
