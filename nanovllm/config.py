@@ -25,6 +25,8 @@ class Config:
     kv_cache_memory_bytes: int | None = None    # KV-cache budget in bytes (any device; CPU default below)
     device: str = "auto"                        # "auto" (CUDA when available), "cuda", "cpu"
     dtype: str = "auto"                         # "auto": checkpoint dtype on CUDA, float32 on CPU
+    kv_cache_dtype: str = "auto"                # "auto": the model's dtype; "fp8" = "fp8_e4m3" (1 byte)
+    calculate_kv_scales: bool = False           # fp8: K/V scales from the first prefill's amax (else 1.0)
     load_format: str = "auto"                   # "auto" (safetensors) or "dummy" (random weights)
     seed: int = 0
     hf_config: PretrainedConfig = field(init=False, repr=False)
@@ -62,13 +64,16 @@ class Config:
         self.gpu_memory_utilization = float(self.gpu_memory_utilization)   # a numpy float too
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        for name in ("enforce_eager", "enable_prefix_caching", "async_scheduling"):
+        for name in ("enforce_eager", "enable_prefix_caching", "async_scheduling", "calculate_kv_scales"):
             if not _is_bool(getattr(self, name)):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
             setattr(self, name, bool(getattr(self, name)))
         _check_choice(self, "device", ("auto", "cuda", "cpu"))
         _check_choice(self, "dtype", ("auto", "float32", "bfloat16", "float16"))
         _check_choice(self, "load_format", ("auto", "dummy"))
+        _check_choice(self, "kv_cache_dtype", ("auto", "fp8", "fp8_e4m3"))
+        if self.calculate_kv_scales and self.kv_cache_dtype == "auto":
+            raise ValueError("calculate_kv_scales=True scales an FP8 KV cache: also set kv_cache_dtype='fp8'")
         if self.device == "cuda" and self.kvcache_block_size % 16:
             raise ValueError(f"kvcache_block_size must be a multiple of 16 on CUDA, got {self.kvcache_block_size}")
         self.hf_config = load_hf_config(self.model)

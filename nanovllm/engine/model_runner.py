@@ -34,6 +34,11 @@ def pick_device(config: Config) -> torch.device:
     return torch.device("cpu")
 
 
+def pick_kv_cache_dtype(config: Config, model_dtype: torch.dtype) -> torch.dtype:
+    """"auto": the model's dtype; "fp8" / "fp8_e4m3": e4m3 with per-layer K and V scales."""
+    return model_dtype if config.kv_cache_dtype == "auto" else torch.float8_e4m3fn
+
+
 def pick_dtype(config: Config, device: torch.device) -> torch.dtype:
     if config.dtype != "auto":
         return _DTYPES[config.dtype]
@@ -63,6 +68,7 @@ class ModelRunner:
         self.block_size = config.kvcache_block_size
         self.device = pick_device(config)
         self.dtype = pick_dtype(config, self.device)
+        self.kv_cache_dtype = pick_kv_cache_dtype(config, self.dtype)
         self.use_cuda = self.device.type == "cuda"
         torch.manual_seed(config.seed)
         self.startup_seconds: dict[str, float] = {}   # phase -> seconds, for logs and bench.py
@@ -93,8 +99,11 @@ class ModelRunner:
             if self.use_cuda and not config.enforce_eager:
                 with self._timed("capture CUDA graphs"):
                     self.graphs = self.capture_cudagraph()
-        logger.info("start-up: %s; %d KV blocks of %d tokens", ", ".join(
-            f"{k} {v:.1f}s" for k, v in self.startup_seconds.items()), self.num_kvcache_blocks, self.block_size)
+        logger.info("start-up: %s; KV cache: %d blocks of %d tokens = %d tokens (%s, %.2f GiB)",
+                    ", ".join(f"{k} {v:.1f}s" for k, v in self.startup_seconds.items()),
+                    self.num_kvcache_blocks, self.block_size, self.num_kvcache_blocks * self.block_size,
+                    str(self.kv_cache_dtype).removeprefix("torch."),
+                    self.kv_cache.numel() * self.kv_cache.element_size() / 2 ** 30)
 
     @contextmanager
     def _timed(self, phase: str):
@@ -124,7 +133,7 @@ class ModelRunner:
     def kv_bytes_per_block(self) -> int:
         attn = self.attention_layers[0]
         return (2 * len(self.attention_layers) * self.block_size * attn.num_kv_heads * attn.head_dim
-                * self.dtype.itemsize)
+                * self.kv_cache_dtype.itemsize)
 
     def kv_cache_budget(self) -> int:
         c = self.config
@@ -156,9 +165,16 @@ class ModelRunner:
         attn = self.attention_layers[0]
         # kv_cache: [2 (k, v), num_layers, num_blocks, block_size, num_kv_heads, head_dim]
         self.kv_cache = torch.zeros(2, len(self.attention_layers), num_blocks, self.block_size,
-                                    attn.num_kv_heads, attn.head_dim, dtype=self.dtype, device=self.device)
+                                    attn.num_kv_heads, attn.head_dim, dtype=self.kv_cache_dtype,
+                                    device=self.device)
         for i, layer in enumerate(self.attention_layers):
             layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+        if self.kv_cache_dtype == torch.float8_e4m3fn:
+            # kv_scales: [2 (k, v), num_layers, 1] fp32, read by the kernels on the device
+            self.kv_scales = torch.ones(2, len(self.attention_layers), 1, device=self.device)
+            for i, layer in enumerate(self.attention_layers):
+                layer.k_scale, layer.v_scale = self.kv_scales[0, i], self.kv_scales[1, i]
+                layer.calculate_kv_scales = self.config.calculate_kv_scales
         return num_blocks
 
     def check_kv_fits(self, num_blocks: int):
