@@ -6,12 +6,12 @@ from tqdm.auto import tqdm
 
 from nanovllm.config import Config
 from nanovllm.engine.block_manager import cdiv
+from nanovllm.engine.executor import Executor
 from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.sampled_tokens import PendingSample
 from nanovllm.engine.scheduler import ScheduledBatch, Scheduler
 from nanovllm.engine.sequence import Sequence, TokenLogprobs
 from nanovllm.engine.stop_checker import ABORT
-from nanovllm.engine.tp_worker import TPWorkers
 from nanovllm.outputs import CompletionOutput, Logprob, RequestOutput
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.hf_files import generation_eos_token_id, load_tokenizer
@@ -32,7 +32,7 @@ class LLMEngine:
     def __init__(self, model: str, **options):
         self.config = Config.create(resolve_model(model), **options)
         self.tokenizer = load_tokenizer(self.config.model)
-        self.workers = self._start_runners()
+        self.executor = Executor(self.config)   # rank 0's runner here, and the workers under TP
         c = self.config
         self.scheduler = Scheduler(c.max_num_seqs, c.max_num_batched_tokens, c.max_model_len,
                                    self.model_runner.num_kvcache_blocks, c.kvcache_block_size,
@@ -40,29 +40,15 @@ class LLMEngine:
         # The launched batch whose tokens have not been applied yet (see step).
         self._in_flight: tuple[ScheduledBatch, PendingSample] | None = None
 
-    def _start_runners(self) -> TPWorkers | None:
-        """Rank 0's ModelRunner here; with tensor_parallel_size > 1 also ranks 1..N-1 in spawned
-        processes (returned), which build their shards alongside it."""
-        if self.config.tensor_parallel_size == 1:
-            self.model_runner = ModelRunner(self.config)
-            return None
-        workers = TPWorkers(self.config)
-        try:
-            self.model_runner = ModelRunner(self.config, workers.group, workers)
-        except BaseException as e:
-            try:
-                if not isinstance(e, (ValueError, TypeError)):   # a user error is the same on every rank
-                    workers.raise_if_died(e)
-            finally:
-                workers.shutdown()
-            raise
-        return workers
+    @property
+    def model_runner(self) -> ModelRunner:
+        return self.executor.runner
 
     def shutdown(self):
-        """Stop the tensor-parallel workers, remove their shared memory and process group (also
-        done at interpreter exit). The engine cannot generate afterwards."""
-        if getattr(self, "workers", None) is not None:
-            self.workers.shutdown()
+        """Stop the tensor-parallel workers and their process group (also done at interpreter
+        exit) and give the device memory back. Idempotent; the engine cannot generate afterwards."""
+        if getattr(self, "executor", None) is not None:
+            self.executor.shutdown()
 
     def __del__(self):
         try:
@@ -153,12 +139,7 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         launched = None
         if batch.seqs:
-            try:
-                launched = batch, self.model_runner.launch(batch)
-            except Exception as e:
-                if self.workers is not None:
-                    self.workers.raise_if_died(e)   # a collective failed because a worker died: say so
-                raise
+            launched = batch, self.executor.launch(batch)
             self.scheduler.advance(batch)
         else:
             finished += batch.finished   # sequences ended while scheduling, with nothing to run
@@ -178,7 +159,7 @@ class LLMEngine:
 
     def _apply(self, batch: ScheduledBatch, pending: PendingSample) -> list[Sequence]:
         """Wait for a launched batch's tokens and apply them; return the sequences that finished."""
-        sampled = pending.result()
+        sampled = self.executor.result(pending)
         return self.scheduler.complete(batch, sampled.token_ids, sampled.logprobs)
 
     def _drain(self):
