@@ -34,6 +34,13 @@ def tokens(llm, params=GREEDY):
     return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
 
 
+def keep_generating(llm, seconds: float = 60):
+    """Generate again and again (a fault meant to land mid-generate stops it with an error)."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        tokens(llm, LONG)
+
+
 def outcome(fn) -> dict:
     """{"error": type name, "message": first lines, "seconds": how long fn took}."""
     start = time.monotonic()
@@ -51,13 +58,14 @@ def interrupt_after(seconds: float):
 
 
 def shm_mapped(pids: list[int]) -> list[str]:
-    """Files of /dev/shm (segments, sem.mp-* semaphores) these processes have mapped: the engine
-    uses none, so none can be left behind."""
+    """Files of /dev/shm (segments, sem.mp-* semaphores) these processes have mapped and that are
+    still there (not unlinked): the engine uses none, so none can be left behind."""
     found = set()
     for pid in pids:
         try:
             with open(f"/proc/{pid}/maps") as f:
-                found.update(line.split()[-1] for line in f if "/dev/shm/" in line)
+                found.update(line.split(maxsplit=5)[5].strip() for line in f
+                             if "/dev/shm/" in line and not line.rstrip().endswith("(deleted)"))
         except OSError:
             pass   # already gone
     return sorted(found)
@@ -97,7 +105,14 @@ def worker_killed():
 def worker_killed_mid_generate():
     llm = LLM(MODEL, tensor_parallel_size=2, **OPTIONS)
     threading.Timer(1.0, os.kill, (llm.executor.workers.pids[0], signal.SIGKILL)).start()
-    return finish(llm, dict(first=outcome(lambda: tokens(llm, LONG))))
+    return finish(llm, dict(first=outcome(lambda: keep_generating(llm))))
+
+
+def worker_killed_mid_generate_graphs():
+    """As above with CUDA graphs: decode's collectives run inside graph replays."""
+    llm = LLM(MODEL, tensor_parallel_size=2, **{**OPTIONS, "enforce_eager": False})
+    threading.Timer(1.0, os.kill, (llm.executor.workers.pids[0], signal.SIGKILL)).start()
+    return finish(llm, dict(first=outcome(lambda: keep_generating(llm))))
 
 
 def worker_stopped():
