@@ -14,7 +14,8 @@ from nanovllm import LLM, SamplingParams
 
 # A small cache (9 blocks of 16 tokens) and small steps, so the prompts below are prefilled in
 # chunks and decoding preempts: TP must agree with TP=1 through all of it.
-OPTIONS = dict(device="cpu", kvcache_block_size=16, num_kvcache_blocks=9, max_num_batched_tokens=48, max_num_seqs=4)
+OPTIONS = dict(device="cpu", kvcache_block_size=16, num_kvcache_blocks=9, max_num_batched_tokens=48,
+               max_num_seqs=4)
 PROMPTS = random_prompts(4, [5, 17, 33, 40], seed=1)
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 

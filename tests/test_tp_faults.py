@@ -9,8 +9,9 @@ import pytest
 
 from tp_faults_runner import assert_no_leftovers, run_scenarios
 
-SCENARIOS = ["no_main_guard", "worker_raises", "worker_killed", "worker_killed_mid_generate", "worker_stopped",
-             "interrupt_in_step", "interrupt_in_shutdown", "startup_failure", "interrupt_in_shutdown_then_exit"]
+SCENARIOS = ["no_main_guard", "worker_raises", "worker_killed", "worker_killed_mid_generate",
+             "worker_stopped", "interrupt_in_step", "interrupt_in_shutdown", "startup_failure",
+             "interrupt_in_shutdown_then_exit"]
 
 
 @pytest.fixture(scope="module")

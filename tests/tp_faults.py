@@ -92,7 +92,8 @@ def worker_raises():
     llm = LLM(MODEL, tensor_parallel_size=2, **OPTIONS)
     workers = llm.executor.workers
     # A command the worker cannot run: it fails inside its step loop, as a bug there would.
-    command_pipe.send(workers.workers[0].commands, command_pipe.encode(("step", "not a StepInput")), workers.check)
+    bad = command_pipe.encode(("step", "not a StepInput"))
+    command_pipe.send(workers.workers[0].commands, bad, workers.check)
     return finish(llm, dict(first=outcome(lambda: tokens(llm)), later=outcome(lambda: tokens(llm))))
 
 

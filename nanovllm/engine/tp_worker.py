@@ -1,7 +1,8 @@
-"""Tensor-parallel ranks 1..N-1: worker processes that each build their shard of the model and run
-every step rank 0 runs (the collectives need every rank, with identical inputs).
+"""Rank 0's handle on tensor-parallel ranks 1..N-1: worker processes (worker_main.py) that each
+build their shard of the model and run every step rank 0 runs (the collectives need every rank,
+with identical inputs).
 
-Workers are started as fresh interpreters (`python -c` calling main() below), not with
+Workers are started as fresh interpreters (`python -c` calling worker_main.main), not with
 multiprocessing's spawn: spawn re-imports the user's main module in the child, so a script without
 an `if __name__ == "__main__":` guard would build a second engine inside every worker.
 
@@ -12,26 +13,21 @@ a CUDA event of a step under NCCL) is a loop of short waits that calls TPWorkers
 raises WorkerError when a worker has exited or has stopped answering (its heartbeat counter no
 longer moves), and lets Ctrl-C through."""
 import atexit
-import mmap
 import os
 import signal
-import struct
 import subprocess
 import sys
-import tempfile
-import threading
 import time
-import traceback
 from dataclasses import dataclass, field
 
 import torch
 
 import nanovllm
 from nanovllm.config import Config
-from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.utils import command_pipe
 from nanovllm.utils.distributed import (STARTUP_TIMEOUT, TPGroup, abort_tp_group, destroy_tp_group,
-                                        init_tp_group, master_store, worker_store)
+                                        init_tp_group, master_store)
+from nanovllm.utils.heartbeat import Heartbeats
 
 # A worker whose heartbeat has not moved for this long is reported as not answering. Its
 # heartbeat comes from a thread of its own, so a long step does not delay it: only a stopped
@@ -41,7 +37,8 @@ WORKER_TIMEOUT_S = 15.0
 HEARTBEAT_S = 0.25
 CHECK_EVERY_S = 0.01    # while rank 0 polls a CUDA event, how often it checks the workers
 JOIN_TIMEOUT_S = 10.0   # how long a worker told to exit may take before it is killed
-_TRACEBACK_BYTES = 32_000   # a worker's report fits in a pipe's buffer, so writing it never blocks
+_WORKER_MAIN = "from nanovllm.engine.worker_main import main; main()"
+TRACEBACK_BYTES = 32_000   # a worker's report fits in a pipe's buffer, so writing it never blocks
 
 
 class WorkerError(RuntimeError):
@@ -51,31 +48,6 @@ class WorkerError(RuntimeError):
 
 def use_cuda(config: Config) -> bool:
     return config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
-
-
-class Heartbeats:
-    """One counter per rank in memory shared through an unlinked temporary file (nothing to clean
-    up, nothing left in /dev/shm): each worker's heartbeat thread increments its own."""
-
-    def __init__(self, size: int, fd: int | None = None):
-        self.file = None
-        if fd is None:   # rank 0 creates it; workers attach to the inherited descriptor
-            self.file = tempfile.TemporaryFile()
-            fd = self.file.fileno()
-            os.ftruncate(fd, 8 * size)
-        self.fd = fd
-        self.map = mmap.mmap(fd, 8 * size)
-
-    def count(self, rank: int) -> int:
-        return struct.unpack_from("<Q", self.map, 8 * rank)[0]
-
-    def beat(self, rank: int):
-        struct.pack_into("<Q", self.map, 8 * rank, self.count(rank) + 1)
-
-    def close(self):
-        self.map.close()
-        if self.file is not None:
-            self.file.close()
 
 
 @dataclass
@@ -90,7 +62,7 @@ class _Worker:
     def traceback(self) -> str | None:
         """What the (exited) worker wrote to its report pipe, if anything."""
         try:
-            return os.read(self.reports, _TRACEBACK_BYTES + 1024).decode(errors="replace") or None
+            return os.read(self.reports, TRACEBACK_BYTES + 1024).decode(errors="replace") or None
         except OSError:   # nothing written, or already closed
             return None
 
@@ -137,8 +109,8 @@ class TPWorkers:
         reports_r, reports_w = os.pipe()
         fds = (commands_r, reports_w, self.beats.fd)
         try:
-            proc = subprocess.Popen([sys.executable, "-c", "from nanovllm.engine.tp_worker import main; main()",
-                                     *map(str, fds), str(rank)], pass_fds=fds, env=_worker_env())
+            proc = subprocess.Popen([sys.executable, "-c", _WORKER_MAIN, *map(str, fds), str(rank)],
+                                    pass_fds=fds, env=_worker_env())
         except BaseException:
             for fd in (commands_r, commands_w, reports_r, reports_w):
                 os.close(fd)
@@ -181,7 +153,8 @@ class TPWorkers:
             if code == 0 and self.closed:
                 continue   # told to exit, and did
             if code is not None:
-                how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+                how = (f"was killed by {signal.Signals(-code).name}" if code < 0
+                       else f"exited with code {code}")
                 self._fail(WorkerError(f"tensor-parallel worker rank {w.rank} (pid {w.proc.pid}) {how}:\n"
                                        f"{w.traceback() or 'no traceback (killed or crashed)'}"))
             beat = self.beats.count(w.rank)
@@ -292,58 +265,3 @@ def _worker_env() -> dict[str, str]:
     root = os.path.dirname(os.path.dirname(os.path.abspath(nanovllm.__file__)))
     path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
     return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
-
-
-# ---- the worker process -------------------------------------------------------------------
-
-def main():
-    """A worker's whole life: heartbeat, read the setup, join the group, build the shard, run
-    commands until "exit" (or until rank 0 is gone)."""
-    commands, reports, beats_fd, rank = map(int, sys.argv[1:5])
-    # Ctrl-C in a terminal reaches every process of the foreground group: rank 0 alone decides
-    # what happens (it stops the workers through the pipe, or kills them).
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    parent = os.getppid()
-
-    def check_parent():
-        if os.getppid() != parent:
-            raise SystemExit(0)   # rank 0 is gone: nobody to serve
-
-    try:
-        beats = Heartbeats(os.fstat(beats_fd).st_size // 8, beats_fd)
-        threading.Thread(target=_heartbeat, args=(beats, rank), daemon=True).start()
-        config, port = command_pipe.receive(commands, check_parent)
-        _serve(config, rank, port, commands, check_parent)
-    except (EOFError, SystemExit):
-        os._exit(0)   # rank 0 closed the pipe or exited: a graceful group shutdown could wait forever
-    except BaseException:
-        # Report first, then leave at once: cleaning up after a failed step (a communicator with
-        # work in flight) could block, and rank 0 learns of the failure from this exit.
-        os.write(reports, traceback.format_exc()[-_TRACEBACK_BYTES:].encode())
-        os._exit(1)
-
-
-def _heartbeat(beats: Heartbeats, rank: int):
-    while True:
-        beats.beat(rank)
-        time.sleep(HEARTBEAT_S)
-
-
-def _serve(config: Config, rank: int, port: int, commands: int, check_parent):
-    torch.set_num_threads(1)   # ranks share the host's cores; one thread each avoids oversubscription
-    cuda = use_cuda(config)
-    if cuda:
-        torch.cuda.set_device(rank)
-    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
-    size = config.tensor_parallel_size
-    store = worker_store(port, size)
-    store.set(f"joined{rank}", "1")
-    group = init_tp_group(store, rank, size, device, watch=check_parent)
-    runner = ModelRunner(config, group)
-    while True:
-        command, step = command_pipe.receive(commands, check_parent)
-        if command == "exit":
-            break
-        if runner.forward_step(step) is not None:
-            runner.share_sampled(sum(step.samples))   # rank 0's sampled tokens, for later steps
-    destroy_tp_group(group)   # rank 0 destroys its side after this process has exited
