@@ -117,23 +117,41 @@ def test_deleting_an_engine_frees_its_model(qwen3_dir):
     assert model() is None and cache() is None
 
 
+class _Recorder:
+    """Stands for a backend or a CUDA graph: records the calls made on it."""
+
+    def __init__(self, name, calls):
+        self.name, self.calls = name, calls
+
+    def reset(self):
+        self.calls.append(f"reset {self.name}")
+
+    def shutdown(self):
+        self.calls.append(f"shutdown {self.name}")
+
+    def abort(self):
+        self.calls.append(f"abort {self.name}")
+
+
 def test_destroying_a_group_resets_its_captured_graphs_first():
     """NCCL cannot destroy a communicator while a CUDA graph that captured its collectives lives:
     the group resets those graphs before it shuts its backend down."""
     from nanovllm.utils.distributed import TPGroup, destroy_tp_group
     calls = []
-
-    class Recorder:
-        def __init__(self, name):
-            self.name = name
-
-        def reset(self):
-            calls.append(f"reset {self.name}")
-
-        def shutdown(self):
-            calls.append(f"shutdown {self.name}")
-
-    group = TPGroup(0, 2, Recorder("backend"), store=None)
-    group.graphs.extend([Recorder("graph 8"), Recorder("graph 16")])
+    group = TPGroup(0, 2, _Recorder("backend", calls), store=None)
+    group.graphs.extend([_Recorder("graph 8", calls), _Recorder("graph 16", calls)])
     destroy_tp_group(group)
     assert calls == ["reset graph 8", "reset graph 16", "shutdown backend"] and not group.graphs
+
+
+def test_an_aborted_group_is_aborted_once_and_not_shut_down():
+    """After a fault the communicator is aborted (NCCL kernels waiting for a dead peer exit); a
+    graceful shutdown of it afterwards could wait for the peer, so destroy only resets the graphs."""
+    from nanovllm.utils.distributed import TPGroup, abort_tp_group, destroy_tp_group
+    calls = []
+    group = TPGroup(0, 2, _Recorder("backend", calls), store=None)
+    group.graphs.append(_Recorder("graph 8", calls))
+    abort_tp_group(group)
+    abort_tp_group(group)
+    destroy_tp_group(group)
+    assert calls == ["abort backend", "reset graph 8"]
