@@ -18,7 +18,8 @@ from nanovllm.layers.attention import Attention
 from nanovllm.layers.sampler import Sampler
 from nanovllm.models import get_model_class
 from nanovllm.utils.context import Context, forward_context
-from nanovllm.utils.distributed import TPGroup, broadcast, min_across_ranks, tp_group, wait_for_device
+from nanovllm.utils.distributed import (TPGroup, broadcast, host_barrier, min_across_ranks, tp_group,
+                                        wait_for_device)
 from nanovllm.utils.loader import load_dummy_weights, load_model
 
 logger = logging.getLogger(__name__)
@@ -74,6 +75,7 @@ class ModelRunner:
                     load_dummy_weights(self.model, config.seed)
                 else:
                     load_model(self.model, config.model)
+            host_barrier("loaded")   # every rank has its shard: only now the first collective
             self.model.eval()
             self.sampler = Sampler(config.hf_config.vocab_size, self.device, config.seed)
             # The last step's sampled token ids on the device, row i for its i-th sampling sequence:

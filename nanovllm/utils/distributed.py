@@ -167,6 +167,22 @@ def wait_for_device(device: torch.device):
         time.sleep(0.001)
 
 
+def host_barrier(name: str):
+    """Wait, through the store and calling the group's watch, until every rank of the current group
+    has got here. Used before a group's first collective: NCCL sets its communicator up there and
+    blocks the host until every rank arrives, so a rank that failed earlier (loading its shard)
+    would leave the others waiting there for good."""
+    group = _current.get()
+    if group is None or group.size == 1:
+        return
+    group.store.set(f"{name}{group.rank}", "1")
+    keys = [f"{name}{rank}" for rank in range(group.size)]
+    while not group.store.check(keys):
+        if group.watch is not None:
+            group.watch()
+        time.sleep(0.01)
+
+
 def min_across_ranks(n: int, device: torch.device) -> int:
     """The smallest n over all ranks of the current group (n itself on one rank)."""
     t = torch.tensor([n], dtype=torch.int64, device=device)
