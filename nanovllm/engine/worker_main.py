@@ -35,7 +35,7 @@ def main():
 
     try:
         beats = Heartbeats(os.fstat(beats_fd).st_size // 8, beats_fd)
-        threading.Thread(target=_heartbeat, args=(beats, rank), daemon=True).start()
+        threading.Thread(target=_heartbeat, args=(beats, rank, parent), daemon=True).start()
         config, port = command_pipe.receive(commands, check_parent)
         _serve(config, rank, port, commands, check_parent)
     except (EOFError, SystemExit):
@@ -47,10 +47,13 @@ def main():
         os._exit(1)
 
 
-def _heartbeat(beats: Heartbeats, rank: int):
-    while True:
+def _heartbeat(beats: Heartbeats, rank: int, parent: int):
+    """Beat; and end the process when rank 0 is gone, wherever the main thread is blocked (in
+    the rendezvous, a collective, a device wait): an orphan worker would hold its GPU."""
+    while os.getppid() == parent:
         beats.beat(rank)
         time.sleep(HEARTBEAT_S)
+    os._exit(0)
 
 
 def _serve(config: Config, rank: int, port: int, commands: int, check_parent):
