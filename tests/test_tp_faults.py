@@ -2,11 +2,19 @@
 rank 0 during a step and during shutdown, a start-up failure on a worker, a script without a main
 guard. Each is an error naming the rank (with its traceback when there is one) within seconds,
 never a hang; shutdown always finishes, twice, and leaves no process or /dev/shm entry behind.
+Workers also end when rank 0 is killed.
 
 The scenarios run in one subprocess (tests/tp_faults.py) with a deadline: a regression is a hang,
 and the deadline turns it into a failure naming the scenario that did not finish."""
+import os
+import select
+import subprocess
+import sys
+import time
+
 import pytest
 
+from conftest import REPO
 from tp_faults_runner import assert_no_leftovers, run_scenarios
 
 SCENARIOS = ["no_main_guard", "worker_raises", "worker_killed", "worker_killed_mid_generate",
@@ -75,3 +83,30 @@ def test_startup_failure_on_a_worker_names_it_and_why(results):
     assert r["start"]["error"] == "WorkerError" and r["start"]["seconds"] < 30
     assert "rank 1" in r["start"]["message"] and "injected start-up failure" in r["start"]["message"]
     assert not r["shm_left"]
+
+
+RANK0 = r"""
+import sys, time
+from nanovllm import LLM
+llm = LLM(sys.argv[1], tensor_parallel_size=2, device="cpu", kvcache_block_size=16, num_kvcache_blocks=8)
+print(*llm.executor.workers.pids, flush=True)
+time.sleep(120)
+"""
+
+
+def test_workers_exit_when_rank0_is_killed(qwen3_dir):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen([sys.executable, "-c", RANK0, qwen3_dir], env=env, stdout=subprocess.PIPE,
+                            text=True)
+    try:
+        ready, _, _ = select.select([proc.stdout], [], [], 120)
+        assert ready, "the engine did not start"
+        pids = [int(p) for p in proc.stdout.readline().split()]
+        assert pids
+    finally:
+        proc.kill()
+        proc.wait()
+    deadline = time.monotonic() + 10
+    while any(os.path.exists(f"/proc/{pid}") for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(os.path.exists(f"/proc/{pid}") for pid in pids), "a worker outlived rank 0"
