@@ -141,7 +141,8 @@ class ModelRunner:
         free, total = torch.cuda.mem_get_info()
         stats = torch.cuda.memory_stats()
         outside_allocator = (total - free) - stats["reserved_bytes.all.current"]
-        return int(total * c.gpu_memory_utilization - outside_allocator - stats["allocated_bytes.all.peak"])
+        peak = stats["allocated_bytes.all.peak"]
+        return int(total * c.gpu_memory_utilization - outside_allocator - peak)
 
     def allocate_kv_cache(self) -> int:
         num_blocks = self.config.num_kvcache_blocks or self.kv_cache_budget() // self.kv_bytes_per_block()
