@@ -10,12 +10,12 @@ from tqdm.auto import tqdm
 
 from nanovllm.config import Config
 from nanovllm.engine.block_manager import cdiv
+from nanovllm.engine.executor import Executor
 from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.sampled_tokens import PendingSample
 from nanovllm.engine.scheduler import ScheduledBatch, Scheduler
 from nanovllm.engine.sequence import Sequence, TokenLogprobs
 from nanovllm.engine.stop_checker import ABORT
-from nanovllm.engine.tp_worker import TPWorkers
 from nanovllm.outputs import CompletionOutput, Logprob, RequestOutput
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.hf_files import generation_eos_token_id, load_tokenizer
@@ -59,7 +59,7 @@ class LLMEngine:
         self._queued: weakref.WeakSet[Sequence] = weakref.WeakSet()
         self.config = Config.create(resolve_model(model), **options)
         self.tokenizer = load_tokenizer(self.config.model)
-        self.workers = self._start_runners()
+        self.executor = Executor(self.config)   # rank 0's runner here, and the workers under TP
         c = self.config
         self.scheduler = Scheduler(c.max_num_seqs, c.max_num_batched_tokens, c.max_model_len,
                                    self.model_runner.num_kvcache_blocks, c.kvcache_block_size,
@@ -67,29 +67,15 @@ class LLMEngine:
         # The launched batch whose tokens have not been applied yet (see step).
         self._in_flight: tuple[ScheduledBatch, PendingSample] | None = None
 
-    def _start_runners(self) -> TPWorkers | None:
-        """Rank 0's ModelRunner here; with tensor_parallel_size > 1 also ranks 1..N-1 in spawned
-        processes (returned), which build their shards alongside it."""
-        if self.config.tensor_parallel_size == 1:
-            self.model_runner = ModelRunner(self.config)
-            return None
-        workers = TPWorkers(self.config)
-        try:
-            self.model_runner = ModelRunner(self.config, workers.group, workers)
-        except BaseException as e:
-            try:
-                if not isinstance(e, (ValueError, TypeError)):   # a user error is the same on every rank
-                    workers.raise_if_died(e)
-            finally:
-                workers.shutdown()
-            raise
-        return workers
+    @property
+    def model_runner(self) -> ModelRunner:
+        return self.executor.runner
 
     def shutdown(self):
-        """Stop the tensor-parallel workers, remove their shared memory and process group (also
-        done at interpreter exit). The engine cannot generate afterwards."""
-        if getattr(self, "workers", None) is not None:
-            self.workers.shutdown()
+        """Stop the tensor-parallel workers and their process group (also done at interpreter
+        exit) and give the device memory back. Idempotent; the engine cannot generate afterwards."""
+        if getattr(self, "executor", None) is not None:
+            self.executor.shutdown()
 
     def __del__(self):
         try:
@@ -222,10 +208,9 @@ class LLMEngine:
         launched = None
         if batch.seqs:
             try:
-                launched = batch, self.model_runner.launch(batch)
+                launched = batch, self.executor.launch(batch)
             except BaseException as e:
-                if self.workers is not None:
-                    self._break_tp_step(e)
+                self._break_tp_step(e)
                 raise
             self.scheduler.advance(batch)
         else:
@@ -242,12 +227,11 @@ class LLMEngine:
         """A launch under tensor parallelism failed or was interrupted: the workers may have run
         (or be waiting in) a step that rank 0 did not finish, so the ranks are out of step and
         the next collective would hang or mix two steps. Mark the engine broken."""
-        if self.workers.closed:
-            return   # shut down: every call already says so
-        self._broken = (f"a step under tensor parallelism was cut short ({type(error).__name__}: {error}), "
-                        "so the ranks may be out of step")
-        if isinstance(error, Exception):
-            self.workers.raise_if_died(error)   # a collective failed because a worker died: say so
+        if self.executor.workers is None or self.executor.closed:
+            return   # one rank: nothing to fall out of step with; shut down: every call says so
+        self._broken = self.executor.broken or (
+            f"a step under tensor parallelism was cut short ({type(error).__name__}: {error}), "
+            "so the ranks may be out of step")
 
     def _can_run_ahead(self, batch: ScheduledBatch) -> bool:
         """May the next batch be launched before this one's tokens are on the host? Not with
@@ -257,7 +241,7 @@ class LLMEngine:
 
     def _apply(self, batch: ScheduledBatch, pending: PendingSample) -> list[Sequence]:
         """Wait for a launched batch's tokens and apply them; return the sequences that finished."""
-        sampled = pending.result()
+        sampled = self.executor.result(pending)
         return self.scheduler.complete(batch, sampled.token_ids, sampled.logprobs)
 
     def _drain(self):

@@ -32,6 +32,10 @@ class PendingSample:
             self.event = torch.cuda.Event()
             self.event.record()
 
+    def ready(self) -> bool:
+        """Have the tokens reached the host? (Polled under tensor parallelism: TPWorkers.wait_until.)"""
+        return self.event is None or self.event.query()
+
     def result(self) -> SampledTokens:
         if self.host is None:
             return SampledTokens([])
