@@ -28,26 +28,46 @@ def h200_limit(config: dict, prompt_lens: list[int], output_lens: list[int], tp:
                kv_bytes: int = 2) -> float:
     """Output tokens/s no engine can exceed on `tp` H200s for this workload (docs/benchmarks.md):
     prefill at the bf16 peak, then one decode step per output token that costs the larger of reading
-    all weights and every live sequence's K/V at copy bandwidth, and its FLOPs at the bf16 peak."""
+    all weights and every live sequence's K/V at copy bandwidth, and its FLOPs at the bf16 peak.
+    Mixture-of-experts layers (Qwen3-MoE) count, in a step's reads, only the experts its batch touches."""
     hidden, layers = config["hidden_size"], config["num_hidden_layers"]
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     head_dim = config.get("head_dim") or hidden // heads
-    body = layers * (hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden
-                     + 3 * hidden * config["intermediate_size"])   # qkv, o, gate_up, down
+    experts, top_k, sparse_layers, expert = moe_shapes(config)
+    body = (layers * (hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden)   # qkv, o
+            + (layers - sparse_layers) * 3 * hidden * config["intermediate_size"]            # gate_up, down
+            + sparse_layers * experts * hidden)                                               # routers
+    active = body + sparse_layers * top_k * expert   # weights one token computes with
     lm_head = config["vocab_size"] * hidden
-    weight_bytes = 2 * (body + lm_head)                       # bf16
     kv_bytes_per_token = 2 * layers * kv_heads * head_dim * kv_bytes
     attn_flops_per_key = 4 * layers * heads * head_dim       # q.k and p.v, per query and key
     # Prefill: every prompt token through the layers, causal attention, the LM head once per prompt.
-    prefill_flops = (2 * body * sum(prompt_lens) + 2 * lm_head * len(prompt_lens)
+    prefill_flops = (2 * active * sum(prompt_lens) + 2 * lm_head * len(prompt_lens)
                      + sum(attn_flops_per_key * n * n / 2 for n in prompt_lens))
     seconds = prefill_flops / H200_BF16_FLOP_PER_S
     for step in range(max(output_lens)):
         contexts = [n + step for n, out in zip(prompt_lens, output_lens) if step < out]
+        # B tokens each routed to top_k of E experts touch E * (1 - (1 - top_k / E) ** B) of them on
+        # average (uniform routing, as dummy weights give): all 128 of Qwen3-30B-A3B at B = 256
+        touched = experts * (1 - (1 - top_k / experts) ** len(contexts)) if experts else 0
+        weight_bytes = 2 * (body + lm_head + sparse_layers * touched * expert)   # bf16
         reads = weight_bytes + kv_bytes_per_token * sum(contexts)
-        flops = 2 * (body + lm_head) * len(contexts) + attn_flops_per_key * sum(contexts)
+        flops = 2 * (active + lm_head) * len(contexts) + attn_flops_per_key * sum(contexts)
         seconds += max(reads / H200_COPY_BYTES_PER_S, flops / H200_BF16_FLOP_PER_S)
     return sum(output_lens) / (seconds / tp)   # tensor parallelism splits both evenly
+
+
+def moe_shapes(config: dict) -> tuple[int, int, int, int]:
+    """(experts, top_k, layers with experts, weights of one expert) of a Qwen3-MoE config, zeros for
+    a dense one. A layer has experts unless it is in mlp_only_layers, and then only every
+    decoder_sparse_step-th (transformers' rule)."""
+    experts = config.get("num_experts") or config.get("num_local_experts") or 0
+    if not experts:
+        return 0, 0, 0, 0
+    step, dense = config.get("decoder_sparse_step") or 1, config.get("mlp_only_layers") or []
+    sparse = sum(i not in dense and (i + 1) % step == 0 for i in range(config["num_hidden_layers"]))
+    expert = 3 * config["hidden_size"] * config["moe_intermediate_size"]   # gate, up, down
+    return experts, config["num_experts_per_tok"], sparse, expert
 
 
 def prefix_cache_workload(num_seqs: int, prefix_len: int, seed_: int):
@@ -74,6 +94,10 @@ def main():
     p.add_argument("--no-async-scheduling", action="store_true",
                    help="apply each step before the next is launched")
     p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
+                   help="fp8: an e4m3 KV cache with per-layer scales (1.0 unless --calculate-kv-scales)")
+    p.add_argument("--calculate-kv-scales", action="store_true",
+                   help="fp8 scales from the first prefill's amax")
     p.add_argument("--prefix-cache", action="store_true",
                    help="also measure prefill of 256 prompts sharing a 2,000-token prefix, cached vs not")
     p.add_argument("--json", help="write the figures to this file")
@@ -83,7 +107,8 @@ def main():
     t = time.perf_counter()
     llm = LLM(args.model, enforce_eager=args.enforce_eager, max_model_len=4096,
               tensor_parallel_size=args.tensor_parallel_size, load_format="dummy" if dummy else "auto",
-              async_scheduling=not args.no_async_scheduling)
+              async_scheduling=not args.no_async_scheduling, kv_cache_dtype=args.kv_cache_dtype,
+              calculate_kv_scales=args.calculate_kv_scales)
     startup = time.perf_counter() - t
 
     prompts, params = workload(args.num_seqs, args.max_input_len, args.max_output_len, args.temperature)
@@ -95,16 +120,20 @@ def main():
     if os.path.isfile(config_path):
         with open(config_path) as f:
             limit = h200_limit(json.load(f), [len(p) for p in prompts], [sp.max_tokens for sp in params],
-                               args.tensor_parallel_size)
+                               args.tensor_parallel_size, kv_bytes=1 if args.kv_cache_dtype != "auto" else 2)
     record = dict(model=args.model, dummy_weights=dummy, temperature=args.temperature,
                   enforce_eager=args.enforce_eager, async_scheduling=not args.no_async_scheduling,
-                  tp=args.tensor_parallel_size, startup_s=round(startup, 2),
+                  tp=args.tensor_parallel_size, kv_cache_dtype=args.kv_cache_dtype,
+                  calculate_kv_scales=args.calculate_kv_scales,
+                  kv_cache_tokens=llm.model_runner.num_kvcache_blocks * llm.model_runner.block_size,
+                  startup_s=round(startup, 2),
                   output_tokens=tokens, seconds=round(seconds, 3), tokens_per_s=round(tokens / seconds, 1),
                   h200_limit_tokens_per_s=round(limit) if limit else None,
                   fraction_of_h200_limit=round(tokens / seconds / limit, 3) if limit else None)
     record["startup_phases_s"] = {k: round(v, 2) for k, v in llm.model_runner.startup_seconds.items()}
     fraction = record["fraction_of_h200_limit"]
     of_limit = f" ({fraction:.1%} of the H200 limit, {limit:,.0f})" if limit else ""
+    of_limit += f", KV cache {args.kv_cache_dtype} {record['kv_cache_tokens']:,} tokens"
     phases = ", ".join(f"{k} {v}s" for k, v in record["startup_phases_s"].items())
     print(f"Total: {tokens} tok, Time: {seconds:.2f}s, Throughput: {tokens / seconds:.2f} tok/s{of_limit}, "
           f"start-up {startup:.1f}s ({phases})")

@@ -3,7 +3,9 @@ bf16).
 
 Decode is memory bound (also measured with mixed contexts and the engine's table width, as bench.py's
 decode runs it): its figure of merit is bytes moved (K+V of every context, q, out) per second, as
-a fraction of the H200's 4.8 TB/s and of a plain device-to-device copy measured here.
+a fraction of the H200's 4.8 TB/s and of a plain device-to-device copy measured here. `--fp8` times
+decode over an FP8 (e4m3) cache instead: one byte per K/V value, so the same context moves half the
+bytes (`--sweep tiles_fp8` its tile sizes).
 Prefill is compute bound: TFLOP/s of causal attention.
 q/k RMSNorm + rotary + KV store: the fused kernel in a CUDA graph.
 RMSNorm, RMSNorm fused with the residual add, SiLU-and-mul (hidden 1024, intermediate 3072): the
@@ -12,7 +14,7 @@ the inputs and one write of the outputs.
 Sampling (vocab 151936, bf16 logits, T=0.6): the fused Gumbel-max kernel against the sampler's torch
 path (which converts to fp32 first); its bytes are one read of the bf16 logits.
 
-    PYTHONPATH=. python benchmarks/bench_kernels.py [--json PATH]
+    PYTHONPATH=. python benchmarks/bench_kernels.py [--json PATH] [--fp8]
 """
 import argparse
 import contextlib
@@ -20,6 +22,7 @@ import json
 from functools import partial
 
 import torch
+import triton
 import triton.testing
 
 from nanovllm.kernels import ATTENTION_BACKEND, paged_decode_attention, prefill_attention
@@ -47,31 +50,42 @@ def copy_bandwidth(gib=4):
     return 2 * src.numel() / (ms * 1e-3)  # read + write
 
 
-def decode_case(batch, ctx, fn, graph=False):
-    blocks = -(-ctx // BLOCK)
-    k_cache = torch.randn(batch * blocks, BLOCK, HKV, D, device="cuda", dtype=torch.bfloat16)
+def kv_cache_pair(num_blocks, fp8):
+    """Random K and V caches [num_blocks, BLOCK, HKV, D], bf16 or FP8, and the scales the kernel takes."""
+    k_cache = torch.randn(num_blocks, BLOCK, HKV, D, device="cuda", dtype=torch.bfloat16)
     v_cache = torch.randn_like(k_cache)
+    if not fp8:
+        return k_cache, v_cache, {}
+    scales = dict(k_scale=torch.ones(1, device="cuda"), v_scale=torch.ones(1, device="cuda"))
+    return k_cache.to(torch.float8_e4m3fn), v_cache.to(torch.float8_e4m3fn), scales
+
+
+def decode_case(batch, ctx, fn, graph=False, fp8=False):
+    blocks = -(-ctx // BLOCK)
+    k_cache, v_cache, scales = kv_cache_pair(batch * blocks, fp8)
     tables = torch.randperm(batch * blocks, device="cuda").int().view(batch, blocks)
     lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
     q = torch.randn(batch, H, D, device="cuda", dtype=torch.bfloat16)
-    ms = median_ms(lambda: fn(q, k_cache, v_cache, tables, lens, D ** -0.5), graph=graph)
-    nbytes = batch * ctx * HKV * D * 2 * 2 + 2 * q.numel() * 2
+    ms = median_ms(lambda: fn(q, k_cache, v_cache, tables, lens, D ** -0.5, **scales), graph=graph)
+    nbytes = batch * ctx * HKV * D * 2 * k_cache.element_size() + 2 * q.numel() * 2
     return ms, nbytes / (ms * 1e-3)
 
 
-def mixed_decode_case(batch, num_splits=None, lo=100, hi=2048, table_blocks=16, seed=0):
+def mixed_decode_case(batch, num_splits=None, lo=100, hi=2048, table_blocks=16, seed=0, fp8=False):
     """As the engine runs bench.py's decode: contexts spread over [lo, hi], block tables as wide as
     the CUDA graphs' (max_model_len 4096 / 256), inside a CUDA graph. num_splits None: the kernel's
     own choice (choose_num_splits)."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
     lens = torch.randint(lo, hi + 1, (batch,), device="cuda", generator=gen, dtype=torch.int32)
-    k_cache = torch.randn(batch * table_blocks, BLOCK, HKV, D, device="cuda", dtype=torch.bfloat16)
-    v_cache = torch.randn_like(k_cache)
+    k_cache, v_cache, scales = kv_cache_pair(batch * table_blocks, fp8)
     tables = torch.randperm(batch * table_blocks, device="cuda").int().view(batch, table_blocks)
     q = torch.randn(batch, H, D, device="cuda", dtype=torch.bfloat16)
-    ms = median_ms(lambda: paged_decode_attention_triton(q, k_cache, v_cache, tables, lens, D ** -0.5,
-                                                         num_splits=num_splits), graph=True)
-    nbytes = int(lens.sum()) * HKV * D * 2 * 2 + 2 * q.numel() * 2
+    def decode():
+        return paged_decode_attention_triton(q, k_cache, v_cache, tables, lens, D ** -0.5,
+                                             num_splits=num_splits, **scales)
+    decode()   # compile (or fail to) outside the graph capture
+    ms = median_ms(decode, graph=True)
+    nbytes = int(lens.sum()) * HKV * D * 2 * k_cache.element_size() + 2 * q.numel() * 2
     return ms, nbytes / (ms * 1e-3)
 
 
@@ -190,6 +204,26 @@ def sweep(json_path, which):
                 rows.append(dict(case=f"mixed decode b={batch} block_n={block_n} warps={warps}", ms=ms,
                                  of_copy=bw / copy_bw))
             print(f"{batch:5d} " + "".join(f"{f:10.1%}" for f in fractions))
+    if which == "tiles_fp8":
+        # (BLOCK_N_FP8, NUM_WARPS_FP8, FP8_DOT_BF16); a tile too large for shared memory shows as n/a
+        shapes = [(64, 4, False), (128, 4, False), (128, 8, False), (256, 4, False), (256, 8, False),
+                  (512, 8, False), (128, 4, True), (256, 8, True)]
+        print("FP8 decode mixed ctx 100-2048, % of copy bandwidth, auto splits, by (BLOCK_N_FP8, "
+              "NUM_WARPS_FP8), fp16 dots (bf16: the last two)")
+        print("batch " + "".join(f"{f'{n}x{w}' + (' bf16' if bf16 else ''):>12}" for n, w, bf16 in shapes))
+        for batch in (256, 128, 64, 16):
+            cells = []
+            for block_n, warps, bf16 in shapes:
+                try:
+                    with knobs(decode_attention, BLOCK_N_FP8=block_n, NUM_WARPS_FP8=warps, FP8_DOT_BF16=bf16):
+                        ms, bw = mixed_decode_case(batch, fp8=True)
+                except triton.runtime.errors.OutOfResources:
+                    cells.append(f"{'n/a':>12}")
+                    continue
+                cells.append(f"{bw / copy_bw:12.1%}")
+                rows.append(dict(case=f"fp8 mixed decode b={batch} block_n={block_n} warps={warps}"
+                                      + (" bf16" if bf16 else ""), ms=ms, of_copy=bw / copy_bw))
+            print(f"{batch:5d} " + "".join(cells))
     if which == "stages":
         print("decode mixed ctx 100-2048, % of copy bandwidth, auto splits, by NUM_STAGES 2 / 3 / 4")
         for batch in (256, 128, 64, 32, 8):
@@ -224,15 +258,41 @@ def sweep(json_path, which):
             json.dump(dict(copy_bytes_per_s=copy_bw, results=rows), f, indent=1)
 
 
+def fp8_decode(json_path):
+    """Decode over an FP8 cache: batch 256 x context 1024 (bf16 beside it), then bench.py's mixed contexts."""
+    copy_bw = copy_bandwidth()
+    rows = []
+    print(f"device copy {copy_bw / 1e12:.2f} TB/s; bytes: K+V at 1 byte (FP8) or 2 (bf16) per value, q, out")
+    print(f"{'case':44s} {'ms':>9s} {'TB/s':>7s} {'of 4.8':>7s} {'of copy':>8s}")
+    def uniform(batch, ctx, fp8):
+        return decode_case(batch, ctx, paged_decode_attention_triton, True, fp8)
+    cases = [(f"decode {'fp8' if fp8 else 'bf16'} graph b={batch} ctx={ctx}", uniform,
+              dict(batch=batch, ctx=ctx, fp8=fp8))
+             for batch, ctx, fp8 in [(256, 1024, True), (256, 1024, False), (1, 4096, True)]]
+    cases += [(f"decode fp8 mixed ctx 100-2048 b={batch}", mixed_decode_case, dict(batch=batch, fp8=True))
+              for batch in (256, 128, 64, 16)]
+    for label, case, kwargs in cases:
+        ms, bw = case(**kwargs)
+        rows.append(dict(case=label, ms=ms, bytes_per_s=bw, of_peak=bw / PEAK_BW, of_copy=bw / copy_bw))
+        print(f"{label:44s} {ms:9.4f} {bw / 1e12:7.2f} {bw / PEAK_BW:7.1%} {bw / copy_bw:8.1%}")
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(dict(copy_bytes_per_s=copy_bw, results=rows), f, indent=1)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--json", help="write the results here")
-    parser.add_argument("--sweep", choices=["all", "decode", "sampler", "stages", "tiles"],
+    parser.add_argument("--sweep", choices=["all", "decode", "sampler", "stages", "tiles", "tiles_fp8"],
                         help="only a sweep: decode split counts, sampler chunks and knobs, decode K/V "
-                             "pipelining depth (stages) or decode tile size x warps (tiles)")
+                             "pipelining depth (stages) or decode tile size x warps (tiles, tiles_fp8)")
+    parser.add_argument("--fp8", action="store_true",
+                        help="only decode, over an FP8 cache (and bf16 to compare)")
     args = parser.parse_args()
     if args.sweep:
         return sweep(args.json, args.sweep)
+    if args.fp8:
+        return fp8_decode(args.json)
     copy_bw = copy_bandwidth()
     rows = []
     print(f"attention back end: {ATTENTION_BACKEND}; device copy {copy_bw / 1e12:.2f} TB/s")

@@ -86,8 +86,9 @@ def host_profile(llm, lines):
         lines.append(f"{label:58s} {s:8.3f} {s / total:7.1%}")
 
 
-def kernel_profile(model, lines, steps=5):
-    llm = LLM(model, load_format="dummy", max_model_len=4096, enforce_eager=True, gpu_memory_utilization=0.4)
+def kernel_profile(model, lines, steps=5, gpu_memory_utilization=0.4):
+    llm = LLM(model, load_format="dummy", max_model_len=4096, enforce_eager=True,
+              gpu_memory_utilization=gpu_memory_utilization)
     prompts, _ = workload(256, 1024, 1024, 0.6)
     params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=steps + 3)
     runner = llm.model_runner
@@ -127,16 +128,21 @@ def main():
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--out")
     p.add_argument("--skip-kernels", action="store_true")
+    p.add_argument("--skip-host", action="store_true", help="only the kernel breakdown")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.4,
+                   help="of each engine (one at a time; a model over 0.4 of the GPU needs more)")
     args = p.parse_args()
     lines = []
-    llm = LLM(args.model, load_format="dummy", max_model_len=4096, gpu_memory_utilization=0.4)
-    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8), use_tqdm=False)
-    host_profile(llm, lines)
-    del llm
-    gc.collect()
-    torch.cuda.empty_cache()
+    if not args.skip_host:
+        llm = LLM(args.model, load_format="dummy", max_model_len=4096,
+                  gpu_memory_utilization=args.gpu_memory_utilization)
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8), use_tqdm=False)
+        host_profile(llm, lines)
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
     if not args.skip_kernels:
-        kernel_profile(args.model, lines)
+        kernel_profile(args.model, lines, gpu_memory_utilization=args.gpu_memory_utilization)
     text = "\n".join(lines)
     print(text)
     if args.out:

@@ -38,6 +38,8 @@ class Config:
     dtype: str | torch.dtype = "auto"           # "auto": checkpoint dtype on CUDA, float32 on CPU;
                                                 # also "half", "float16", "bfloat16", "float", "float32",
                                                 # or a torch.dtype
+    kv_cache_dtype: str = "auto"                # "auto": the model's dtype; "fp8" = "fp8_e4m3" (1 byte)
+    calculate_kv_scales: bool = False           # fp8: K/V scales from the first prefill's amax (else 1.0)
     load_format: str = "auto"                   # "auto" (safetensors) or "dummy" (random weights)
     seed: int | None = 0                        # None: a random seed, drawn once
     tokenizer: str | None = None                # tokenizer folder or hub id; None: the model's
@@ -101,7 +103,7 @@ class Config:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         for name in ("enforce_eager", "enable_prefix_caching", "async_scheduling", "trust_remote_code",
-                     "disable_log_stats"):
+                     "disable_log_stats", "calculate_kv_scales"):
             if not _is_bool(getattr(self, name)):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
             setattr(self, name, bool(getattr(self, name)))
@@ -122,6 +124,9 @@ class Config:
             logger.warning("trust_remote_code=True: nanovllm never runs code from a model folder; models it "
                            "supports need none, and a model that needs remote code is refused")
         _check_choice(self, "load_format", ("auto", "dummy"))
+        _check_choice(self, "kv_cache_dtype", ("auto", "fp8", "fp8_e4m3"))
+        if self.calculate_kv_scales and self.kv_cache_dtype == "auto":
+            raise ValueError("calculate_kv_scales=True scales an FP8 KV cache: also set kv_cache_dtype='fp8'")
         if self.device == "cuda" and self.kvcache_block_size % 16:
             raise ValueError(f"kvcache_block_size must be a multiple of 16 on CUDA, got {self.kvcache_block_size}")
         self.hf_config = apply_hf_overrides(load_hf_config(self.model), self.hf_overrides)

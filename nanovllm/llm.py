@@ -1,6 +1,6 @@
 from nanovllm.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence, beam_score, extend
 from nanovllm.chat_utils import load_chat_template, parse_conversation
-from nanovllm.engine.llm_engine import LLMEngine, _as_prompt_list
+from nanovllm.engine.llm_engine import LLMEngine, _as_prompt_list, serialised
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import SamplingParams
 
@@ -13,6 +13,7 @@ class LLM(LLMEngine):
         """vLLM scripts reach the engine as llm.llm_engine (get_tokenizer, ...); here the LLM is one."""
         return self
 
+    @serialised
     def beam_search(self, prompts, params: BeamSearchParams,
                     use_tqdm: bool = False) -> list[BeamSearchOutput]:
         """vLLM's LLM.beam_search: for each prompt (a string, token ids or a prompt dict), the
@@ -54,6 +55,7 @@ class LLM(LLMEngine):
             results.append(BeamSearchOutput(best))
         return results
 
+    @serialised
     def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
              use_tqdm=True, chat_template: str | None = None, chat_template_content_format: str = "auto",
              add_generation_prompt: bool = True, continue_final_message: bool = False,

@@ -9,7 +9,7 @@ import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import (AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, Qwen2Config,
-                          Qwen3Config)
+                          Qwen3Config, Qwen3MoeConfig)
 
 VOCAB = 512
 EOS = 1
@@ -21,6 +21,11 @@ CONFIGS = {
     "qwen3": lambda **kw: Qwen3Config(**{**_COMMON, "head_dim": 16, "rope_theta": 10000.0, **kw}),
     "llama": lambda **kw: LlamaConfig(**{**_COMMON, "rope_theta": 10000.0, **kw}),
     "qwen2": lambda **kw: Qwen2Config(**{**_COMMON, "rope_theta": 10000.0, **kw}),
+    # 8 experts, top 2, and a dense layer (mlp_only_layers) between two sparse ones
+    "qwen3_moe": lambda **kw: Qwen3MoeConfig(**{**_COMMON, "head_dim": 16, "rope_theta": 10000.0,
+                                                "num_experts": 8, "num_experts_per_tok": 2,
+                                                "moe_intermediate_size": 32, "norm_topk_prob": True,
+                                                "num_hidden_layers": 3, "mlp_only_layers": [1], **kw}),
 }
 
 

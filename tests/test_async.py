@@ -100,7 +100,7 @@ def test_engine_step_loop_by_hand(qwen3_dir):
 def test_tp2_async_equals_sync(eos_model):
     # Rank 1 reads pending input tokens from its copy of the sampled tokens, broadcast by rank 0.
     params = SamplingParams(temperature=0, max_tokens=12)
-    run_ahead, one_at_a_time = both(eos_model, PROMPTS, params, tensor_parallel_size=2)
+    run_ahead, one_at_a_time = both(eos_model, PROMPTS, params, tensor_parallel_size=2, device="cpu")
     assert tokens(run_ahead) == tokens(one_at_a_time)
 
 

@@ -348,13 +348,6 @@ def test_a_huge_max_num_seqs_allocates_nothing(qwen3_dir):
     assert [len(t) for t in tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False))] == [4, 4]
 
 
-def test_the_tp_channel_is_sized_by_what_a_step_can_hold(qwen3_dir):
-    from nanovllm.config import Config
-    from nanovllm.engine.tp_worker import channel_size
-    huge, same_step = Config(qwen3_dir, max_num_seqs=10**9), Config(qwen3_dir, max_num_seqs=16384)
-    assert channel_size(huge) == channel_size(same_step)   # max_num_batched_tokens is 16384
-
-
 def test_a_kv_cache_larger_than_the_device_is_refused_before_allocating(qwen3_dir):
     with pytest.raises(ValueError, match=r"the KV cache of 1000000000000 blocks needs .* GiB, more than the "
                                          r".* GiB of memory of the device \(cpu\): lower num_kvcache_blocks"):

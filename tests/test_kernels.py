@@ -14,8 +14,9 @@ from conftest import assert_nearly_equal, interp, run_interpreted_tests
 from nanovllm.kernels import (ATTENTION_BACKEND, paged_decode_attention, paged_kv_slots, prefill_attention,
                               qk_norm_rope_store)
 from nanovllm.kernels.flash_prefill import gather_kv_varlen
-from nanovllm.kernels.reference import (causal_mask, gather_paged_kv, paged_decode_attention_ref,
-                                        prefill_attention_ref, qk_norm_rope_store_ref, store_kvcache_ref)
+from nanovllm.kernels.reference import (causal_mask, dequantize_kv, gather_paged_kv,
+                                        paged_decode_attention_ref, prefill_attention_ref,
+                                        qk_norm_rope_store_ref, quantize_fp8, store_kvcache_ref)
 from nanovllm.layers.rotary_embedding import RotaryEmbedding
 
 
@@ -282,3 +283,125 @@ def test_interp_qk_norm_rope_store_without_a_cache():
     q, k, v = qk_norm_rope_store_triton(*args[:6], None, empty, empty, 4, 2, 16)
     assert_nearly_equal(q, q_ref)
     assert_nearly_equal(k, k_ref)
+
+
+# ---- FP8 KV cache (e4m3 with a per-layer K and V scale) ----
+
+def fp8_paged(lens, block_size, num_kv_heads, head_dim, k_scale, v_scale, seed=0):
+    """make_paged's cache quantized to FP8 with the given scales ([1] fp32 tensors)."""
+    k_cache, v_cache, tables = make_paged(lens, block_size, num_kv_heads, head_dim, seed=seed)
+    return quantize_fp8(k_cache * 3, k_scale), quantize_fp8(v_cache, v_scale), tables
+
+
+def test_quantize_fp8_divides_saturates_and_rounds_to_nearest_even():
+    x = torch.tensor([500.0, -1e4, 1.0625, 1.1875, 0.003, -0.0001, 0.0, 3.0])
+    q = quantize_fp8(x, None).float()
+    # 1.0625 lies halfway between 1.0 and 1.125 (ties to the even mantissa); 0.003 is a subnormal
+    # (multiples of 2^-9); a tiny negative rounds to -0.
+    assert q.tolist() == [448.0, -448.0, 1.0, 1.25, 2 ** -8, -0.0, 0.0, 3.0]
+    # x / 2: 250 rounds to 256 (steps of 16 there)
+    assert quantize_fp8(x, torch.tensor([2.0])).float().tolist()[:4] == [256.0, -448.0, 0.5, 0.625]
+    # dequantize_kv multiplies back; other dtypes pass through untouched
+    scale = torch.tensor([0.25])
+    assert torch.equal(dequantize_kv(quantize_fp8(x, scale), scale), quantize_fp8(x, scale).float() * 0.25)
+    assert dequantize_kv(x, scale) is x
+
+
+def test_store_kvcache_ref_fp8_quantizes_with_the_scales():
+    k_cache = torch.zeros(3, 4, 2, 8, dtype=torch.float8_e4m3fn)
+    v_cache = torch.zeros_like(k_cache)
+    key, value = torch.randn(3, 2, 8) * 10, torch.randn(3, 2, 8)
+    k_scale, v_scale = torch.tensor([0.05]), torch.tensor([0.01])
+    slots = torch.tensor([9, -1, 0], dtype=torch.int32)
+    store_kvcache_ref(key, value, k_cache, v_cache, slots, k_scale, v_scale)
+    assert torch.equal(k_cache[2, 1].float(), quantize_fp8(key[0], k_scale).float())
+    assert torch.equal(v_cache[0, 0].float(), quantize_fp8(value[2], v_scale).float())
+    # e4m3 keeps 3 mantissa bits: a stored value is within 1/16 of itself (relative), subnormals aside
+    torch.testing.assert_close(dequantize_kv(k_cache[2, 1], k_scale), key[0], rtol=1 / 16,
+                               atol=2 ** -9 * 0.05)
+    assert k_cache.float().count_nonzero() <= 2 * key[0].numel()
+
+
+def test_decode_and_prefill_refs_read_fp8_as_the_dequantized_cache():
+    lens = [3, 9, 21]
+    k_scale, v_scale = torch.tensor([0.02]), torch.tensor([0.005])
+    k8, v8, tables = fp8_paged(lens, 4, 2, 8, k_scale, v_scale)
+    k_deq, v_deq = dequantize_kv(k8, k_scale), dequantize_kv(v8, v_scale)
+    ctx = torch.tensor(lens, dtype=torch.int32)
+    q = torch.randn(3, 4, 8)
+    assert torch.equal(paged_decode_attention_ref(q, k8, v8, tables, ctx, 0.3, k_scale, v_scale),
+                       paged_decode_attention_ref(q, k_deq, v_deq, tables, ctx, 0.3))
+    cu_q = torch.tensor([0, 1, 3, 7], dtype=torch.int32)
+    cu_k = torch.tensor([0, 3, 12, 33], dtype=torch.int32)
+    qp, new = torch.randn(7, 4, 8), torch.randn(7, 2, 8)   # new k, v: ignored when block_tables are given
+    fp8 = prefill_attention_ref(qp, new, new, k8, v8, cu_q, cu_k, 4, 21, tables, 0.3, k_scale, v_scale)
+    assert torch.equal(fp8, prefill_attention_ref(qp, new, new, k_deq, v_deq, cu_q, cu_k, 4, 21, tables, 0.3))
+
+
+@interp
+@pytest.mark.parametrize("block_size,num_splits,block_n", [(4, 1, 16), (16, 2, 32), (16, None, 16)])
+def test_interp_decode_fp8_matches_reference(block_size, num_splits, block_n):
+    from nanovllm.kernels.decode_attention import paged_decode_attention_triton
+    lens = [0, 1, block_size + 1, 3 * block_size - 1]
+    k_scale, v_scale = torch.tensor([0.03]), torch.tensor([0.004])
+    k8, v8, tables = fp8_paged(lens, block_size, 2, 16, k_scale, v_scale, seed=6)
+    ctx = torch.tensor(lens, dtype=torch.int32)
+    q = torch.randn(len(lens), 4, 16)
+    out = paged_decode_attention_triton(q, k8, v8, tables, ctx, 0.25, num_splits=num_splits, block_n=block_n,
+                                        k_scale=k_scale, v_scale=v_scale)
+    ref = paged_decode_attention_ref(q, k8, v8, tables, ctx, 0.25, k_scale, v_scale)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out[1:], ref[1:], atol=1e-5, rtol=1e-5)
+
+
+@interp
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scales", [(1.0, 1.0), (0.005, 0.004)])   # the small scales saturate some values
+def test_interp_qk_norm_rope_store_fp8_quantizes_like_the_reference(dtype, scales):
+    from nanovllm.kernels.qk_norm_rope import qk_norm_rope_store_triton
+    *inputs, k_cache, v_cache = qk_case(40, 4, 2, 16, dtype, seed=2)
+    slots = inputs[6]
+    k_scale, v_scale = torch.tensor([scales[0]]), torch.tensor([scales[1]])
+    k8 = quantize_fp8(k_cache, k_scale)
+    v8 = quantize_fp8(v_cache, v_scale)
+    k_ref, v_ref = k8.clone(), v8.clone()
+    q_ref, kk_ref, _ = qk_norm_rope_store_ref(*inputs, k_ref, v_ref, 4, 2, 16, k_scale, v_scale)
+    k_out, v_out = k8.clone(), v8.clone()
+    q, k, v = qk_norm_rope_store_triton(*inputs, k_out, v_out, 4, 2, 16, k_scale, v_scale)
+    assert_nearly_equal(q, q_ref)
+    assert_nearly_equal(k, kk_ref)
+    keep = slots >= 0
+    rows = slots[keep].long()
+    bits = lambda c: c.view(torch.uint8).view(-1, 2, 16)  # noqa: E731
+    # The kernel's quantization is the reference's, bit for bit, on the kernel's own k and v ...
+    assert torch.equal(bits(k_out)[rows], quantize_fp8(k[keep], k_scale).view(torch.uint8))
+    assert torch.equal(bits(v_out)[rows], quantize_fp8(v[keep], v_scale).view(torch.uint8))
+    assert torch.equal(bits(v_out), bits(v_ref))
+    # ... every other row is untouched, and the stored keys are the reference's (bf16 k may differ
+    # from it by one bf16 ulp on a few values, which can move an fp8 value by one step).
+    written = torch.zeros(k8.shape[0] * k8.shape[1], dtype=torch.bool)
+    written[rows] = True
+    assert torch.equal(bits(k_out)[~written], bits(k8)[~written])
+    differ = bits(k_out) != bits(k_ref)
+    assert differ.float().mean() <= 0.01
+    torch.testing.assert_close(k_out.float(), k_ref.float(), rtol=1 / 8, atol=2 ** -9)
+    if scales[0] < 1:   # saturated, not NaN
+        assert (k_out.float().abs() == 448).any() and (v_out.float().abs() == 448).any()
+        assert not k_out.float().isnan().any() and not v_out.float().isnan().any()
+
+
+@interp
+def test_interp_decode_fp8_with_bf16_queries_runs_fp16_dots():
+    # The GPU's FP8 path: bf16 queries, K/V tiles converted to fp16 (the interpreter's tl.dot is
+    # right on fp16, unlike bf16); the output is bf16, so within a bf16 rounding of the reference.
+    from nanovllm.kernels.decode_attention import paged_decode_attention_triton
+    lens = [1, 17, 47]
+    k_scale, v_scale = torch.tensor([0.03]), torch.tensor([0.004])
+    k8, v8, tables = fp8_paged(lens, 16, 2, 16, k_scale, v_scale, seed=7)
+    ctx = torch.tensor(lens, dtype=torch.int32)
+    q = torch.randn(3, 4, 16).bfloat16()
+    out = paged_decode_attention_triton(q, k8, v8, tables, ctx, 0.25, num_splits=2, block_n=16,
+                                        k_scale=k_scale, v_scale=v_scale)
+    ref = paged_decode_attention_ref(q.float(), k8, v8, tables, ctx, 0.25, k_scale, v_scale)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), ref, atol=1e-2, rtol=1e-2)

@@ -281,3 +281,217 @@ def test_norm_and_silu_cuda_graph_replay_matches_eager(num_tokens):
         graph.replay()
         for out, eager in zip(outs, step(), strict=True):
             assert torch.equal(out, eager)
+
+
+# ---- fused mixture-of-experts at Qwen3-30B-A3B shapes (128 experts, top 8, hidden 2048, inter 768) ----
+
+MOE_E, MOE_K, MOE_H, MOE_I = 128, 8, 2048, 768
+
+
+@pytest.fixture(scope="module")
+def moe_weights():
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    w13 = (torch.randn(MOE_E, 2 * MOE_I, MOE_H, device="cuda", generator=gen) * 0.02).bfloat16()
+    w2 = (torch.randn(MOE_E, MOE_H, MOE_I, device="cuda", generator=gen) * 0.02).bfloat16()
+    return w13, w2
+
+
+def moe_case(num_tokens: int, seed: int, skewed: bool = False):
+    """bf16 tokens and the router's top-8 choice; skewed: every token picks the same experts (as the
+    engine's warm-up prefill of zeros does)."""
+    from nanovllm.kernels.moe_reference import select_experts
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(num_tokens, MOE_H, device="cuda", generator=gen).bfloat16()
+    logits = torch.randn(num_tokens, MOE_E, device="cuda", generator=gen)
+    if skewed:
+        logits = logits[:1].expand(num_tokens, -1)
+    weights, ids = select_experts(logits.bfloat16(), MOE_K, renormalize=True)
+    return x, weights, ids
+
+
+def assert_moe_close(out: torch.Tensor, x, w13, w2, weights, ids):
+    """Against the fp32 reference on the same bf16 inputs: bf16 roundings of gate, up, silu, h and y."""
+    from nanovllm.kernels.moe_reference import fused_moe_ref
+    ref = torch.cat([fused_moe_ref(x[i:i + 512].float(), w13.float(), w2.float(), weights[i:i + 512].float(),
+                                   ids[i:i + 512]) for i in range(0, x.shape[0], 512)])
+    assert out.dtype == torch.bfloat16 and out.shape == ref.shape
+    assert ((out.float() - ref).norm() / ref.norm()).item() < 1e-2
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("num_tokens,skewed", [(1, False), (7, False), (64, False), (256, False),
+                                               (2048, False), (4096, True)])
+def test_fused_moe_matches_reference(moe_weights, num_tokens, skewed):
+    from nanovllm.kernels.fused_moe import fused_moe_triton
+    w13, w2 = moe_weights
+    x, weights, ids = moe_case(num_tokens, seed=num_tokens, skewed=skewed)
+    assert_moe_close(fused_moe_triton(x, w13, w2, weights, ids), x, w13, w2, weights, ids)
+
+
+def test_fused_moe_tp2_shard_shapes(moe_weights):
+    """One rank's shard under TP=2: half of every expert's intermediate columns."""
+    from nanovllm.kernels.fused_moe import fused_moe_triton
+    w13, w2 = moe_weights
+    half = MOE_I // 2
+    w13 = torch.cat([w13[:, :half], w13[:, MOE_I:MOE_I + half]], dim=1).contiguous()
+    w2 = w2[:, :, :half].contiguous()
+    x, weights, ids = moe_case(200, seed=5)
+    assert_moe_close(fused_moe_triton(x, w13, w2, weights, ids), x, w13, w2, weights, ids)
+
+
+def test_fused_moe_cuda_graph_replay_matches_eager(moe_weights):
+    from nanovllm.kernels.fused_moe import fused_moe_triton
+    w13, w2 = moe_weights
+    x, weights, ids = moe_case(96, seed=1)
+    fused_moe_triton(x, w13, w2, weights, ids)   # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused_moe_triton(x, w13, w2, weights, ids)
+    for seed in (2, 3):   # new tokens and routing in the same buffers: the graph must re-sort them
+        for buf, value in zip((x, weights, ids), moe_case(96, seed=seed)):
+            buf.copy_(value)
+        graph.replay()
+        assert_moe_close(out, x, w13, w2, weights, ids)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 256, 4096])
+def test_select_experts_kernel_matches_reference(num_tokens):
+    """The router kernel against torch's softmax + topk on bf16 logits (which tie often: a tie may
+    take either expert, so compare the chosen probabilities, not the indices)."""
+    from nanovllm.kernels.moe_reference import select_experts
+    from nanovllm.kernels.moe_routing import select_experts_triton
+    gen = torch.Generator(device="cuda").manual_seed(num_tokens)
+    logits = torch.randn(num_tokens, MOE_E, device="cuda", generator=gen).bfloat16()
+    weights, ids = select_experts_triton(logits, MOE_K, renormalize=True)
+    want_weights, _ = select_experts(logits, MOE_K, renormalize=True)
+    assert ids.shape == (num_tokens, MOE_K) and weights.dtype == torch.bfloat16
+    assert (ids.sort(dim=1).values.diff(dim=1) > 0).all()   # distinct experts per token
+    probs = torch.softmax(logits.float(), dim=-1)
+    kth = probs.topk(MOE_K, dim=-1).values[:, -1:]
+    assert (probs.gather(1, ids.long()) >= kth * (1 - 1e-5)).all()   # each chosen expert is in the top 8
+    torch.testing.assert_close(weights.float(), want_weights.float(), atol=2e-3, rtol=1e-2)
+
+
+# ---- FP8 KV cache: e4m3 with per-layer K and V scales ----
+
+FP8_SCALES = (0.02, 0.01)   # randn * 3 / 0.02 reaches e4m3's 448: the cache uses its whole range
+
+
+def fp8_paged(lens, block_size, seed=0, max_blocks=None):
+    """make_paged's cache quantized to FP8, its [1] fp32 scales, and the dequantized fp32 cache."""
+    from nanovllm.kernels.reference import dequantize_kv, quantize_fp8
+    k_cache, v_cache, tables = make_paged(lens, block_size, dtype=torch.float32, seed=seed,
+                                          max_blocks=max_blocks)
+    k_scale, v_scale = (torch.tensor([s], device="cuda") for s in FP8_SCALES)
+    k8, v8 = quantize_fp8(k_cache * 3, k_scale), quantize_fp8(v_cache, v_scale)
+    return k8, v8, tables, k_scale, v_scale, dequantize_kv(k8, k_scale), dequantize_kv(v8, v_scale)
+
+
+@pytest.mark.parametrize("batch,max_ctx,block_size", [(1, 4096, 256), (7, 1500, 256), (256, 1024, 256),
+                                                      (33, 700, 16)])
+@pytest.mark.parametrize("block_n", [None, 128])
+def test_decode_fp8_matches_reference(batch, max_ctx, block_size, block_n):
+    from nanovllm.kernels.decode_attention import paged_decode_attention_triton
+    gen = torch.Generator().manual_seed(batch)
+    lens = torch.randint(1, max_ctx + 1, (batch,), generator=gen).tolist()
+    lens[0] = max_ctx
+    if batch > 2:
+        lens[1], lens[2] = 1, 0
+    k8, v8, tables, k_scale, v_scale, k_deq, v_deq = fp8_paged(lens, block_size, seed=batch)
+    ctx = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    q = torch.randn(batch, H, D, device="cuda").bfloat16()
+    out = paged_decode_attention_triton(q, k8, v8, tables, ctx, SCALE, block_n=block_n,
+                                        k_scale=k_scale, v_scale=v_scale)
+    ref = decode_ref(q, k_deq, v_deq, tables, ctx)
+    keep = ctx > 0
+    torch.testing.assert_close(out.float()[keep], ref[keep], **BF16_TOL)
+    if block_n is None:   # the back end's entry point takes the kernel
+        entry = paged_decode_attention(q, k8, v8, tables, ctx, SCALE, k_scale, v_scale)
+        assert torch.equal(entry[keep], out[keep])
+
+
+@pytest.mark.parametrize("block_n,num_warps,bf16_dots", [(128, 4, False), (64, 4, False), (256, 8, True)])
+def test_decode_fp8_tile_variants_match_reference(monkeypatch, block_n, num_warps, bf16_dots):
+    """The knobs bench_kernels.py --sweep tiles_fp8 turns: every variant computes the same."""
+    from nanovllm.kernels import decode_attention
+    monkeypatch.setattr(decode_attention, "BLOCK_N_FP8", block_n)
+    monkeypatch.setattr(decode_attention, "NUM_WARPS_FP8", num_warps)
+    monkeypatch.setattr(decode_attention, "FP8_DOT_BF16", bf16_dots)
+    lens = [1, 700, 2048, 0, 1500]
+    k8, v8, tables, k_scale, v_scale, k_deq, v_deq = fp8_paged(lens, 256, seed=5)
+    ctx = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    q = torch.randn(5, H, D, device="cuda").bfloat16()
+    out = decode_attention.paged_decode_attention_triton(q, k8, v8, tables, ctx, SCALE, k_scale=k_scale,
+                                                         v_scale=v_scale)
+    keep = ctx > 0
+    torch.testing.assert_close(out.float()[keep], decode_ref(q, k_deq, v_deq, tables, ctx)[keep], **BF16_TOL)
+
+
+def test_decode_fp8_with_fp32_queries_matches_reference():
+    from nanovllm.kernels.decode_attention import paged_decode_attention_triton
+    lens = [1, 300, 1000]
+    k8, v8, tables, k_scale, v_scale, k_deq, v_deq = fp8_paged(lens, 256)
+    ctx = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    q = torch.randn(3, H, D, device="cuda")
+    out = paged_decode_attention_triton(q, k8, v8, tables, ctx, SCALE, k_scale=k_scale, v_scale=v_scale)
+    torch.testing.assert_close(out, decode_ref(q, k_deq, v_deq, tables, ctx), atol=1e-4, rtol=1e-4)
+
+
+def test_decode_fp8_graph_reads_the_scales_at_replay():
+    """calculate_kv_scales sets the scales after the graphs are captured: replay must see them."""
+    k8, v8, tables, k_scale, v_scale, _, _ = fp8_paged([2048] * 16, 256, max_blocks=8)
+    q = torch.randn(16, H, D, device="cuda").bfloat16()
+    ctx = torch.full((16,), 1500, dtype=torch.int32, device="cuda")
+    paged_decode_attention(q, k8, v8, tables, ctx, SCALE, k_scale, v_scale)   # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = paged_decode_attention(q, k8, v8, tables, ctx, SCALE, k_scale, v_scale)
+    k_scale.fill_(0.05)
+    v_scale.fill_(0.003)
+    graph.replay()
+    assert torch.equal(out, paged_decode_attention(q, k8, v8, tables, ctx, SCALE, k_scale, v_scale))
+
+
+@pytest.mark.parametrize("num_tokens", [1, 256, 16384])
+def test_qk_norm_rope_store_fp8_matches_reference(num_tokens):
+    """The kernel quantizes its own k and v exactly as the reference's quantize_fp8 does; against
+    the reference's whole path, a few stored keys may sit one e4m3 step away (their bf16 k differed
+    by one ulp)."""
+    from nanovllm.kernels.qk_norm_rope import qk_norm_rope_store_triton
+    from nanovllm.kernels.reference import quantize_fp8
+    *inputs, k_cache, v_cache = qk_case(num_tokens, torch.bfloat16, True)
+    slots = inputs[6]
+    k_scale, v_scale = torch.tensor([0.01], device="cuda"), torch.tensor([0.02], device="cuda")
+    k8, v8 = quantize_fp8(k_cache, k_scale), quantize_fp8(v_cache, v_scale)
+    k_ref, v_ref = k8.clone(), v8.clone()
+    qk_norm_rope_store_ref(*inputs, k_ref, v_ref, H, HKV, D, k_scale, v_scale)
+    for fn in (qk_norm_rope_store_triton, qk_norm_rope_store):
+        k_out, v_out = k8.clone(), v8.clone()
+        _, k, _ = fn(*inputs, k_out, v_out, H, HKV, D, k_scale, v_scale)
+        keep = slots >= 0
+        rows = slots[keep].long()
+        bits = lambda c: c.view(torch.uint8).view(-1, HKV, D)  # noqa: E731
+        assert torch.equal(bits(k_out)[rows], quantize_fp8(k[keep], k_scale).view(torch.uint8))
+        assert torch.equal(bits(v_out), bits(v_ref))
+        assert (bits(k_out) != bits(k_ref)).float().mean() <= 1e-3
+        torch.testing.assert_close(k_out.float(), k_ref.float(), rtol=1 / 8, atol=2 ** -9)
+
+
+@pytest.mark.parametrize("block_size", [16, 256])
+def test_prefill_fp8_with_cached_prefix_matches_reference(block_size):
+    from nanovllm.kernels.reference import dequantize_kv, quantize_fp8
+    q_lens, k_lens = [5, 512, 100], [600, 2048, 100]
+    q, _, _, k_cache, v_cache, cu_q, cu_k, max_q, max_k, tables = prefill_case(q_lens, k_lens, block_size)
+    k_scale, v_scale = torch.tensor([0.01], device="cuda"), torch.tensor([0.004], device="cuda")
+    k8, v8 = quantize_fp8(k_cache, k_scale), quantize_fp8(v_cache, v_scale)
+    k_deq, v_deq = dequantize_kv(k8, k_scale), dequantize_kv(v8, v_scale)
+    ends = list(enumerate(zip(q_lens, k_lens)))
+    new_k = torch.cat([gather_paged_kv(k_deq, tables[i], n)[n - m:] for i, (m, n) in ends])
+    new_v = torch.cat([gather_paged_kv(v_deq, tables[i], n)[n - m:] for i, (m, n) in ends])
+    out = prefill_attention(q, new_k.bfloat16(), new_v.bfloat16(), k8, v8, cu_q, cu_k, max_q, max_k, tables,
+                            SCALE, None, k_scale, v_scale)
+    ref = prefill_attention_ref(q.float(), new_k, new_v, k_deq, v_deq, cu_q, cu_k, max_q, max_k, tables,
+                                SCALE)
+    torch.testing.assert_close(out.float(), ref, **BF16_TOL)

@@ -44,8 +44,9 @@ def test_rotary_matches_transformers():
     cos, sin = hf.Qwen3RotaryEmbedding(CFG)(q, positions[None])
     # transformers lays q out as [batch, heads, seq, dim]
     q_ref, k_ref = hf.apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
-    torch.testing.assert_close(q_ours, q_ref[0].transpose(0, 1))
-    torch.testing.assert_close(k_ours, k_ref[0].transpose(0, 1))
+    # (.cpu(): on a GPU machine transformers may compute cos/sin on the GPU)
+    torch.testing.assert_close(q_ours.cpu(), q_ref[0].transpose(0, 1).cpu())
+    torch.testing.assert_close(k_ours.cpu(), k_ref[0].transpose(0, 1).cpu())
 
 
 def test_get_rope_is_cached():

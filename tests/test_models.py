@@ -103,7 +103,8 @@ def test_llama3_rope_scaling_changes_frequencies(tmp_path):
     only by luck, so check the frequencies themselves too."""
     # (a copy: transformers writes rope_theta into the dict it is given)
     path = make_model(str(tmp_path), "llama", tokenizer=False, rope_scaling=dict(LLAMA3_ROPE))
-    scaled = LLM(path, num_kvcache_blocks=4, kvcache_block_size=16).model_runner.model
+    llm = LLM(path, num_kvcache_blocks=4, kvcache_block_size=16)   # kept: deleting it frees the model
+    scaled = llm.model_runner.model
     cos_sin = scaled.model.layers[0].self_attn.rotary_emb.cos_sin_cache[1]   # position 1: angle = inv_freq
     inv = torch.atan2(cos_sin[8:], cos_sin[:8])
     plain = 1.0 / 10000.0 ** (torch.arange(0, 16, 2).float() / 16)
@@ -115,10 +116,12 @@ def test_llama3_rope_scaling_changes_frequencies(tmp_path):
 
 
 def test_registry_shares_one_decoder():
-    assert set(MODEL_REGISTRY) == {"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
-    from transformers import LlamaConfig
+    assert set(MODEL_REGISTRY) == {"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                                   "Qwen3MoeForCausalLM"}
+    from transformers import Qwen3MoeConfig
     for arch in MODEL_REGISTRY:
-        config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                             num_attention_heads=2, num_key_value_heads=1, architectures=[arch])
+        config = Qwen3MoeConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                num_attention_heads=2, num_key_value_heads=1, num_experts=4,
+                                num_experts_per_tok=2, moe_intermediate_size=8, architectures=[arch])
         model = get_model_class(config)(config)
         assert isinstance(model.model.layers[0], LlamaDecoderLayer)

@@ -1,7 +1,9 @@
 """Tensor parallelism on CUDA (NCCL): TP=2 (and 4, 8 where the GPUs exist) gives TP=1's greedy
 tokens in fp32, with CUDA graphs and eager; bf16 within a tolerance of transformers' logits; two
-engines at once; nothing left after shutdown. Skipped without enough GPUs; run on the H200s."""
-import multiprocessing
+engines at once; nothing left after shutdown; faults (a worker that raises, is killed or stopped,
+Ctrl-C during a step and during shutdown, a start-up failure) are errors within seconds, never
+hangs (tests/tp_faults.py, in a subprocess with a deadline). Skipped without enough GPUs; run on
+the H200s."""
 import os
 
 import pytest
@@ -9,6 +11,7 @@ import torch
 
 from conftest import HFOracle, make_model, random_prompts
 from nanovllm import LLM, SamplingParams
+from tp_faults_runner import assert_no_leftovers, run_scenarios
 
 NUM_GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 pytestmark = pytest.mark.skipif(NUM_GPUS < 2, reason="needs 2 CUDA GPUs")
@@ -57,9 +60,62 @@ def test_two_tp2_engines_and_clean_shutdown(qwen3_dir, model_8_heads):
     engines = [LLM(p, tensor_parallel_size=2, dtype="float32", **OPTIONS) for p in (qwen3_dir, model_8_heads)]
     for _ in range(2):
         assert [tokens(e) for e in engines] == expected
-    pids = [pid for e in engines for pid in e.workers.pids]
-    names = [e.workers.channel.name for e in engines]
+    pids = [pid for e in engines for pid in e.executor.workers.pids]
     for e in engines:
         e.shutdown()
-    assert not any(p.pid in pids for p in multiprocessing.active_children())
-    assert not any(os.path.exists(f"/dev/shm/{n}") for n in names)
+    assert not any(os.path.exists(f"/proc/{pid}") for pid in pids)
+
+
+# ---- faults under NCCL ----------------------------------------------------------------------
+
+# Two groups, each one subprocess with a deadline under pytest-timeout's 240 s per test.
+WORKER_FAULTS = ["worker_raises", "worker_killed", "worker_killed_mid_generate",
+                 "worker_killed_mid_generate_graphs", "worker_stopped"]
+INTERRUPTS = ["interrupt_in_step", "interrupt_in_shutdown", "startup_failure",
+              "interrupt_in_shutdown_then_exit"]
+
+
+@pytest.fixture(scope="module")
+def worker_faults(qwen3_dir):
+    return run_scenarios(qwen3_dir, "cuda", WORKER_FAULTS, timeout_s=200)
+
+
+@pytest.fixture(scope="module")
+def faults(qwen3_dir):
+    return run_scenarios(qwen3_dir, "cuda", INTERRUPTS, timeout_s=200)
+
+
+@pytest.mark.parametrize("name", ["worker_raises", "worker_killed", "worker_killed_mid_generate",
+                                  "worker_killed_mid_generate_graphs", "worker_stopped"])
+def test_nccl_worker_fault_is_an_error_within_seconds(worker_faults, name):
+    r = worker_faults(name)
+    assert r["first"]["error"] == "WorkerError" and r["first"]["seconds"] < 15, r["first"]
+    assert "rank 1" in r["first"]["message"]
+    why = {"worker_raises": "AttributeError", "worker_stopped": "not answered"}.get(name, "SIGKILL")
+    assert why in r["first"]["message"], r["first"]["message"]
+    if "later" in r:
+        assert r["later"]["error"] == "WorkerError" and r["later"]["seconds"] < 1
+    assert_no_leftovers(r)
+
+
+def test_nccl_ctrl_c_in_a_step_interrupts(faults):
+    r = faults("interrupt_in_step")   # rank 0 waits on a step a stopped worker never joins
+    assert r["first"]["error"] == "KeyboardInterrupt" and r["first"]["seconds"] < 5, r["first"]
+    if r["in_step"]:
+        assert r["later"]["error"] == "RuntimeError" and "out of step" in r["later"]["message"]
+    assert_no_leftovers(r)
+
+
+def test_nccl_ctrl_c_in_shutdown(faults):
+    r = faults("interrupt_in_shutdown")
+    assert r["interrupted"]["error"] == "KeyboardInterrupt" and r["interrupted"]["seconds"] < 5
+    assert_no_leftovers(r)
+    r = faults("interrupt_in_shutdown_then_exit")
+    assert r["interrupted"]["error"] == "KeyboardInterrupt"
+    assert_no_leftovers(r, exited=True)
+
+
+def test_nccl_startup_failure_names_the_worker(faults):
+    r = faults("startup_failure")
+    assert r["start"]["error"] == "WorkerError" and "rank 1" in r["start"]["message"]
+    assert "injected start-up failure" in r["start"]["message"]

@@ -36,6 +36,13 @@ class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.reset(num_blocks)
+
+    def reset(self, num_blocks: int | None = None):
+        """Every block free and unhashed, as at start-up. Built anew rather than repaired: after a
+        failure part-way through a step (Ctrl-C between two lines here) no ref count, free list or
+        hash is trusted, and a block whose K/V may be half-written must not stay in the prefix cache."""
+        num_blocks = self.num_blocks if num_blocks is None else num_blocks
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.hash_to_block_id: dict[int, int] = {}

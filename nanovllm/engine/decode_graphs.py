@@ -6,6 +6,7 @@ from typing import NamedTuple
 import torch
 
 from nanovllm.engine.step_input import StepInput
+from nanovllm.utils.distributed import wait_for_device
 
 
 class DecodeInputs(NamedTuple):
@@ -100,12 +101,15 @@ class DecodeGraphs:
     def _record(self, step: Callable[[], None], group) -> Callable[[], None]:
         """Record step into a CUDA graph; return its replay."""
         graph = torch.cuda.CUDAGraph()
+        # Watched waits (a dead peer raises): the warm-up's collectives must be done before
+        # torch.cuda.graph synchronizes the device itself, which no check could interrupt.
+        wait_for_device(self.inputs.device)
         with torch.cuda.graph(graph, self._pool):
             step()
         self._pool = self._pool or graph.pool()
         if group is not None:
             group.graphs.append(graph)   # reset before the group is destroyed
-        torch.cuda.synchronize()
+        wait_for_device(self.inputs.device)
         return graph.replay
 
     def fits(self, num_seqs: int) -> bool:

@@ -1,9 +1,14 @@
 """The engine: tokenizer, model runner and scheduler; add_request / step / generate."""
+import functools
 import logging
 import numbers
+import threading
+import weakref
+from contextlib import contextmanager
 
 from nanovllm.config import Config
 from nanovllm.engine.block_manager import cdiv
+from nanovllm.engine.executor import Executor
 from nanovllm.engine.generation_defaults import default_sampling_overrides
 from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.progress import Progress, check_use_tqdm
@@ -12,7 +17,6 @@ from nanovllm.engine.scheduler import ScheduledBatch, Scheduler
 from nanovllm.engine.sequence import Sequence, TokenLogprobs
 from nanovllm.engine.stop_checker import ABORT
 from nanovllm.engine.token_constraints import bad_words_token_ids
-from nanovllm.engine.tp_worker import TPWorkers
 from nanovllm.inputs import UNSUPPORTED_PROMPT_KEYS
 from nanovllm.outputs import CompletionOutput, Logprob, RequestOutput
 from nanovllm.sampling_params import SamplingParams
@@ -31,11 +35,34 @@ def eos_token_ids(config: Config, tokenizer) -> set[int]:
     return ids
 
 
+def serialised(method):
+    """Run an engine method holding the engine's lock, so threads sharing one engine take turns: a
+    generate call runs from queueing its first sequence to building its last output with no other
+    caller's step in between, and gives exactly the tokens it would alone. Also refuses a broken
+    engine, and finishes a reset that a second interrupt cut short."""
+    @functools.wraps(method)
+    def locked(self, *args, **kwargs):
+        with self._lock:
+            if self._broken is not None:
+                raise RuntimeError(f"this engine can no longer run: {self._broken}. Create a new LLM "
+                                   "(and shut this one down)")
+            if self._dirty:
+                self._reset()
+            return method(self, *args, **kwargs)
+    return locked
+
+
 class LLMEngine:
     def __init__(self, model: str, **options):
+        self._lock = threading.RLock()   # see serialised
+        self._dirty = False   # the bookkeeping may be half-updated: reset it before the next call
+        self._broken: str | None = None   # why the engine cannot run any more steps
+        # Every sequence queued and still alive, so a reset ends them all, also one that was
+        # between two queues when the failure came.
+        self._queued: weakref.WeakSet[Sequence] = weakref.WeakSet()
         self.config = c = Config.create(model, **options)
         self.tokenizer = load_tokenizer(c.tokenizer or c.model, c.tokenizer_mode)
-        self.workers = self._start_runners()
+        self.executor = Executor(c)   # rank 0's runner here, and the workers under TP
         self.scheduler = Scheduler(c.max_num_seqs, c.max_num_batched_tokens, c.max_model_len,
                                    self.model_runner.num_kvcache_blocks, c.kvcache_block_size,
                                    eos_token_ids(c, self.tokenizer), c.enable_prefix_caching, self.tokenizer)
@@ -44,23 +71,9 @@ class LLMEngine:
         # The launched batch whose tokens have not been applied yet (see step).
         self._in_flight: tuple[ScheduledBatch, PendingSample] | None = None
 
-    def _start_runners(self) -> TPWorkers | None:
-        """Rank 0's ModelRunner here; with tensor_parallel_size > 1 also ranks 1..N-1 in spawned
-        processes (returned), which build their shards alongside it."""
-        if self.config.tensor_parallel_size == 1:
-            self.model_runner = ModelRunner(self.config)
-            return None
-        workers = TPWorkers(self.config)
-        try:
-            self.model_runner = ModelRunner(self.config, workers.group, workers)
-        except BaseException as e:
-            try:
-                if not isinstance(e, (ValueError, TypeError)):   # a user error is the same on every rank
-                    workers.raise_if_died(e)
-            finally:
-                workers.shutdown()
-            raise
-        return workers
+    @property
+    def model_runner(self) -> ModelRunner:
+        return self.executor.runner
 
     def get_tokenizer(self):
         return self.tokenizer
@@ -72,10 +85,10 @@ class LLMEngine:
         return SamplingParams(**self.default_sampling_overrides)
 
     def shutdown(self):
-        """Stop the tensor-parallel workers, remove their shared memory and process group (also
-        done at interpreter exit). The engine cannot generate afterwards."""
-        if getattr(self, "workers", None) is not None:
-            self.workers.shutdown()
+        """Stop the tensor-parallel workers and their process group (also done at interpreter
+        exit) and give the device memory back. Idempotent; the engine cannot generate afterwards."""
+        if getattr(self, "executor", None) is not None:
+            self.executor.shutdown()
 
     def __del__(self):
         try:
@@ -122,19 +135,54 @@ class LLMEngine:
                              "memory (gpu_memory_utilization, kv_cache_memory_bytes or num_kvcache_blocks)")
         return ids
 
+    @serialised
     def add_request(self, prompt: str | list[int], sampling_params: SamplingParams | None = None) -> list[Sequence]:
         """Queue one prompt; return its sampling_params.n sequences (completions 0..n-1)."""
         params = self._params_list(sampling_params, 1)[0]
         seqs = self._new_seqs(self._token_ids(prompt, 0), params)
-        for seq in seqs:
-            self.scheduler.add(seq)
+        with self._reset_on_error():
+            self._queue(seqs)
         return seqs
 
+    def _queue(self, seqs: list[Sequence]):
+        self._queued.update(seqs)
+        for seq in seqs:
+            self.scheduler.add(seq)
+
+    # ---- failures -------------------------------------------------------------------------
+
+    @contextmanager
+    def _reset_on_error(self):
+        """Any exception or interrupt inside leaves the engine as a fresh one (see _reset). The
+        dirty flag covers an interrupt that lands in the recovery itself: the next call resets."""
+        was_dirty, self._dirty = self._dirty, True
+        try:
+            yield
+        except BaseException:
+            self._reset()
+            raise
+        self._dirty = was_dirty
+
+    def _reset(self):
+        """After a failure anywhere in a call or step: drop the batch in flight, end every queued
+        sequence with finish_reason "abort", and rebuild the scheduler's queues and blocks from
+        nothing (the prefix cache too), since an interrupt may have landed between any two
+        updates of them. The model runner needs nothing: a new sequence reads no state of an old one."""
+        self._dirty = True
+        self._in_flight = None
+        for seq in list(self._queued):
+            seq.abort()
+        self._queued.clear()
+        self.scheduler.reset()
+        self._dirty = False
+
+    @serialised
     def abort(self, seqs: list[Sequence]):
         """Stop these sequences now (their client went away) and free their KV blocks; a token
         still in flight for one of them is dropped when it arrives."""
-        for seq in seqs:
-            self.scheduler.finish(seq, ABORT)
+        with self._reset_on_error():
+            for seq in seqs:
+                self.scheduler.finish(seq, ABORT)
 
     def _check_params(self, params: SamplingParams, index: int):
         try:
@@ -173,11 +221,17 @@ class LLMEngine:
 
     # ---- stepping -------------------------------------------------------------------------
 
+    @serialised
     def step(self) -> tuple[list[Sequence], ScheduledBatch]:
         """Schedule one batch and launch it; then apply the results of the batch launched before
         it. The host so does its bookkeeping while the device computes, and waits only for
         tokens of the previous batch (async_scheduling; otherwise each batch is applied at once).
-        Returns the sequences that finished, and the batch launched."""
+        Returns the sequences that finished, and the batch launched. An exception aborts every
+        queued request (see _reset)."""
+        with self._reset_on_error():
+            return self._step()
+
+    def _step(self) -> tuple[list[Sequence], ScheduledBatch]:
         finished = []
         if self._in_flight and not self._can_run_ahead(self._in_flight[0]):
             finished += self._apply(*self._in_flight)
@@ -186,10 +240,9 @@ class LLMEngine:
         launched = None
         if batch.seqs:
             try:
-                launched = batch, self.model_runner.launch(batch)
-            except Exception as e:
-                if self.workers is not None:
-                    self.workers.raise_if_died(e)   # a collective failed because a worker died: say so
+                launched = batch, self.executor.launch(batch)
+            except BaseException as e:
+                self._break_tp_step(e)
                 raise
             self.scheduler.advance(batch)
         else:
@@ -202,6 +255,16 @@ class LLMEngine:
             self._in_flight = None
         return finished, batch
 
+    def _break_tp_step(self, error: BaseException):
+        """A launch under tensor parallelism failed or was interrupted: the workers may have run
+        (or be waiting in) a step that rank 0 did not finish, so the ranks are out of step and
+        the next collective would hang or mix two steps. Mark the engine broken."""
+        if self.executor.workers is None or self.executor.closed:
+            return   # one rank: nothing to fall out of step with; shut down: every call says so
+        self._broken = self.executor.broken or (
+            f"a step under tensor parallelism was cut short ({type(error).__name__}: {error}), "
+            "so the ranks may be out of step")
+
     def _can_run_ahead(self, batch: ScheduledBatch) -> bool:
         """May the next batch be launched before this one's tokens are on the host? Not with
         penalties or bad_words: their token counts and bans are built on the host from the known
@@ -210,7 +273,7 @@ class LLMEngine:
 
     def _apply(self, batch: ScheduledBatch, pending: PendingSample) -> list[Sequence]:
         """Wait for a launched batch's tokens and apply them; return the sequences that finished."""
-        sampled = pending.result()
+        sampled = self.executor.result(pending)
         if sampled.prompt_logprobs:
             add_prompt_logprobs(batch, sampled.prompt_logprobs)
         return self.scheduler.complete(batch, sampled.token_ids, sampled.logprobs)
@@ -222,29 +285,28 @@ class LLMEngine:
             self._in_flight = None
             self._apply(batch, pending)
 
+    @serialised
     def is_finished(self) -> bool:
         return self.scheduler.is_finished() and self._in_flight is None
 
+    @serialised
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm=True) -> list[RequestOutput]:
         """vLLM's LLM.generate: one RequestOutput per prompt, in prompt order. use_tqdm: show a
-        progress bar (True), none (False), or draw it with this tqdm-like callable."""
+        progress bar (True), none (False), or draw it with this tqdm-like callable. Threads may
+        share an engine: their calls are served one after another (see serialised). An exception
+        or Ctrl-C anywhere inside leaves the engine as a fresh one (see _reset)."""
         check_use_tqdm(use_tqdm)
         prompts = _as_prompt_list(prompts)
         params = self._params_list(sampling_params, len(prompts))
         token_ids = [self._token_ids(p, i) for i, p in enumerate(prompts)]   # all checked before any is queued
         requests = [self._new_seqs(ids, sp) for ids, sp in zip(token_ids, params)]
         seqs = [seq for request in requests for seq in request]
-        for seq in seqs:
-            self.scheduler.add(seq)
-        try:
+        with self._reset_on_error():
+            self._queue(seqs)
             self._run_until_done(requests, use_tqdm)
             self._drain()
-        except BaseException:
-            self._in_flight = None
-            self.scheduler.abort_all()   # leave the engine empty and usable
-            raise
-        return [self._output(request, p) for request, p in zip(requests, prompts)]
+            return [self._output(request, p) for request, p in zip(requests, prompts)]
 
     def _run_until_done(self, requests: list[list[Sequence]], use_tqdm):
         progress = Progress(use_tqdm, len(requests))
@@ -253,7 +315,7 @@ class LLMEngine:
         seqs = [seq for request in requests for seq in request]
         try:
             while not all(seq.is_finished for seq in seqs):
-                finished, batch = self.step()
+                finished, batch = self._step()   # generate holds the lock and resets on errors
                 done = 0
                 for seq in finished:
                     i = prompt_of.get(seq.seq_id)

@@ -18,7 +18,8 @@ from nanovllm.layers.attention import Attention
 from nanovllm.layers.sampler import Sampler
 from nanovllm.models import get_model_class
 from nanovllm.utils.context import Context, forward_context
-from nanovllm.utils.distributed import TPGroup, broadcast, min_across_ranks, tp_group
+from nanovllm.utils.distributed import (TPGroup, broadcast, host_barrier, min_across_ranks, tp_group,
+                                        wait_for_device)
 from nanovllm.utils.loader import load_dummy_weights, load_model
 
 logger = logging.getLogger(__name__)
@@ -32,6 +33,11 @@ def pick_device(config: Config) -> torch.device:
             raise ValueError("device='cuda' was asked for but no CUDA device is available; use device='cpu'")
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def pick_kv_cache_dtype(config: Config, model_dtype: torch.dtype) -> torch.dtype:
+    """"auto": the model's dtype; "fp8" / "fp8_e4m3": e4m3 with per-layer K and V scales."""
+    return model_dtype if config.kv_cache_dtype == "auto" else torch.float8_e4m3fn
 
 
 def pick_dtype(config: Config, device: torch.device) -> torch.dtype:
@@ -55,14 +61,14 @@ def _default_dtype(dtype: torch.dtype):
 
 
 class ModelRunner:
-    def __init__(self, config: Config, group: TPGroup | None = None, workers=None):
-        """group: this rank's tensor-parallel group (None: one rank). workers: on rank 0, the
-        TPWorkers that must run every step this runner runs (None on workers and at TP=1)."""
+    def __init__(self, config: Config, group: TPGroup | None = None):
+        """group: this rank's tensor-parallel group (None: one rank)."""
         self.config = config
-        self.group, self.workers = group, workers
+        self.group = group
         self.block_size = config.kvcache_block_size
         self.device = pick_device(config)
         self.dtype = pick_dtype(config, self.device)
+        self.kv_cache_dtype = pick_kv_cache_dtype(config, self.dtype)
         self.use_cuda = self.device.type == "cuda"
         torch.manual_seed(config.seed)
         self.startup_seconds: dict[str, float] = {}   # phase -> seconds, for logs and bench.py
@@ -75,6 +81,7 @@ class ModelRunner:
                     load_dummy_weights(self.model, config.seed)
                 else:
                     load_model(self.model, config.model)
+            host_barrier("loaded")   # every rank has its shard: only now the first collective
             self.model.eval()
             self.sampler = Sampler(config.hf_config.vocab_size, self.device, config.seed)
             # The last step's sampled token ids on the device, row i for its i-th sampling sequence:
@@ -93,8 +100,11 @@ class ModelRunner:
             if self.use_cuda and not config.enforce_eager:
                 with self._timed("capture CUDA graphs"):
                     self.graphs = self.capture_cudagraph()
-        logger.info("start-up: %s; %d KV blocks of %d tokens", ", ".join(
-            f"{k} {v:.1f}s" for k, v in self.startup_seconds.items()), self.num_kvcache_blocks, self.block_size)
+        logger.info("start-up: %s; KV cache: %d blocks of %d tokens = %d tokens (%s, %.2f GiB)",
+                    ", ".join(f"{k} {v:.1f}s" for k, v in self.startup_seconds.items()),
+                    self.num_kvcache_blocks, self.block_size, self.num_kvcache_blocks * self.block_size,
+                    str(self.kv_cache_dtype).removeprefix("torch."),
+                    self.kv_cache.numel() * self.kv_cache.element_size() / 2 ** 30)
 
     @contextmanager
     def _timed(self, phase: str):
@@ -119,12 +129,12 @@ class ModelRunner:
         with forward_context(ctx):
             hidden = self.model(input_ids, positions)
         self.sampler.sample(self.model.compute_logits(hidden[cu[1:] - 1]).float(), None)
-        torch.cuda.synchronize()
+        wait_for_device(self.device)
 
     def kv_bytes_per_block(self) -> int:
         attn = self.attention_layers[0]
         return (2 * len(self.attention_layers) * self.block_size * attn.num_kv_heads * attn.head_dim
-                * self.dtype.itemsize)
+                * self.kv_cache_dtype.itemsize)
 
     def kv_cache_budget(self) -> int:
         c = self.config
@@ -134,10 +144,14 @@ class ModelRunner:
             # Enough for max_num_seqs full-length sequences, but at most CPU_KV_CACHE_BYTES.
             need = c.max_num_seqs * cdiv(c.max_model_len, self.block_size) * self.kv_bytes_per_block()
             return min(CPU_KV_CACHE_BYTES, need)
+        # Memory this process reserved in torch's caching allocator but holds no tensor in (a
+        # deleted engine's, say) is ours to use: count only the allocator's peak of live tensors
+        # (weights + warm-up activations), and what others (and CUDA itself) hold outside it.
         free, total = torch.cuda.mem_get_info()
         stats = torch.cuda.memory_stats()
-        peak, current = stats["allocated_bytes.all.peak"], stats["allocated_bytes.all.current"]
-        return int(total * c.gpu_memory_utilization - (total - free) - (peak - current))
+        outside_allocator = (total - free) - stats["reserved_bytes.all.current"]
+        peak = stats["allocated_bytes.all.peak"]
+        return int(total * c.gpu_memory_utilization - outside_allocator - peak)
 
     def allocate_kv_cache(self) -> int:
         num_blocks = self.config.num_kvcache_blocks or self.kv_cache_budget() // self.kv_bytes_per_block()
@@ -156,9 +170,16 @@ class ModelRunner:
         attn = self.attention_layers[0]
         # kv_cache: [2 (k, v), num_layers, num_blocks, block_size, num_kv_heads, head_dim]
         self.kv_cache = torch.zeros(2, len(self.attention_layers), num_blocks, self.block_size,
-                                    attn.num_kv_heads, attn.head_dim, dtype=self.dtype, device=self.device)
+                                    attn.num_kv_heads, attn.head_dim, dtype=self.kv_cache_dtype,
+                                    device=self.device)
         for i, layer in enumerate(self.attention_layers):
             layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+        if self.kv_cache_dtype == torch.float8_e4m3fn:
+            # kv_scales: [2 (k, v), num_layers, 1] fp32, read by the kernels on the device
+            self.kv_scales = torch.ones(2, len(self.attention_layers), 1, device=self.device)
+            for i, layer in enumerate(self.attention_layers):
+                layer.k_scale, layer.v_scale = self.kv_scales[0, i], self.kv_scales[1, i]
+                layer.calculate_kv_scales = self.config.calculate_kv_scales
         return num_blocks
 
     def check_kv_fits(self, num_blocks: int):
@@ -233,28 +254,30 @@ class ModelRunner:
     # ---- running --------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def launch(self, batch: ScheduledBatch) -> PendingSample:
+    def launch(self, batch: ScheduledBatch, step: StepInput | None = None) -> PendingSample:
         """Queue the batch's model step and sampling on the device and return at once; the
         PendingSample's result() waits for one sampled token (and its logprobs when the sequence
         asked) per sequence that reached its end. The sampled tokens also stay on the device, where
-        the next step reads the inputs of sequences whose token is still pending."""
+        the next step reads the inputs of sequences whose token is still pending. step: the
+        batch's StepInput when the caller built it already (to send it to the other ranks)."""
         if not batch.seqs:
             return PendingSample(None, None)
         sampling = self.sampler.prepare(batch.sampling_seqs)
-        step = StepInput.of(batch, self.pending_rows)
-        if self.workers is not None:
-            self.workers.run_step(step)   # ranks 1..N-1 run the same step (they only skip sampling)
+        step = step or self.step_input(batch)
         logits = self.forward_step(step)
         if logits is None:   # only mid-prompt chunks: nothing to sample
             return PendingSample(None, None)
-        if not self.logits_checked:
-            self.check_first_logits(logits)
         prompt = None
         if step.prompt_logprob_counts:   # their rows follow the sampling rows
             num_sampling = len(batch.sampling_seqs)
             logits, prompt = logits[:num_sampling], prompt_logprobs(logits[num_sampling:], batch, step)
-        out = self.sampler.sample(logits, sampling) if logits.size(0) else None
-        self.keep_sampled(out.token_ids if out is not None else None, 0)
+        out = None
+        if logits.size(0):   # else a prefill step that only computed prompt logprobs: nothing sampled
+            if not self.logits_checked:
+                self.check_first_logits(logits)
+            out = self.sampler.sample(logits, sampling)
+            self.keep_sampled(out.token_ids)
+            self.share_sampled(out.token_ids.numel())
         self.pending_rows = {seq.seq_id: row for row, seq in enumerate(batch.sampling_seqs)}
         pending = PendingSample(out, sampling)
         pending.prompt_logprobs = prompt
@@ -268,19 +291,26 @@ class ModelRunner:
             return
         # Send rank 0's (dummy) tokens all the same, so the other ranks stay in step.
         self.keep_sampled(torch.zeros(logits.shape[0], dtype=torch.int64, device=logits.device))
+        self.share_sampled(logits.shape[0])
         fp16 = " (or float16 activations overflow: try dtype='bfloat16')" \
             if self.dtype == torch.float16 else ""
         raise ValueError(f"the model's logits contain NaN or inf: the weights in {self.config.model!r} are "
                          f"broken (NaN or inf in the checkpoint){fp16}")
 
-    def keep_sampled(self, token_ids: torch.Tensor | None, n: int | None = None):
-        """Store a step's sampled tokens in sampled_tokens; with tensor parallelism rank 0 sends
-        them to the other ranks (which pass token_ids=None and the row count n)."""
-        n = token_ids.numel() if token_ids is not None else n
-        if n == 0:   # a prefill step that only computed prompt logprobs: every rank skips this
+    def step_input(self, batch: ScheduledBatch) -> StepInput:
+        """What every rank needs to run the batch (the other ranks get it from rank 0)."""
+        return StepInput.of(batch, self.pending_rows)
+
+    def keep_sampled(self, token_ids: torch.Tensor):
+        """Rank 0: store a step's sampled tokens, row i for its i-th sampling sequence."""
+        self.sampled_tokens[:token_ids.numel()].copy_(token_ids)
+
+    def share_sampled(self, n: int):
+        """Every rank, after a step that sampled n tokens: rank 0's sampled_tokens rows reach the
+        others (a later step may read its inputs from there). n is the same on every rank; 0 (a
+        step that only computed prompt logprobs) sends nothing."""
+        if n == 0:
             return
-        if token_ids is not None:
-            self.sampled_tokens[:n].copy_(token_ids)
         if self.group is not None and self.group.size > 1:
             with tp_group(self.group):
                 broadcast(self.sampled_tokens[:n])
@@ -317,3 +347,16 @@ class ModelRunner:
         max_bs, max_blocks = min(c.max_num_seqs, 512), cdiv(c.max_model_len, self.block_size)
         return DecodeGraphs(self.decode_forward, max_bs, max_blocks,
                             self.block_size, c.hf_config.hidden_size, self.dtype, self.device, self.group)
+
+    # ---- shutdown -------------------------------------------------------------------------
+
+    def release(self):
+        """Give the device memory back: KV cache, CUDA graphs, model. Idempotent; the runner
+        cannot run afterwards. (The group, if any, must be destroyed first: it resets the graphs
+        that captured its collectives.)"""
+        for layer in self.attention_layers:
+            layer.k_cache = layer.v_cache = None
+        self.attention_layers = []
+        self.graphs = self.kv_cache = self.model = self.sampled_tokens = None
+        if self.use_cuda:
+            torch.cuda.empty_cache()

@@ -35,6 +35,10 @@ class PendingSample:
             self.event = torch.cuda.Event()
             self.event.record()
 
+    def ready(self) -> bool:
+        """Have the tokens reached the host? (Polled under tensor parallelism: TPWorkers.wait_until.)"""
+        return self.event is None or self.event.query()
+
     def result(self) -> SampledTokens:
         sampled = self._sampled()
         if self.prompt_logprobs is not None:

@@ -50,6 +50,13 @@ class Scheduler:
     def is_finished(self) -> bool:
         return not self.waiting and not self.running
 
+    def reset(self):
+        """Forget every queued sequence and free every block, as at start-up (after a failure
+        part-way through a step; the engine ends the sequences themselves)."""
+        self.waiting.clear()
+        self.running.clear()
+        self.block_manager.reset()
+
     def add(self, seq: Sequence):
         self.waiting.append(seq)
 
@@ -176,15 +183,3 @@ class Scheduler:
         seq.num_pending = 0   # a token still in flight is dropped
         if seq.block_table:
             self.block_manager.deallocate(seq)
-
-    def abort_all(self) -> list[Sequence]:
-        """Drop every queued sequence and free its blocks (after an error in a step)."""
-        seqs = list(self.waiting) + list(self.running)
-        for seq in seqs:
-            if seq.block_table:
-                self.block_manager.deallocate(seq)
-            seq.status = SequenceStatus.FINISHED
-            seq.num_pending = 0
-        self.waiting.clear()
-        self.running.clear()
-        return seqs

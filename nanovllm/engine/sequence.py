@@ -89,6 +89,18 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED
 
+    def abort(self):
+        """End an unfinished sequence with finish_reason "abort" (as vLLM reports an aborted
+        request) after its engine failed part-way through a step; it keeps its tokens, no blocks."""
+        if self.is_finished:
+            return
+        self.status = SequenceStatus.FINISHED
+        self.finish_reason = "abort"
+        self.num_pending = 0
+        self.block_table = []
+        self.block_hashes = []
+        self.num_computed_tokens = 0
+
     def append_token(self, token_id: int, logprobs: "TokenLogprobs | None" = None):
         self.token_ids.append(token_id)
         if self.logprobs is not None and logprobs is not None:

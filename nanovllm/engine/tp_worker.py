@@ -1,44 +1,78 @@
-"""Tensor-parallel ranks 1..N-1: spawned processes that each build their shard of the model and run
-every step rank 0 runs (the collectives need every rank, with identical inputs).
+"""Rank 0's handle on tensor-parallel ranks 1..N-1: worker processes (worker_main.py) that each
+build their shard of the model and run every step rank 0 runs (the collectives need every rank,
+with identical inputs).
 
-Rank 0 (the user's process) drives them through a ShmChannel: ("step", StepInput) runs one model
-step, ("exit", None) ends the loop. A worker that fails sends its traceback through a pipe and
-exits; rank 0 checks the workers' liveness whenever it waits, and before every command, so a dead
-worker raises WorkerError in the user's process instead of a hang."""
+Workers are started as fresh interpreters (`python -c` calling worker_main.main), not with
+multiprocessing's spawn: spawn re-imports the user's main module in the child, so a script without
+an `if __name__ == "__main__":` guard would build a second engine inside every worker.
+
+Rank 0 (the user's process) drives them through one command pipe each: ("step", StepInput) runs one
+model step, ("exit", None) ends the loop. A worker that fails writes its traceback to its report
+pipe and exits. Rank 0 never waits without a way out: every wait (a full pipe, a gloo collective,
+a CUDA event of a step under NCCL) is a loop of short waits that calls TPWorkers.check, which
+raises WorkerError when a worker has exited or has stopped answering (its heartbeat counter no
+longer moves), and lets Ctrl-C through."""
 import atexit
 import os
+import signal
+import subprocess
+import sys
 import time
-import traceback
-from multiprocessing import get_context, parent_process
-from multiprocessing.connection import wait
+from dataclasses import dataclass, field
 
 import torch
 
+import nanovllm
 from nanovllm.config import Config
-from nanovllm.engine.block_manager import cdiv
-from nanovllm.engine.model_runner import ModelRunner
-from nanovllm.utils.distributed import (TPGroup, destroy_tp_group, init_tp_group, master_store,
-                                        worker_store)
-from nanovllm.utils.shm_channel import ShmChannel
+from nanovllm.utils import command_pipe
+from nanovllm.utils.distributed import (STARTUP_TIMEOUT, TPGroup, abort_tp_group, destroy_tp_group,
+                                        init_tp_group, master_store)
+from nanovllm.utils.heartbeat import Heartbeats
 
-JOIN_TIMEOUT_S = 10
+# A worker whose heartbeat has not moved for this long is reported as not answering. Its
+# heartbeat comes from a thread of its own, so a long step does not delay it: only a stopped
+# process (SIGSTOP, a debugger) or one whose interpreter is frozen (the GIL held in native code)
+# goes quiet. Read when an engine starts (tests lower it).
+WORKER_TIMEOUT_S = 15.0
+HEARTBEAT_S = 0.25
+CHECK_EVERY_S = 0.01    # while rank 0 polls a CUDA event, how often it checks the workers
+JOIN_TIMEOUT_S = 10.0   # how long a worker told to exit may take before it is killed
+_WORKER_MAIN = "from nanovllm.engine.worker_main import main; main()"
+TRACEBACK_BYTES = 32_000   # a worker's report fits in a pipe's buffer, so writing it never blocks
 
 
 class WorkerError(RuntimeError):
-    """A tensor-parallel worker died; the engine cannot run any more steps."""
-
-
-def channel_size(config: Config) -> int:
-    """Bytes for the largest StepInput: token ids of a full step plus every block table (a pickled
-    int takes at most 9 bytes)."""
-    max_blocks = cdiv(config.max_model_len, config.kvcache_block_size)
-    max_seqs = min(config.max_num_seqs, config.max_num_batched_tokens)   # the most a step schedules
-    ints = config.max_num_batched_tokens + max_seqs * (max_blocks + 8)
-    return (1 << 20) + 9 * ints
+    """A tensor-parallel worker failed, died or stopped answering; the engine cannot run any more
+    steps."""
 
 
 def use_cuda(config: Config) -> bool:
     return config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
+
+
+@dataclass
+class _Worker:
+    rank: int
+    proc: subprocess.Popen
+    commands: int            # write end of its command pipe
+    reports: int             # read end of its report pipe
+    beat: int = 0            # heartbeat count last seen, and when it last moved (rank 0's clock)
+    beat_seen: float = field(default_factory=time.monotonic)
+
+    def traceback(self) -> str | None:
+        """What the (exited) worker wrote to its report pipe, if anything."""
+        try:
+            return os.read(self.reports, TRACEBACK_BYTES + 1024).decode(errors="replace") or None
+        except OSError:   # nothing written, or already closed
+            return None
+
+    def close(self):
+        for fd in (self.commands, self.reports):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self.commands = self.reports = -1
 
 
 class TPWorkers:
@@ -52,132 +86,182 @@ class TPWorkers:
                 raise ValueError(f"tensor_parallel_size={size} needs {size} GPUs, "
                                  f"{torch.cuda.device_count()} are visible")
             torch.cuda.set_device(0)   # rank r uses GPU r
-        ctx = get_context("spawn")
+        self.timeout_s = WORKER_TIMEOUT_S
         self.store = master_store(size)
-        self.channel = ShmChannel(ctx, size - 1, channel_size(config))
-        self.processes, self.errors = [], []   # errors: per worker, the pipe its traceback comes through
-        self.tracebacks: dict[int, str] = {}
+        self.beats = Heartbeats(size)
+        self.workers: list[_Worker] = []
         self.group: TPGroup | None = None
+        self.error: WorkerError | None = None   # once set, every check raises it again
         self.closed = False
-        atexit.register(self.shutdown)
+        self._watched_at = time.monotonic()
+        atexit.register(self.shutdown)   # unregistered once everything is released
         try:
             for rank in range(1, size):
-                recv, send = ctx.Pipe(duplex=False)
-                p = ctx.Process(target=worker_main, name=f"nanovllm-tp{rank}", daemon=True,
-                                args=(config, rank, self.store.port, self.channel, send))
-                p.start()
-                send.close()
-                self.processes.append(p)
-                self.errors.append(recv)
+                self._start(config, rank)
             self.wait_until_joined()
-            self.group = init_tp_group(self.store, 0, size, self.device)
+            self.group = init_tp_group(self.store, 0, size, self.device, watch=self.check)
         except BaseException:
-            self.shutdown()
+            self.shutdown(graceful=False)
             raise
+
+    def _start(self, config: Config, rank: int):
+        commands_r, commands_w = command_pipe.new_pipe()
+        reports_r, reports_w = os.pipe()
+        fds = (commands_r, reports_w, self.beats.fd)
+        try:
+            proc = subprocess.Popen([sys.executable, "-c", _WORKER_MAIN, *map(str, fds), str(rank)],
+                                    pass_fds=fds, env=_worker_env())
+        except BaseException:
+            for fd in (commands_r, commands_w, reports_r, reports_w):
+                os.close(fd)
+            raise
+        os.close(commands_r)
+        os.close(reports_w)
+        os.set_blocking(reports_r, False)
+        self.workers.append(_Worker(rank, proc, commands_w, reports_r))
+        command_pipe.send(commands_w, command_pipe.encode((config, self.store.port)), self.check)
 
     @property
     def pids(self) -> list[int]:
-        return [p.pid for p in self.processes]
+        return [w.proc.pid for w in self.workers]
 
     def wait_until_joined(self):
         """Wait (watching for deaths) until every worker has connected to the store, so a worker
         that fails while starting raises here rather than leaving rank 0 in the rendezvous."""
-        keys = [f"joined{rank}" for rank in range(1, len(self.processes) + 1)]
+        keys = [f"joined{w.rank}" for w in self.workers]
+        deadline = time.monotonic() + STARTUP_TIMEOUT.total_seconds()
         while not self.store.check(keys):
             self.check()
+            if time.monotonic() > deadline:
+                self._fail(WorkerError(f"tensor-parallel workers did not start within {STARTUP_TIMEOUT}"))
             time.sleep(0.05)
 
+    # ---- watching -------------------------------------------------------------------------
+
     def check(self):
-        """Raise WorkerError if a worker has exited (with its traceback when it sent one)."""
-        for rank, (p, conn) in enumerate(zip(self.processes, self.errors), start=1):
-            if not p.is_alive():
-                if rank not in self.tracebacks:
-                    self.tracebacks[rank] = _traceback_sent(conn) or "no traceback (killed or crashed)"
-                raise WorkerError(f"tensor-parallel worker rank {rank} (pid {p.pid}) exited with code "
-                                  f"{p.exitcode}:\n{self.tracebacks[rank]}")
+        """Raise WorkerError if a worker has exited (with its traceback when it wrote one) or its
+        heartbeat has not moved for timeout_s while rank 0 was watching."""
+        if self.error is not None:
+            raise self.error
+        now = time.monotonic()
+        # Staleness counts only while rank 0 watches: after a pause (the user idle between
+        # calls, or rank 0 itself stopped with Ctrl-Z) every worker starts a fresh period.
+        watching = now - self._watched_at < 1.0
+        self._watched_at = now
+        for w in self.workers:
+            code = w.proc.poll()
+            if code == 0 and self.closed:
+                continue   # told to exit, and did
+            if code is not None:
+                how = (f"was killed by {signal.Signals(-code).name}" if code < 0
+                       else f"exited with code {code}")
+                self._fail(WorkerError(f"tensor-parallel worker rank {w.rank} (pid {w.proc.pid}) {how}:\n"
+                                       f"{w.traceback() or 'no traceback (killed or crashed)'}"))
+            beat = self.beats.count(w.rank)
+            if beat != w.beat or not watching:
+                w.beat, w.beat_seen = beat, now
+            elif beat and now - w.beat_seen > self.timeout_s:
+                self._fail(WorkerError(
+                    f"tensor-parallel worker rank {w.rank} (pid {w.proc.pid}) has not answered for "
+                    f"{now - w.beat_seen:.1f} s: it is stopped (SIGSTOP, a debugger) or frozen"))
+
+    def _fail(self, error: WorkerError):
+        """The group cannot go on: abort the communicator (an NCCL kernel waiting for a dead peer
+        would spin forever and hold rank 0's stream), kill the workers, raise."""
+        self.error = error
+        abort_tp_group(self.group)
+        for w in self.workers:
+            if w.proc.poll() is None:
+                w.proc.kill()
+        raise error
 
     def raise_if_died(self, error: BaseException, grace_s: float = 2.0):
-        """After rank 0 failed (a collective broke): if a worker died or is dying, raise
+        """After rank 0 failed (a gloo collective broke): if a worker died or is dying, raise
         WorkerError naming it, chained to rank 0's error."""
-        if self.closed:
+        if self.closed and self.error is None:
             return
-        ready = wait([p.sentinel for p in self.processes], timeout=grace_s)
-        for p in self.processes:
-            if p.sentinel in ready:   # its fds are closed, but it may not be reapable yet
-                p.join(grace_s)
+        deadline = time.monotonic() + grace_s
         try:
-            self.check()
+            while True:
+                self.check()
+                if time.monotonic() > deadline:
+                    return
+                time.sleep(0.02)
         except WorkerError as dead:
             raise dead from error
+
+    def wait_until(self, done):
+        """Poll done() (a CUDA event's query) until it is true, checking the workers every
+        CHECK_EVERY_S: under NCCL a step whose peer died never completes, and a blocking
+        synchronize could not be left, not even with Ctrl-C."""
+        next_check = time.monotonic() + CHECK_EVERY_S
+        while not done():
+            if time.monotonic() >= next_check:
+                self.check()
+                next_check = time.monotonic() + CHECK_EVERY_S
+            time.sleep(0)   # yields, like CUDA's own spin-wait, without adding a sleep's latency
+
+    # ---- commands -------------------------------------------------------------------------
 
     def run_step(self, step):
         if self.closed:
             raise RuntimeError("the engine was shut down")
         self.check()
-        self.channel.write(("step", step), self.check)
+        data = command_pipe.encode(("step", step))
+        for w in self.workers:
+            command_pipe.send(w.commands, data, self.check)
 
-    def shutdown(self):
-        """Stop the workers, remove the shared memory and drop the process group. Idempotent."""
-        if self.closed:
-            return
+    def shutdown(self, graceful: bool = True):
+        """Stop the workers, drop the process group. Idempotent. graceful=False (the ranks are out
+        of step, or a worker failed) kills the workers without asking. A shutdown cut short by
+        Ctrl-C is finished by the next call, or at exit: the atexit hook stays until the end."""
+        ask = graceful and not self.closed and self.error is None
         self.closed = True
-        atexit.unregister(self.shutdown)
-        told = False
-        if self.processes and all(p.is_alive() for p in self.processes):
-            try:
-                self.channel.write(("exit", None), self.check)
-                told = True
-            except WorkerError:
-                pass
-        for p in self.processes:
-            # Without a dead peer's acknowledgement no "exit" went out: the rest cannot run anyway.
-            p.join(JOIN_TIMEOUT_S if told else 0)
-            if p.is_alive():
-                p.kill()
-                p.join()
-        for conn in self.errors:
-            conn.close()
-        self.channel.close()
-        destroy_tp_group(self.group)
-        self.group = None
-
-
-def worker_main(config: Config, rank: int, port: int, channel: ShmChannel, errors):
-    """A worker's whole life: join the group, build the shard, run commands until "exit"."""
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)   # ranks share the host's cores; one thread each avoids oversubscription
-    group = None
-    try:
-        if use_cuda(config):
-            torch.cuda.set_device(rank)
-        device = torch.device("cuda", rank) if use_cuda(config) else torch.device("cpu")
-        store = worker_store(port, config.tensor_parallel_size)
-        store.set(f"joined{rank}", "1")
-        group = init_tp_group(store, rank, config.tensor_parallel_size, device)
-        runner = ModelRunner(config, group)
-        while True:
-            command, arg = channel.read(rank - 1, _check_parent)
-            if command == "exit":
-                break
-            if runner.forward_step(arg) is not None:
-                runner.keep_sampled(None, sum(arg.samples))   # receive rank 0's sampled tokens
-    except BaseException:
         try:
-            errors.send(traceback.format_exc())
+            if ask:
+                self._ask_workers_to_exit()
         finally:
-            raise
-    finally:
-        channel.close()
-        destroy_tp_group(group)
+            self._release()
+
+    def _ask_workers_to_exit(self):
+        try:
+            data = command_pipe.encode(("exit", None))
+            for w in self.workers:
+                command_pipe.send(w.commands, data, self.check)
+            deadline = time.monotonic() + JOIN_TIMEOUT_S
+            for w in self.workers:
+                while w.proc.poll() is None and time.monotonic() < deadline:
+                    self.check()
+                    time.sleep(0.01)
+        except WorkerError:
+            pass   # one failed or stopped: _release kills the rest
+
+    def _release(self):
+        """Kill what is still running, close the pipes and the group. Each step is quick and safe
+        to repeat."""
+        clean = self.error is None
+        for w in self.workers:
+            if w.proc.poll() is None:
+                clean = False
+                w.proc.kill()
+            w.proc.wait()
+            w.close()
+        if self.group is not None:
+            group, self.group = self.group, None
+            if not clean or any(w.proc.returncode != 0 for w in self.workers):
+                abort_tp_group(group)   # a peer died mid-collective: a graceful shutdown could wait for it
+            destroy_tp_group(group)
+        if self.beats is not None:
+            self.beats.close()
+            self.beats = None
+        self.store = None
+        atexit.unregister(self.shutdown)
 
 
-def _traceback_sent(conn) -> str | None:
-    try:
-        return conn.recv() if conn.poll() else None
-    except (EOFError, OSError):   # the worker died without sending one
-        return None
-
-
-def _check_parent():
-    if not parent_process().is_alive():
-        raise SystemExit("rank 0 exited")
+def _worker_env() -> dict[str, str]:
+    """The parent's environment, with the folder holding this nanovllm first on the path (the
+    worker must import the same code as rank 0), and one OpenMP thread per worker process: the
+    ranks share the host's cores."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(nanovllm.__file__)))
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+    return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}

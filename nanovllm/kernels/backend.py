@@ -72,23 +72,29 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 def qk_norm_rope_store(qkv: torch.Tensor, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
                        eps: float, cos_sin_cache: torch.Tensor, positions: torch.Tensor,
                        slot_mapping: torch.Tensor | None, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                       num_heads: int, num_kv_heads: int, head_dim: int):
+                       num_heads: int, num_kv_heads: int, head_dim: int,
+                       k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None):
     """Per-head q/k RMSNorm (weights None: none), rotary, and the K/V write into the cache (skipped
-    while the cache is empty); one fused kernel on CUDA. CUDA-graph safe.
+    while the cache is empty; an FP8 cache stores K / k_scale, V / v_scale); one fused kernel on
+    CUDA. CUDA-graph safe.
     qkv: [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]
     -> q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]"""
     fn = qk_norm_rope_store_triton if _fast(qkv) else qk_norm_rope_store_ref
     return fn(qkv, q_weight, k_weight, eps, cos_sin_cache, positions, slot_mapping, k_cache, v_cache,
-              num_heads, num_kv_heads, head_dim)
+              num_heads, num_kv_heads, head_dim, k_scale, v_scale)
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor,
-                           scale: float) -> torch.Tensor:
+                           scale: float, k_scale: torch.Tensor | None = None,
+                           v_scale: torch.Tensor | None = None) -> torch.Tensor:
     # q: [batch, num_heads, head_dim] -> [batch, num_heads, head_dim]; CUDA-graph safe on CUDA
+    # k_scale, v_scale: [1] fp32, an FP8 cache's scales
     if not _fast(q):
-        return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale)
-    return paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale)
+        return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale,
+                                          k_scale, v_scale)
+    return paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale,
+                                         k_scale=k_scale, v_scale=v_scale)
 
 
 def paged_kv_slots(block_tables: torch.Tensor, cu_seqlens_k: torch.Tensor, total_k: int,
@@ -108,16 +114,18 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
                       max_seqlen_q: int, max_seqlen_k: int,
                       block_tables: torch.Tensor | None, scale: float,
-                      kv_slots: torch.Tensor | None = None) -> torch.Tensor:
+                      kv_slots: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
+                      v_scale: torch.Tensor | None = None) -> torch.Tensor:
     # q: [total_q, num_heads, head_dim]; k, v: [total_q, num_kv_heads, head_dim], already in the cache.
     # block_tables None: no cached prefix, use k, v; otherwise read keys from the pages, gathered
-    # through kv_slots (paged_kv_slots, computed once per step).
+    # through kv_slots (paged_kv_slots, computed once per step), and dequantized with k_scale, v_scale
+    # from an FP8 cache.
     args = (q, k, v, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
             block_tables, scale)
     if not _fast(q):
-        return prefill_attention_ref(*args)
+        return prefill_attention_ref(*args, k_scale, v_scale)
     if block_tables is not None and kv_slots is None:   # a caller other than the runner: one host sync
         kv_slots = paged_kv_slots(block_tables, cu_seqlens_k, int(cu_seqlens_k[-1]), k_cache.shape[1])
     if aten_flash_usable(q):
-        return prefill_attention_aten(*args, kv_slots)
-    return prefill_attention_ref(*args)
+        return prefill_attention_aten(*args, kv_slots, k_scale, v_scale)
+    return prefill_attention_ref(*args, k_scale, v_scale)

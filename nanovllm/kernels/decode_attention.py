@@ -5,6 +5,17 @@ share the KV head as one [BLOCK_G, D] tile, so every K/V tile is read from memor
 group, and keeps an online softmax in fp32. With one split it writes the output directly; otherwise it
 writes a partial output and its log-sum-exp, and stage 2 merges the splits.
 
+An FP8 cache (float8_e4m3fn, the FP8 constexpr) is read as it is, one byte per value, and
+dequantized in registers: the layer's k_scale joins the softmax scale, v_scale multiplies the
+output, and the K and V tiles are converted to fp16 (exact: every e4m3 value is an fp16 value) for
+dots in fp16 with fp32 accumulation. fp16, not bf16: e4m3 -> fp16 is one hardware instruction per
+two values (cvt.rn.f16x2.e4m3x2), e4m3 -> bf16 three (through fp16), and at the cache's bandwidth
+the conversions alone could then outrun the SM's conversion throughput. So the query is rounded to
+fp16 too (finer than bf16; it must stay below 65504, as in any fp16 model) and so are the softmax
+weights (finer than the bf16 kernel's). FP8_DOT_BF16 keeps the dots in bf16 instead (to compare).
+The scales are read on the device, so graphs captured before calculate_kv_scales sets them still
+see them.
+
 Everything launched here depends only on tensor shapes, so a decode step can be captured in a CUDA
 graph: no host syncs, no branch on tensor values.
 """
@@ -21,7 +32,7 @@ _EMPTY_LSE = tl.constexpr(-1.0e30)
 @triton.jit
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
-    out_ptr, part_out_ptr, part_lse_ptr,
+    out_ptr, part_out_ptr, part_lse_ptr, k_scale_ptr, v_scale_ptr,
     scale_log2e,
     stride_qb, stride_qh,
     stride_kb, stride_kt, stride_kh,  # k_cache and v_cache share strides (both contiguous)
@@ -30,7 +41,7 @@ def _decode_split_kernel(
     num_splits,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, DOT_FP32: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, FP8: tl.constexpr, FP8_DOT_DTYPE: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -47,6 +58,10 @@ def _decode_split_kernel(
                 mask=mask_g[:, None] & mask_d[None, :], other=0.0)
     if DOT_FP32:
         q = q.to(tl.float32)
+    if FP8:
+        scale_log2e = scale_log2e * tl.load(k_scale_ptr)   # scores of the stored K / k_scale
+        if not DOT_FP32:
+            q = q.to(FP8_DOT_DTYPE)
 
     # Each split takes an equal share of this sequence's context, rounded up to whole tiles.
     context_len = tl.load(context_lens_ptr + seq)
@@ -75,6 +90,9 @@ def _decode_split_kernel(
         if DOT_FP32:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
+        elif FP8:
+            k = k.to(FP8_DOT_DTYPE)
+            v = v.to(FP8_DOT_DTYPE)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2e  # [BLOCK_G, BLOCK_N], log2 domain
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -86,6 +104,8 @@ def _decode_split_kernel(
 
     safe_l = tl.where(l_i > 0, l_i, 1.0)
     out = acc / safe_l[:, None]
+    if FP8:
+        out = out * tl.load(v_scale_ptr)   # the mean of the stored V / v_scale, scaled back
     out_mask = mask_g[:, None] & mask_d[None, :]
     if DIRECT:
         tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
@@ -128,6 +148,11 @@ NUM_STAGES = 2   # software-pipelining depth of the K/V loads in the split kerne
 # of (32|64|128) x (2|4|8) (benchmarks/RESULTS.md).
 BLOCK_N = 128
 NUM_WARPS = 4
+# The same for an FP8 cache, whose tiles hold half the bytes: 256 tokens keep as many bytes in
+# flight per step as the bf16 kernel's 128 (to be tuned: bench_kernels.py --sweep tiles_fp8).
+BLOCK_N_FP8 = 256
+NUM_WARPS_FP8 = 8
+FP8_DOT_BF16 = False   # True: FP8 tiles converted to bf16 (three conversions per two values), see above
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, block_n: int,
@@ -144,18 +169,25 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, block_n: 
 def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                   block_tables: torch.Tensor, context_lens: torch.Tensor,
                                   scale: float, num_splits: int | None = None,
-                                  block_n: int | None = None) -> torch.Tensor:
+                                  block_n: int | None = None, k_scale: torch.Tensor | None = None,
+                                  v_scale: torch.Tensor | None = None) -> torch.Tensor:
     # q: [batch, num_heads, head_dim]; k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
     # block_tables: [batch, max_blocks] int32; context_lens: [batch] int32 (0 allowed)
     # -> [batch, num_heads, head_dim]
+    # k_scale, v_scale: [1] fp32 (an FP8 cache's scales; unused otherwise)
     batch, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     assert num_heads % num_kv_heads == 0
     assert q.stride(-1) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
     assert k_cache.stride() == v_cache.stride()
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    assert not fp8 or (k_scale is not None and v_scale is not None), "an FP8 cache needs k_scale and v_scale"
     group = num_heads // num_kv_heads
-    interpreted = q.device.type == "cpu"
-    block_n = block_n or BLOCK_N
+    # The interpreter's tl.dot is wrong on bf16 (fp32 there instead), right on fp16 (FP8's dots).
+    dot_fp32 = q.dtype == torch.float32 or (q.device.type == "cpu" and not (fp8 and not FP8_DOT_BF16))
+    # fp32 dots (fp32 queries: tests) hold twice the bytes per tile: the FP8 tile would overflow
+    # shared memory on the H200 (328 KiB asked, 227 KiB there).
+    block_n = block_n or (BLOCK_N_FP8 if fp8 and not dot_fp32 else BLOCK_N)
     max_context = block_tables.shape[1] * block_size
     if num_splits is None:
         num_splits = choose_num_splits(batch, num_kv_heads, max_context, block_n, q.device)
@@ -171,7 +203,7 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     block_d = max(16, triton.next_power_of_2(head_dim))   # tl.dot needs K >= 16; masks cover the padding
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse,
-        scale * 1.4426950408889634,
+        k_scale if fp8 else q, v_scale if fp8 else q, scale * 1.4426950408889634,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),
@@ -179,9 +211,10 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
         num_splits,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_D=block_d, BLOCK_SIZE=block_size, BLOCK_N=block_n, DIRECT=direct,
-        DOT_FP32=interpreted or q.dtype == torch.float32,
+        DOT_FP32=dot_fp32,
         PRECISION="ieee" if q.dtype == torch.float32 else None,  # ieee: fp32 tests need exact fp32
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        FP8=fp8, FP8_DOT_DTYPE=tl.bfloat16 if FP8_DOT_BF16 else tl.float16,
+        num_warps=NUM_WARPS_FP8 if fp8 else NUM_WARPS, num_stages=NUM_STAGES,
     )
     if not direct:
         _decode_reduce_kernel[(batch, num_heads)](

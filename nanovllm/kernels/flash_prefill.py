@@ -3,13 +3,14 @@
 `torch.ops.aten._flash_attention_forward` is private and its keyword arguments have changed between
 releases, so the wrapper reads the op's schema once and only passes what it accepts. Its causal mask is
 bottom-right aligned for varlen inputs, as ours is. It wants fp16/bf16 and head_dim <= 256.
-With a paged cache the keys are first gathered into a contiguous varlen buffer.
+With a paged cache the keys are first gathered into a contiguous varlen buffer (from an FP8 cache,
+dequantized into the query's dtype).
 """
 import functools
 
 import torch
 
-from nanovllm.kernels.reference import prefill_attention_ref
+from nanovllm.kernels.reference import dequantize_kv, prefill_attention_ref
 
 
 def _aten_flash_op():
@@ -85,10 +86,12 @@ def prefill_attention_aten(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
                            max_seqlen_q: int, max_seqlen_k: int,
                            block_tables: torch.Tensor | None, scale: float,
-                           kv_slots: torch.Tensor | None = None) -> torch.Tensor:
+                           kv_slots: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
+                           v_scale: torch.Tensor | None = None) -> torch.Tensor:
     # The interface of backend.prefill_attention; only when aten_flash_usable(q).
     if block_tables is not None:
         k, v = gather_kv_varlen(k_cache, v_cache, kv_slots)
+        k, v = dequantize_kv(k, k_scale).to(q.dtype), dequantize_kv(v, v_scale).to(q.dtype)
     group = q.shape[1] // k.shape[1]
     if group > 1 and aten_flash_mode(q.device) == "expand":
         k = k.repeat_interleave(group, dim=1)

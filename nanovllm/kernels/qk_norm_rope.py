@@ -54,26 +54,53 @@ def _norm_rope_heads(src_ptr, w_ptr, dst_ptr, cos, sin, eps, NUM_HEADS: tl.const
 
 
 @triton.jit
-def _store_kv_rows(k1, k2, v_ptr, k_dst_ptr, v_dst_ptr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                   BLOCK_KV_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
-    """Write one token's rotated key halves and its values (from v_ptr) into its cache rows."""
+def _fp8_e4m3(x, scale):
+    """x / scale (IEEE division) saturated to +-448 and rounded to e4m3, to nearest with ties to even
+    and subnormals kept (torch's cast), as an fp32 value that e4m3 holds exactly. Rounded by
+    arithmetic: the Triton interpreter's fp8 cast rounds ties up and flushes subnormals; on the GPU
+    the final cast (cvt.rn.satfinite) of such a value is exact."""
+    x = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -448.0), 448.0)
+    bits = x.to(tl.uint32, bitcast=True)
+    # Normal range (|x| >= 2^-6): round the 23-bit mantissa to 3 bits (to nearest even, as for bf16).
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000).to(tl.float32, bitcast=True)
+    # Subnormals: multiples of 2^-9. Adding 1.5 * 2^14 rounds |x| there (fp32 ulp 2^-9); sign kept.
+    tiny = (tl.abs(x) + 24576.0) - 24576.0
+    subnormal = (tiny.to(tl.uint32, bitcast=True) | (bits & 0x80000000)).to(tl.float32, bitcast=True)
+    return tl.where(tl.abs(x) < 0.015625, subnormal, normal)
+
+
+@triton.jit
+def _store_kv_rows(k1, k2, v_ptr, k_dst_ptr, v_dst_ptr, k_scale_ptr, v_scale_ptr, NUM_KV_HEADS: tl.constexpr,
+                   HEAD_DIM: tl.constexpr, BLOCK_KV_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                   FP8: tl.constexpr):
+    """Write one token's rotated key halves and its values (from v_ptr) into its cache rows
+    (FP8: quantized with the layer's scales)."""
     half: tl.constexpr = HEAD_DIM // 2
     offs, mask, _ = _head_halves(NUM_KV_HEADS, HEAD_DIM, BLOCK_KV_H, BLOCK_HALF)
     cache_dtype = k_dst_ptr.dtype.element_ty
+    if FP8:
+        k_scale = tl.load(k_scale_ptr)
+        k1 = _fp8_e4m3(k1.to(tl.float32), k_scale)
+        k2 = _fp8_e4m3(k2.to(tl.float32), k_scale)
     tl.store(k_dst_ptr + offs, k1.to(cache_dtype), mask=mask)
     tl.store(k_dst_ptr + offs + half, k2.to(cache_dtype), mask=mask)
     v1 = tl.load(v_ptr + offs, mask=mask)
     v2 = tl.load(v_ptr + offs + half, mask=mask)
+    if FP8:
+        v_scale = tl.load(v_scale_ptr)
+        v1 = _fp8_e4m3(v1.to(tl.float32), v_scale)
+        v2 = _fp8_e4m3(v2.to(tl.float32), v_scale)
     tl.store(v_dst_ptr + offs, v1.to(cache_dtype), mask=mask)
     tl.store(v_dst_ptr + offs + half, v2.to(cache_dtype), mask=mask)
 
 
 @triton.jit
 def _qk_norm_rope_store_kernel(qkv_ptr, q_ptr, k_ptr, q_w_ptr, k_w_ptr, cos_sin_ptr, pos_ptr, slot_ptr,
-                               k_cache_ptr, v_cache_ptr, eps, qkv_stride, cos_sin_stride,
-                               NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+                               k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, eps, qkv_stride,
+                               cos_sin_stride, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
                                HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_KV_H: tl.constexpr,
-                               BLOCK_HALF: tl.constexpr, HAS_NORM: tl.constexpr, STORE: tl.constexpr):
+                               BLOCK_HALF: tl.constexpr, HAS_NORM: tl.constexpr, STORE: tl.constexpr,
+                               FP8: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     half: tl.constexpr = HEAD_DIM // 2
     q_size: tl.constexpr = NUM_HEADS * HEAD_DIM
@@ -96,16 +123,19 @@ def _qk_norm_rope_store_kernel(qkv_ptr, q_ptr, k_ptr, q_w_ptr, k_w_ptr, cos_sin_
             slot = tl.load(slot_ptr + token).to(tl.int64)
             if slot >= 0:   # -1: a padding row, written nowhere
                 _store_kv_rows(k1, k2, k_row + kv_size, k_cache_ptr + slot * kv_size,
-                               v_cache_ptr + slot * kv_size, NUM_KV_HEADS, HEAD_DIM, BLOCK_KV_H, BLOCK_HALF)
+                               v_cache_ptr + slot * kv_size, k_scale_ptr, v_scale_ptr,
+                               NUM_KV_HEADS, HEAD_DIM, BLOCK_KV_H, BLOCK_HALF, FP8)
 
 
 def qk_norm_rope_store_triton(qkv: torch.Tensor, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
                               eps: float, cos_sin_cache: torch.Tensor, positions: torch.Tensor,
                               slot_mapping: torch.Tensor | None, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                              num_heads: int, num_kv_heads: int, head_dim: int):
+                              num_heads: int, num_kv_heads: int, head_dim: int,
+                              k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None):
     """qkv: [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim], rows contiguous
     -> q: [num_tokens, num_heads, head_dim], k, v: [num_tokens, num_kv_heads, head_dim] (v a view of qkv).
     k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], or empty: no store.
+    k_scale, v_scale: [1] fp32, read on the device (needed for an FP8 cache, unused otherwise).
     Allocates only outputs shaped like qkv, and never syncs: CUDA-graph safe."""
     num_tokens = qkv.shape[0]
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
@@ -117,6 +147,8 @@ def qk_norm_rope_store_triton(qkv: torch.Tensor, q_weight: torch.Tensor | None, 
     assert not store or (k_cache.is_contiguous() and v_cache.is_contiguous()
                          and k_cache.shape[2:] == (num_kv_heads, head_dim)
                          and slot_mapping.numel() == num_tokens)
+    fp8 = store and k_cache.dtype == torch.float8_e4m3fn
+    assert not fp8 or (k_scale is not None and v_scale is not None), "an FP8 cache needs k_scale and v_scale"
     q = torch.empty(num_tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     k = torch.empty(num_tokens, num_kv_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     v = qkv[:, q_size + kv_size:].view(num_tokens, num_kv_heads, head_dim)
@@ -129,9 +161,9 @@ def qk_norm_rope_store_triton(qkv: torch.Tensor, q_weight: torch.Tensor | None, 
     _qk_norm_rope_store_kernel[(num_tokens, 2)](
         qkv, q, k, q_weight if has_norm else qkv, k_weight if has_norm else qkv, cos_sin_cache,
         positions, slot_mapping if store else positions, k_cache if store else qkv,
-        v_cache if store else qkv, eps, qkv.stride(0), cos_sin_cache.stride(0),
-        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+        v_cache if store else qkv, k_scale if fp8 else qkv, v_scale if fp8 else qkv, eps, qkv.stride(0),
+        cos_sin_cache.stride(0), NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_H=block_h, BLOCK_KV_H=triton.next_power_of_2(num_kv_heads),
-        BLOCK_HALF=block_half, HAS_NORM=has_norm, STORE=store,
+        BLOCK_HALF=block_half, HAS_NORM=has_norm, STORE=store, FP8=fp8,
         num_warps=min(8, max(1, block_h * block_half // 512)), enable_fp_fusion=False)
     return q, k, v

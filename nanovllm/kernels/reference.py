@@ -4,9 +4,30 @@ the oracle of the kernel tests.
 RMSNorm and SiLU-and-mul are transformers' code, whose roundings the kernels reproduce. The attention
 functions compute in fp32 and return the dtype of their query. Query head h reads KV head
 h // (num_heads // num_kv_heads), the grouping of Hugging Face's `repeat_kv`.
+
+An FP8 cache (float8_e4m3fn) holds K / k_scale and V / v_scale, where k_scale and v_scale are one
+fp32 number per layer ([1] tensors; None reads as 1.0): stored values are divided by the scale,
+saturated to +-448 and rounded to nearest; read values are multiplied by it, in fp32.
 """
 import torch
 import torch.nn.functional as F
+
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0   # e4m3fn's largest finite value (it has no infinities)
+
+
+def quantize_fp8(x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """x / scale in fp32, saturated to +-FP8_MAX, rounded to e4m3 (to nearest, ties to even)."""
+    x = x.float() if scale is None else x.float() / scale
+    return x.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+def dequantize_kv(rows: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """Cache rows as numbers: FP8 rows times their scale in fp32; other dtypes as they are."""
+    if rows.dtype != FP8_DTYPE:
+        return rows
+    return rows.float() if scale is None else rows.float() * scale
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -31,9 +52,11 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
 def qk_norm_rope_store_ref(qkv: torch.Tensor, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
                            eps: float, cos_sin_cache: torch.Tensor, positions: torch.Tensor,
                            slot_mapping: torch.Tensor | None, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           num_heads: int, num_kv_heads: int, head_dim: int):
+                           num_heads: int, num_kv_heads: int, head_dim: int,
+                           k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None):
     """The layers' own ops, one after another: per-head RMSNorm of q and k (when weights are given),
-    rotary, then the K/V store (skipped while the cache is empty, as in the warm-up run).
+    rotary, then the K/V store (skipped while the cache is empty, as in the warm-up run; an FP8
+    cache stores K / k_scale and V / v_scale).
     qkv: [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]
     -> q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]"""
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
@@ -47,7 +70,7 @@ def qk_norm_rope_store_ref(qkv: torch.Tensor, q_weight: torch.Tensor | None, k_w
         k = rms_norm_ref(k.reshape(-1, head_dim), k_weight, eps).view(k.shape)
     q, k = apply_rotary_ref(positions, q, k, cos_sin_cache)
     if k_cache.numel():
-        store_kvcache_ref(k, v, k_cache, v_cache, slot_mapping)
+        store_kvcache_ref(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     return q, k, v
 
 
@@ -64,7 +87,8 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 def store_kvcache_ref(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-                      v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+                      v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                      k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
     # key, value: [num_tokens, num_kv_heads, head_dim]
     # k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
     # A slot of -1 marks a padding row that must not be written.
@@ -72,8 +96,12 @@ def store_kvcache_ref(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Ten
     slots = slot_mapping[keep].long()
     k_flat = k_cache.view(-1, *k_cache.shape[2:])
     v_flat = v_cache.view(-1, *v_cache.shape[2:])
-    k_flat[slots] = key[keep].to(k_cache.dtype)
-    v_flat[slots] = value[keep].to(v_cache.dtype)
+    if k_cache.dtype == FP8_DTYPE:
+        k_flat[slots] = quantize_fp8(key[keep], k_scale)
+        v_flat[slots] = quantize_fp8(value[keep], v_scale)
+    else:
+        k_flat[slots] = key[keep].to(k_cache.dtype)
+        v_flat[slots] = value[keep].to(v_cache.dtype)
 
 
 def gather_paged_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
@@ -106,15 +134,16 @@ def causal_mask(q_len: int, k_len: int, device) -> torch.Tensor:
 
 def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                block_tables: torch.Tensor, context_lens: torch.Tensor,
-                               scale: float) -> torch.Tensor:
+                               scale: float, k_scale: torch.Tensor | None = None,
+                               v_scale: torch.Tensor | None = None) -> torch.Tensor:
     # q: [batch, num_heads, head_dim]; block_tables: [batch, max_blocks]; context_lens: [batch]
     # Rows with context_len 0 (graph padding) give zeros.
     batch, num_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     max_tokens = block_tables.shape[1] * block_size
     blocks = block_tables.long().clamp(0, num_blocks - 1)
-    k = k_cache[blocks].reshape(batch, max_tokens, num_kv_heads, head_dim).float()
-    v = v_cache[blocks].reshape(batch, max_tokens, num_kv_heads, head_dim).float()
+    k = dequantize_kv(k_cache[blocks], k_scale).reshape(batch, max_tokens, num_kv_heads, head_dim).float()
+    v = dequantize_kv(v_cache[blocks], v_scale).reshape(batch, max_tokens, num_kv_heads, head_dim).float()
     group = num_heads // num_kv_heads
     qg = q.float().view(batch, num_kv_heads, group, head_dim)
     scores = torch.einsum("bhgd,bthd->bhgt", qg, k) * scale
@@ -129,9 +158,12 @@ def prefill_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           k_cache: torch.Tensor | None, v_cache: torch.Tensor | None,
                           cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
                           max_seqlen_q: int, max_seqlen_k: int,
-                          block_tables: torch.Tensor | None, scale: float) -> torch.Tensor:
+                          block_tables: torch.Tensor | None, scale: float,
+                          k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                          ) -> torch.Tensor:
     # q: [total_q, num_heads, head_dim]; k, v: [total_q, num_kv_heads, head_dim] (the new tokens)
-    # With block_tables, keys come from the paged cache (cached prefix + the new tokens, already stored).
+    # With block_tables, keys come from the paged cache (cached prefix + the new tokens, already
+    # stored: from an FP8 cache, the new tokens' keys too are read back quantized).
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     cu_q = cu_seqlens_q.tolist()
     cu_k = cu_seqlens_k.tolist()
@@ -144,8 +176,8 @@ def prefill_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             assert k_len == q_len, "without block_tables no sequence may have a cached prefix"
             ki, vi = k[q_lo:q_hi], v[q_lo:q_hi]
         else:
-            ki = gather_paged_kv(k_cache, block_tables[i], k_len)
-            vi = gather_paged_kv(v_cache, block_tables[i], k_len)
+            ki = dequantize_kv(gather_paged_kv(k_cache, block_tables[i], k_len), k_scale)
+            vi = dequantize_kv(gather_paged_kv(v_cache, block_tables[i], k_len), v_scale)
         mask = causal_mask(q_len, k_len, q.device)
         out[q_lo:q_hi] = _attend(q[q_lo:q_hi], ki, vi, mask, scale).to(q.dtype)
     return out

@@ -2,9 +2,15 @@ import torch
 from torch import nn
 
 from nanovllm.kernels import paged_decode_attention, prefill_attention, qk_norm_rope_store
+from nanovllm.kernels.reference import store_kvcache_ref
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.rotary_embedding import RotaryEmbedding
 from nanovllm.utils.context import get_context
+
+# calculate_kv_scales: scale = amax / these, vLLM's defaults (K_SCALE_CONSTANT, V_SCALE_CONSTANT):
+# the first prefill's largest |K| is stored as 200 and |V| as 100, headroom below e4m3's 448 for
+# larger values later.
+K_SCALE_DIVISOR, V_SCALE_DIVISOR = 200.0, 100.0
 
 
 class Attention(nn.Module):
@@ -21,6 +27,10 @@ class Attention(nn.Module):
         # Bound by the ModelRunner to this layer's slice of the cache:
         # [num_blocks, block_size, num_kv_heads, head_dim]. Empty during the warm-up run.
         self.k_cache = self.v_cache = torch.tensor([])
+        # An FP8 cache's scales, [1] fp32 on the cache's device (bound by the ModelRunner; 1.0 unless
+        # calculate_kv_scales, which sets them at this layer's first prefill into the cache).
+        self.k_scale = self.v_scale = None
+        self.calculate_kv_scales = False
 
     def forward(self, positions: torch.Tensor, qkv: torch.Tensor, rotary_emb: RotaryEmbedding,
                 q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None) -> torch.Tensor:
@@ -30,12 +40,28 @@ class Attention(nn.Module):
             q_weight, k_weight, eps = None, None, 0.0
         else:
             q_weight, k_weight, eps = q_norm.weight, k_norm.weight, q_norm.eps
-        q, k, v = qk_norm_rope_store(qkv, q_weight, k_weight, eps, rotary_emb.cos_sin_cache, positions,
-                                     ctx.slot_mapping, self.k_cache, self.v_cache,
-                                     self.num_heads, self.num_kv_heads, self.head_dim)
+        if self.calculate_kv_scales and ctx.is_prefill and self.k_cache.numel():
+            q, k, v = self.store_with_new_scales(qkv, q_weight, k_weight, eps, rotary_emb, positions, ctx)
+        else:
+            q, k, v = qk_norm_rope_store(qkv, q_weight, k_weight, eps, rotary_emb.cos_sin_cache, positions,
+                                         ctx.slot_mapping, self.k_cache, self.v_cache, self.num_heads,
+                                         self.num_kv_heads, self.head_dim, self.k_scale, self.v_scale)
         if ctx.is_prefill:
             return prefill_attention(q, k, v, self.k_cache, self.v_cache, ctx.cu_seqlens_q, ctx.cu_seqlens_k,
                                      ctx.max_seqlen_q, ctx.max_seqlen_k, ctx.block_tables, self.scale,
-                                     ctx.kv_slots)
+                                     ctx.kv_slots, self.k_scale, self.v_scale)
         return paged_decode_attention(q, self.k_cache, self.v_cache, ctx.block_tables, ctx.context_lens,
-                                      self.scale)
+                                      self.scale, self.k_scale, self.v_scale)
+
+    def store_with_new_scales(self, qkv, q_weight, k_weight, eps, rotary_emb, positions, ctx):
+        """Once, at the first prefill into the cache: the scales from this batch's largest |K| and
+        |V| (on the device, no sync), then the store with them (the torch store: a one-off)."""
+        empty = torch.tensor([], device=qkv.device)
+        q, k, v = qk_norm_rope_store(qkv, q_weight, k_weight, eps, rotary_emb.cos_sin_cache, positions,
+                                     None, empty, empty, self.num_heads, self.num_kv_heads, self.head_dim)
+        for scale, x, divisor in ((self.k_scale, k, K_SCALE_DIVISOR), (self.v_scale, v, V_SCALE_DIVISOR)):
+            amax = x.abs().amax().float()
+            scale.copy_(torch.where(amax > 0, amax / divisor, 1.0))   # all zeros: keep 1.0, not 0
+        store_kvcache_ref(k, v, self.k_cache, self.v_cache, ctx.slot_mapping, self.k_scale, self.v_scale)
+        self.calculate_kv_scales = False
+        return q, k, v

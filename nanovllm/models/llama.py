@@ -69,10 +69,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, qkv_bias: bool, qk_norm: bool):
+    def __init__(self, config: PretrainedConfig, qkv_bias: bool, qk_norm: bool, mlp: nn.Module):
         super().__init__()
         self.self_attn = LlamaAttention(config, qkv_bias, qk_norm)
-        self.mlp = LlamaMLP(config)
+        self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -85,11 +85,12 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: PretrainedConfig, qkv_bias: bool, qk_norm: bool):
+    def __init__(self, config: PretrainedConfig, qkv_bias: bool, qk_norm: bool, make_mlp):
+        """make_mlp(config, layer_index) -> the layer's MLP module (dense, or mixture-of-experts)."""
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, qkv_bias, qk_norm)
-                                    for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, qkv_bias, qk_norm, make_mlp(config, i))
+                                    for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -114,7 +115,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: PretrainedConfig):
         super().__init__()
         qkv_bias = self.qkv_bias(config)
-        self.model = LlamaModel(config, qkv_bias, self.qk_norm)
+        self.model = LlamaModel(config, qkv_bias, self.qk_norm, self.make_mlp)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -122,6 +123,10 @@ class LlamaForCausalLM(nn.Module):
     @staticmethod
     def qkv_bias(config: PretrainedConfig) -> bool:
         return bool(getattr(config, "attention_bias", False))
+
+    @staticmethod
+    def make_mlp(config: PretrainedConfig, layer_index: int) -> nn.Module:
+        return LlamaMLP(config)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # input_ids, positions: [num_tokens] -> hidden states: [num_tokens, hidden]

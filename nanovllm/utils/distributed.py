@@ -3,8 +3,14 @@
 Each engine owns its own group, so two engines can live in one process: the group is not
 torch.distributed's global default group but a c10d backend built on the engine's own TCP store.
 ModelRunner makes its group current (scoped, like forward_context) while it builds and runs the
-model; outside any group the world size is 1."""
+model; outside any group the world size is 1.
+
+A group may carry a `watch` function (rank 0: TPWorkers.check) that waits call while they last:
+a wait that blocks the host (a gloo collective, a device synchronize) is cut into short waits, so
+a dead or stopped peer raises instead of hanging until the backend's timeout, and Ctrl-C is seen."""
 import datetime
+import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -13,15 +19,18 @@ import torch
 import torch.distributed as dist
 
 STARTUP_TIMEOUT = datetime.timedelta(minutes=10)   # loading a large shard can take minutes
+WAIT_SLICE = datetime.timedelta(milliseconds=100)  # a watched wait calls watch() this often
 
 
-@dataclass(frozen=True)
+@dataclass
 class TPGroup:
     rank: int
     size: int
     backend: object   # a c10d backend: ProcessGroupNCCL on CUDA, ProcessGroupGloo on CPU
     store: object     # the TCPStore the backend rendezvoused through (kept alive with it)
     graphs: list = field(default_factory=list)   # CUDA graphs that captured this group's collectives
+    watch: Callable[[], None] | None = None      # called during long waits; raises to abandon them
+    aborted: bool = False
 
 
 _current: ContextVar[TPGroup | None] = ContextVar("tp_group", default=None)
@@ -47,25 +56,37 @@ def worker_store(port: int, world_size: int) -> dist.TCPStore:
     return dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=STARTUP_TIMEOUT)
 
 
-def init_tp_group(store: dist.TCPStore, rank: int, size: int, device: torch.device) -> TPGroup:
-    """Rendezvous with the other ranks (blocks until all have joined): NCCL on CUDA, gloo on CPU."""
+def init_tp_group(store: dist.TCPStore, rank: int, size: int, device: torch.device,
+                  watch: Callable[[], None] | None = None) -> TPGroup:
+    """Rendezvous with the other ranks: NCCL on CUDA, gloo on CPU."""
     if device.type == "cuda":
         # Built as init_process_group builds its NCCL backend; communicators start on first use.
         backend = dist.ProcessGroupNCCL(store, rank, size, dist.ProcessGroupNCCL.Options())
     else:
         backend = dist.ProcessGroupGloo(store, rank, size, STARTUP_TIMEOUT)
-    return TPGroup(rank, size, backend, store)
+    return TPGroup(rank, size, backend, store, watch=watch)
+
+
+def abort_tp_group(group: TPGroup | None):
+    """Abandon the group's collectives at once (a peer died or stopped): NCCL kernels waiting for
+    the peer exit instead of spinning forever. Later collectives in the group fail or are garbage;
+    the engine runs none."""
+    if group is None or group.aborted:
+        return
+    group.aborted = True
+    group.backend.abort()
 
 
 def destroy_tp_group(group: TPGroup | None):
     """Release the group. The CUDA graphs that captured its collectives are reset first: NCCL will
-    not destroy a communicator while a captured graph still holds it (the shutdown would hang)."""
+    not destroy a communicator while a captured graph still holds it (the shutdown would hang). An
+    aborted group has nothing left to shut down."""
     if group is None:
         return
     for graph in group.graphs:
         graph.reset()
     group.graphs.clear()
-    if hasattr(group.backend, "shutdown"):
+    if not group.aborted and hasattr(group.backend, "shutdown"):
         group.backend.shutdown()
 
 
@@ -85,7 +106,7 @@ def all_reduce(x: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
     if group and group.size > 1:
         opts = dist.AllreduceOptions()
         opts.reduceOp = op
-        group.backend.allreduce([x], opts).wait()
+        _wait(group, group.backend.allreduce([x], opts))
     return x
 
 
@@ -95,7 +116,7 @@ def broadcast(x: torch.Tensor, src: int = 0) -> torch.Tensor:
     if group and group.size > 1:
         opts = dist.BroadcastOptions()
         opts.rootRank = src
-        group.backend.broadcast([x], opts).wait()
+        _wait(group, group.backend.broadcast([x], opts))
     return x
 
 
@@ -105,11 +126,66 @@ def gather_last_dim(x: torch.Tensor) -> torch.Tensor:
     if not group or group.size == 1:
         return x
     parts = [torch.empty_like(x) for _ in range(group.size)]
-    group.backend.allgather([parts], [x.contiguous()]).wait()
+    _wait(group, group.backend.allgather([parts], [x.contiguous()]))
     return torch.cat(parts, dim=-1)
+
+
+def _wait(group: TPGroup, work):
+    """Finish a collective. NCCL's wait() only orders the streams and returns at once (the host
+    waits later, in wait_for_device or on a step's event). gloo's blocks this thread until the
+    peers take part, so with a watch it waits in slices: the backend's own timeout is minutes."""
+    if group.watch is None or not isinstance(group.backend, dist.ProcessGroupGloo):
+        work.wait()
+        return
+    while True:
+        try:
+            work.wait(WAIT_SLICE)
+            return
+        except RuntimeError:
+            if work.is_completed():
+                work.wait()   # it failed (a peer closed its connection): raise its own error
+                return
+            group.watch()    # it timed out: are the peers alive?
+
+
+def wait_for_device(device: torch.device):
+    """torch.cuda.synchronize(), left through the current group's watch when a peer fails: a
+    device waiting on a collective whose peer is gone would never finish."""
+    if device.type != "cuda":
+        return
+    group = _current.get()
+    if group is None or group.watch is None:
+        torch.cuda.synchronize()
+        return
+    event = torch.cuda.Event()
+    event.record()
+    next_watch = time.monotonic() + WAIT_SLICE.total_seconds()
+    while not event.query():
+        if time.monotonic() >= next_watch:
+            group.watch()
+            next_watch = time.monotonic() + WAIT_SLICE.total_seconds()
+        time.sleep(0.001)
+
+
+def host_barrier(name: str):
+    """Wait, through the store and calling the group's watch, until every rank of the current group
+    has got here. Used before a group's first collective: NCCL sets its communicator up there and
+    blocks the host until every rank arrives, so a rank that failed earlier (loading its shard)
+    would leave the others waiting there for good."""
+    group = _current.get()
+    if group is None or group.size == 1:
+        return
+    group.store.set(f"{name}{group.rank}", "1")
+    keys = [f"{name}{rank}" for rank in range(group.size)]
+    while not group.store.check(keys):
+        if group.watch is not None:
+            group.watch()
+        time.sleep(0.01)
 
 
 def min_across_ranks(n: int, device: torch.device) -> int:
     """The smallest n over all ranks of the current group (n itself on one rank)."""
     t = torch.tensor([n], dtype=torch.int64, device=device)
-    return int(all_reduce(t, dist.ReduceOp.MIN).item())
+    all_reduce(t, dist.ReduceOp.MIN)
+    wait_for_device(device)
+    return int(t.item())

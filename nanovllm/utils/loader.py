@@ -3,6 +3,7 @@ parameters left unset, shapes that differ and checkpoint tensors with nowhere to
 import glob
 import json
 import os
+import re
 
 import torch
 from safetensors import safe_open
@@ -18,6 +19,8 @@ def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor, shard_id=No
 
 def _target(name: str, mapping: dict) -> tuple[str, object]:
     """Checkpoint name -> (parameter name, shard id) through the model's packed_modules_mapping."""
+    if (expert := expert_target(name)) is not None:
+        return expert
     for key, (packed, shard_id) in mapping.items():
         if f".{key}." in name:
             return name.replace(f".{key}.", f".{packed}."), shard_id
@@ -46,7 +49,7 @@ def load_model(model: nn.Module, path: str):
     files = safetensors_files(path)
     params = dict(model.named_parameters())   # tied weights appear once
     mapping = getattr(model, "packed_modules_mapping", {})
-    expected = {name: _shards_of(name, mapping) for name in params}
+    expected = {name: expert_shards(name, p) or _shards_of(name, mapping) for name, p in params.items()}
     loaded: dict[str, set] = {name: set() for name in params}
     for file in files:
         with safe_open(file, "pt", "cpu") as f:
@@ -81,11 +84,44 @@ def _shards_of(param_name: str, mapping: dict) -> set:
 
 def _checkpoint_names(param_name: str, shards: set, mapping: dict) -> list[str]:
     """The checkpoint tensor names that would have filled these shards of a parameter."""
+    if _EXPERT_PARAM.search(param_name):
+        return sorted(expert_checkpoint_name(param_name, shard) for shard in shards)
     names = []
     for shard in shards:
         key = next((k for k, (packed, s) in mapping.items() if s == shard and f".{packed}." in param_name), None)
         names.append(param_name if key is None else param_name.replace(f".{mapping[key][0]}.", f".{key}."))
     return sorted(names)
+
+
+# Mixture-of-experts checkpoints (transformers' Qwen3-MoE save_pretrained) store one tensor per
+# expert and projection; the model stacks them: `...mlp.experts.{e}.gate_proj.weight` -> shard (e, 0)
+# of `...mlp.experts.w13`, up_proj -> (e, 1), down_proj -> (e, 0) of `...mlp.experts.w2`.
+_EXPERT_NAME = re.compile(r"\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_EXPERT_SHARDS = {"gate_proj": ("w13", 0), "up_proj": ("w13", 1), "down_proj": ("w2", 0)}
+_EXPERT_PARAM = re.compile(r"\.experts\.(w13|w2)$")
+
+
+def expert_target(ckpt_name: str) -> tuple[str, tuple[int, int]] | None:
+    """A per-expert checkpoint name -> (stacked parameter name, (expert, index)); None otherwise."""
+    m = _EXPERT_NAME.search(ckpt_name)
+    if m is None:
+        return None
+    stacked, index = _EXPERT_SHARDS[m[2]]
+    return f"{ckpt_name[:m.start()]}.experts.{stacked}", (int(m[1]), index)
+
+
+def expert_shards(param_name: str, param: torch.Tensor) -> set | None:
+    """Every shard a stacked expert parameter ([num_experts, ...]) needs; None for other parameters."""
+    m = _EXPERT_PARAM.search(param_name)
+    if m is None:
+        return None
+    return {(e, i) for e in range(param.shape[0]) for i in ((0, 1) if m[1] == "w13" else (0,))}
+
+
+def expert_checkpoint_name(param_name: str, shard: tuple[int, int]) -> str:
+    stacked = param_name.rsplit(".", 1)[1]
+    proj = next(p for p, s in _EXPERT_SHARDS.items() if s == (stacked, shard[1]))
+    return f"{param_name.rsplit('.', 1)[0]}.{shard[0]}.{proj}.weight"
 
 
 def _tied_duplicate(model: nn.Module, ckpt_name: str) -> bool:

@@ -1,0 +1,83 @@
+"""The Executor runs each step on every tensor-parallel rank: it sends the step to the workers
+(ranks 1..N-1), then has rank 0's ModelRunner, in this process, run it and sample. The runner so
+knows nothing of the workers, and the engine nothing of the ranks."""
+from nanovllm.config import Config
+from nanovllm.engine.model_runner import ModelRunner
+from nanovllm.engine.sampled_tokens import PendingSample, SampledTokens
+from nanovllm.engine.scheduler import ScheduledBatch
+from nanovllm.engine.tp_worker import TPWorkers
+
+
+class Executor:
+    def __init__(self, config: Config):
+        """Start rank 0's runner here and, with tensor_parallel_size > 1, ranks 1..N-1 in worker
+        processes that build their shards alongside it. A start-up failure on any rank raises the
+        first one's error (a worker's as WorkerError, with its traceback) and leaves nothing
+        running."""
+        self.workers = TPWorkers(config) if config.tensor_parallel_size > 1 else None
+        try:
+            self.runner = ModelRunner(config, self.workers.group if self.workers else None)
+        except BaseException as e:
+            if self.workers is not None:
+                try:
+                    if not isinstance(e, (ValueError, TypeError)):   # a user error is the same on every rank
+                        self.workers.raise_if_died(e)   # a collective broke: was it a worker that failed?
+                finally:
+                    self.workers.shutdown(graceful=False)
+            raise
+        # True from the moment a step is sent to the workers until rank 0 has launched it too. If
+        # it stays True (Ctrl-C or an error in between), some ranks may have run collectives that
+        # others never will: the ranks are out of step, and no further step can run.
+        self.in_step = False
+        self.closed = False
+
+    @property
+    def broken(self) -> str | None:
+        """Why no further step can run (shut down, a worker failed, the ranks out of step), or None."""
+        if self.closed:
+            return "the engine was shut down"
+        if self.workers is None:
+            return None
+        if self.workers.error is not None:
+            return str(self.workers.error).splitlines()[0]
+        if self.in_step:
+            return ("a step was interrupted while the tensor-parallel ranks ran it, so they are out of "
+                    "step; shut this engine down and create a new one")
+        return None
+
+    def launch(self, batch: ScheduledBatch) -> PendingSample:
+        """Run the batch's step on every rank; return rank 0's PendingSample (see ModelRunner.launch)."""
+        if self.broken:
+            if not self.closed and self.workers.error is not None:
+                raise self.workers.error
+            raise RuntimeError(self.broken)
+        if self.workers is None:
+            return self.runner.launch(batch)
+        step = self.runner.step_input(batch)
+        self.in_step = True
+        try:
+            self.workers.run_step(step)   # ranks 1..N-1 run the same step (they only skip sampling)
+            pending = self.runner.launch(batch, step)
+        except Exception as e:
+            self.workers.raise_if_died(e)   # a collective failed because a worker died: say so
+            raise
+        self.in_step = False
+        return pending
+
+    def result(self, pending: PendingSample) -> SampledTokens:
+        """Wait for a launched step's tokens. Under tensor parallelism the wait polls, checking the
+        workers: a step whose peer died or stopped would otherwise never complete."""
+        if self.workers is not None:
+            self.workers.wait_until(pending.ready)
+        return pending.result()
+
+    def shutdown(self):
+        """Stop the workers and give the device memory back. Idempotent; a call cut short by
+        Ctrl-C is finished by the next one (or, for the workers, at exit)."""
+        self.closed = True
+        try:
+            if self.workers is not None:
+                self.workers.shutdown(graceful=not self.in_step)
+        finally:
+            self.runner.release()
+
