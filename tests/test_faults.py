@@ -290,9 +290,9 @@ def tp_faults(path: str):
         except RuntimeError as e:
             assert "can no longer run" in str(e) and "Create a new LLM" in str(e), e
         assert time.monotonic() - start < 1
-    for p in llm.workers.processes:   # the worker waits in a collective rank 0 never joins
-        p.kill()
-    llm.shutdown()
+    start = time.monotonic()
+    llm.shutdown()   # the worker waits in a collective rank 0 never joins: shutdown kills it
+    assert time.monotonic() - start < 15, "shutdown of an out-of-step engine took too long"
     print("TP FAULTS OK")
 
 
