@@ -56,3 +56,26 @@ def load_chat_template(chat_template: str | None) -> str | None:
         with open(chat_template) as f:
             return f.read()
     return chat_template
+
+
+def render_chat(tokenizer, conversation, where: str = "conversation 0", *, chat_template: str | None = None,
+                content_format: str = "auto", add_generation_prompt: bool = True,
+                continue_final_message: bool = False, tools: list[dict] | None = None,
+                chat_template_kwargs: dict | None = None) -> str:
+    """One conversation as the prompt text its chat template writes (LLM.chat and the server).
+    chat_template: a template already loaded (None: the tokenizer's)."""
+    if tokenizer is None or not (chat_template or getattr(tokenizer, "chat_template", None)):
+        raise ValueError("chat needs a tokenizer with a chat template (tokenizer.chat_template) or "
+                         "chat_template=...; this model folder has none: use generate with a "
+                         "formatted prompt")
+    if continue_final_message and add_generation_prompt:
+        raise ValueError("continue_final_message=True continues the last message, so it needs "
+                         "add_generation_prompt=False")
+    if content_format not in ("auto", "string", "openai"):
+        raise ValueError(f"chat_template_content_format must be 'auto', 'string' or 'openai', "
+                         f"got {content_format!r}")
+    options = dict(add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+                   **({"chat_template": chat_template} if chat_template else {}),
+                   **({"tools": tools} if tools else {}), **(chat_template_kwargs or {}))
+    return tokenizer.apply_chat_template(parse_conversation(conversation, where, content_format),
+                                         tokenize=False, **options)

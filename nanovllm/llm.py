@@ -1,5 +1,5 @@
 from nanovllm.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence, beam_score, extend
-from nanovllm.chat_utils import load_chat_template, parse_conversation
+from nanovllm.chat_utils import load_chat_template, render_chat
 from nanovllm.engine.llm_engine import LLMEngine, _as_prompt_list, serialised
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import SamplingParams
@@ -66,26 +66,14 @@ class LLM(LLMEngine):
         and generated from. continue_final_message: the last (assistant) message is continued
         rather than a new one started; tools: function definitions the template shows the model."""
         template = load_chat_template(chat_template)
-        if self.tokenizer is None or not (template or getattr(self.tokenizer, "chat_template", None)):
-            raise ValueError("chat needs a tokenizer with a chat template (tokenizer.chat_template) or "
-                             "chat_template=...; this model folder has none: use generate with a "
-                             "formatted prompt")
-        if continue_final_message and add_generation_prompt:
-            raise ValueError("continue_final_message=True continues the last message, so it needs "
-                             "add_generation_prompt=False")
-        if chat_template_content_format not in ("auto", "string", "openai"):
-            raise ValueError(f"chat_template_content_format must be 'auto', 'string' or 'openai', "
-                             f"got {chat_template_content_format!r}")
         if not isinstance(messages, (list, tuple)) or not messages:
             raise TypeError("messages must be a conversation (a list of message dicts) or a list of conversations")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
-        options = dict(add_generation_prompt=add_generation_prompt,
-                       continue_final_message=continue_final_message,
-                       **({"chat_template": template} if template else {}),
-                       **({"tools": tools} if tools else {}), **(chat_template_kwargs or {}))
-        prompts = [self.tokenizer.apply_chat_template(
-                       parse_conversation(c, f"conversation {i}", chat_template_content_format),
-                       tokenize=False, **options)
+        prompts = [render_chat(self.tokenizer, c, f"conversation {i}", chat_template=template,
+                               content_format=chat_template_content_format,
+                               add_generation_prompt=add_generation_prompt,
+                               continue_final_message=continue_final_message, tools=tools,
+                               chat_template_kwargs=chat_template_kwargs)
                    for i, c in enumerate(conversations)]
         # The template already writes any BOS it wants; encoding must not add another.
         ids = [{"prompt_token_ids": self.tokenizer.encode(p, add_special_tokens=False), "prompt": p}

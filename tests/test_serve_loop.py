@@ -27,6 +27,7 @@ class BrokenEngine:
     """Accepts requests; its first step raises, as a dead device would."""
 
     tokenizer = None
+    default_sampling_overrides = {}
 
     def __init__(self):
         self.queued = []

@@ -9,6 +9,7 @@ from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
+from nanovllm.chat_utils import render_chat
 from nanovllm.engine.detokenizer import IncrementalDetokenizer
 from nanovllm.serve import protocol as api
 from nanovllm.serve.engine_loop import EngineError, EngineLoop, Request, Update
@@ -90,7 +91,7 @@ def create_app(engine, model_name: str) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(body: api.CompletionRequest, raw: HTTPRequest):
         check_model(body.model)
-        params = body.sampling_params(body.max_tokens, body.logprobs)
+        params = body.sampling_params(body.max_tokens, body.logprobs, engine.default_sampling_overrides)
         requests = await submit(raw, [(p, params) for p in body.prompts()])
         reply = _Completions(tokenizer, model_name, body, requests)
         if body.stream:
@@ -100,8 +101,8 @@ def create_app(engine, model_name: str) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(body: api.ChatRequest, raw: HTTPRequest):
         check_model(body.model)
-        params = body.chat_params()
-        prompt = await asyncio.to_thread(render_chat, tokenizer, body)
+        params = body.chat_params(engine.default_sampling_overrides)
+        prompt = await asyncio.to_thread(chat_prompt, tokenizer, body)
         requests = await submit(raw, [(prompt, params)])
         reply = _Chat(tokenizer, model_name, body, requests)
         if body.stream:
@@ -111,16 +112,15 @@ def create_app(engine, model_name: str) -> FastAPI:
     return app
 
 
-def render_chat(tokenizer, body: api.ChatRequest) -> list[int]:
-    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-        raise ValueError("this model has no chat template: use /v1/completions")
-    text = tokenizer.apply_chat_template(
+def chat_prompt(tokenizer, body: api.ChatRequest) -> list[int]:
+    text = render_chat(
+        tokenizer,
         body.messages,
-        tokenize=False,
-        trust_remote_code=False,
+        "messages",
         add_generation_prompt=body.add_generation_prompt and not body.continue_final_message,
         continue_final_message=body.continue_final_message,
-        **(body.chat_template_kwargs or {}),
+        tools=body.tools,
+        chat_template_kwargs=body.chat_template_kwargs,
     )
     return tokenizer.encode(text, add_special_tokens=False)  # the template wrote any BOS
 

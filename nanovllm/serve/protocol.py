@@ -36,10 +36,12 @@ class _Request(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.get("include_usage"))
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        """SamplingParams with vLLM's defaults for fields the client left out. Raises ValueError
-        (a 400) for out-of-range values."""
-        given = {
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None, defaults: dict) -> SamplingParams:
+        """SamplingParams for this request. A field the client left out takes the model's default
+        (defaults: from its generation_config.json, as vLLM's server does), else SamplingParams'.
+        Raises ValueError (a 400) for out-of-range values."""
+        given = {k: v for k, v in defaults.items() if k != "max_tokens"}
+        given |= {
             name: getattr(self, name)
             for name in (
                 "temperature",
@@ -90,13 +92,16 @@ class ChatRequest(_Request):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    tools: list[dict] | None = None
     chat_template_kwargs: dict | None = None
 
-    def chat_params(self) -> SamplingParams:
+    def chat_params(self, defaults: dict) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs=true")
         return self.sampling_params(
-            self.max_completion_tokens or self.max_tokens, (self.top_logprobs or 0) if self.logprobs else None
+            self.max_completion_tokens or self.max_tokens,
+            (self.top_logprobs or 0) if self.logprobs else None,
+            defaults,
         )
 
 
