@@ -87,7 +87,8 @@ def test_fused_moe_ref_is_the_weighted_sum_of_experts():
 def test_layer_pattern_follows_the_config(moe):
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
     path, oracle = moe
-    model = LLM(path, num_kvcache_blocks=4, kvcache_block_size=16).model_runner.model
+    llm = LLM(path, num_kvcache_blocks=4, kvcache_block_size=16)   # kept: a deleted engine frees its model
+    model = llm.model_runner.model
     theirs = [isinstance(layer.mlp, Qwen3MoeSparseMoeBlock) for layer in oracle.model.model.layers]
     ours = [isinstance(layer.mlp, SparseMoeBlock) for layer in model.model.layers]
     assert ours == theirs and True in ours and False in ours

@@ -259,8 +259,11 @@ class LLMEngine:
         """A launch under tensor parallelism failed or was interrupted: the workers may have run
         (or be waiting in) a step that rank 0 did not finish, so the ranks are out of step and
         the next collective would hang or mix two steps. Mark the engine broken."""
-        if self.executor.workers is None or self.executor.closed:
-            return   # one rank: nothing to fall out of step with; shut down: every call says so
+        workers = self.executor.workers
+        if workers is None or self.executor.closed or workers.error is not None:
+            # One rank: nothing to fall out of step with. Shut down, or a worker failed: the
+            # executor raises that (the WorkerError naming the rank) on every later launch.
+            return
         self._broken = self.executor.broken or (
             f"a step under tensor parallelism was cut short ({type(error).__name__}: {error}), "
             "so the ranks may be out of step")
