@@ -140,7 +140,7 @@ def main():
     of_limit += f", KV cache {args.kv_cache_dtype} {record['kv_cache_tokens']:,} tokens"
     phases = ", ".join(f"{k} {v}s" for k, v in record["startup_phases_s"].items())
     print(f"Total: {tokens} tok, Time: {seconds:.2f}s, Throughput: {tokens / seconds:.2f} tok/s{of_limit}, "
-          f"start-up {startup:.1f}s ({phases})")
+          f"start-up {startup:.1f}s" + (f" ({phases})" if phases else ""))
 
     if args.prefix_cache:
         one = SamplingParams(temperature=0, max_tokens=1)

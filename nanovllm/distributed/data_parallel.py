@@ -77,7 +77,8 @@ class DataParallelLLM:
         except ray.exceptions.GetTimeoutError:
             self.shutdown()
             raise RuntimeError(f"a replica's placement group {bundle} was not placed within "
-                               f"{PLACEMENT_TIMEOUT_S}s; free resources: {ray.available_resources()}") from None
+                               f"{PLACEMENT_TIMEOUT_S}s; free resources: "
+                               f"{ray.available_resources()}") from None
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
         actor = ray.remote(_Replica).options(
             num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0), max_restarts=0,
@@ -157,8 +158,9 @@ class DataParallelLLM:
             self.live.remove(r)
         orphans = [chunk, *queues.pop(r, ())]
         if not self.live:
-            raise RuntimeError(f"every data-parallel replica has died; {sum(len(c.indices) for c in orphans)} "
-                               f"prompts of this job were left unfinished (last error: {error})") from error
+            left = sum(len(c.indices) for c in orphans)
+            raise RuntimeError(f"every data-parallel replica has died; {left} prompts of this job were "
+                               f"left unfinished (last error: {error})") from error
         for c in orphans:
             least = min(self.live, key=lambda q: sum(x.cost for x in queues[q]))
             queues[least].append(c)
@@ -218,7 +220,8 @@ def _params_list(sampling_params, n: int) -> list[SamplingParams]:
             isinstance(p, SamplingParams) for p in sampling_params):
         raise TypeError("sampling_params must be a SamplingParams or a list of them")
     if len(sampling_params) != n:
-        raise ValueError(f"got {len(sampling_params)} SamplingParams for {n} prompts; give one, or one per prompt")
+        raise ValueError(f"got {len(sampling_params)} SamplingParams for {n} prompts; "
+                         "give one, or one per prompt")
     return list(sampling_params)
 
 
@@ -237,8 +240,9 @@ def _check_cluster_fits(ray, bundle: dict, replicas: int):
             have = node.get("Resources", {})
             fit += min(int(have.get(k, 0) // v) for k, v in bundle.items() if v)
     if fit < replicas:
-        raise ValueError(f"data_parallel_size={replicas} needs {replicas} x {bundle} with each replica on one "
-                         f"node, but the Ray cluster's nodes hold only {fit} (cluster: {ray.cluster_resources()})")
+        raise ValueError(f"data_parallel_size={replicas} needs {replicas} x {bundle} with each replica on "
+                         f"one node, but the Ray cluster's nodes hold only {fit} "
+                         f"(cluster: {ray.cluster_resources()})")
 
 
 _PROMPT_INDEX = re.compile(r"^(prompt|sampling_params) (\d+)")
