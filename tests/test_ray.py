@@ -96,6 +96,46 @@ def test_strings_chat_and_errors(dp_llm, qwen3_dir):
     assert tokens(dp_llm.generate(texts[:1], GREEDY, use_tqdm=False)) == tokens(outs[:1])
 
 
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['content'] }} {% endfor %}"
+                 "{% if add_generation_prompt %}w4{% endif %}")
+CONVERSATIONS = [[{"role": "user", "content": "w5 w6"}], [{"role": "user", "content": "w7 w8 w9"}]]
+
+
+def test_chat_renders_on_the_driver_like_one_engine(dp_llm, qwen3_dir):
+    one = LLM(qwen3_dir, **ENGINE)
+    one.tokenizer.chat_template = dp_llm.get_tokenizer().chat_template = CHAT_TEMPLATE
+    outs = dp_llm.chat(CONVERSATIONS, GREEDY, use_tqdm=False)
+    expected = one.chat(CONVERSATIONS, GREEDY, use_tqdm=False)
+    assert [o.prompt for o in outs] == [o.prompt for o in expected] == ["w5 w6 w4", "w7 w8 w9 w4"]
+    assert tokens(outs) == tokens(expected)
+
+
+def test_predictor_reads_prompts_token_ids_or_messages(qwen3_dir):
+    np = pytest.importorskip("numpy")
+    pytest.importorskip("ray")
+    from nanovllm.distributed.ray_data import NanoVLLMPredictor
+    predictor = NanoVLLMPredictor(qwen3_dir, dict(temperature=0, max_tokens=3), **ENGINE)
+    predictor.llm.tokenizer.chat_template = CHAT_TEMPLATE
+    one = LLM(qwen3_dir, **ENGINE)
+    greedy3 = SamplingParams(temperature=0, max_tokens=3)
+    out = predictor({"prompt": np.array(["w5 w6", "w300"], dtype=object), "id": np.array([7, 8])})
+    assert list(out["id"]) == [7, 8] and list(out["num_input_tokens"]) == [2, 1]
+    expected = one.generate(["w5 w6", "w300"], greedy3, use_tqdm=False)
+    assert list(out["generated_text"]) == [o.outputs[0].text for o in expected]
+    ids = np.empty(1, dtype=object)
+    ids[0] = np.array([5, 6, 7])
+    assert list(predictor({"prompt": ids})["num_generated_tokens"]) == [3]
+    messages = np.empty(2, dtype=object)
+    messages[:] = [np.array(c, dtype=object) for c in CONVERSATIONS]
+    out = predictor({"messages": messages})
+    one.tokenizer.chat_template = CHAT_TEMPLATE
+    expected = one.chat(CONVERSATIONS, greedy3, use_tqdm=False)
+    assert list(out["generated_text"]) == [o.outputs[0].text for o in expected]
+    assert set(out["finish_reason"]) <= {"stop", "length"}
+    with pytest.raises(KeyError, match="neither a 'prompt' nor a 'messages'"):
+        predictor({"text": np.array(["w5"], dtype=object)})
+
+
 def test_a_replica_killed_mid_job_loses_no_prompt(ray_session, dp_llm, reference):
     """(The last test of dp_llm: it leaves no replica alive.)"""
     prompts, expected = reference
@@ -119,6 +159,8 @@ def test_a_replica_killed_mid_job_loses_no_prompt(ray_session, dp_llm, reference
     ray_session.kill(llm.replicas[1])
     with pytest.raises(RuntimeError, match="every data-parallel replica has died"):
         llm.generate(prompts[:4], GREEDY, use_tqdm=False)
+    with pytest.raises(RuntimeError, match="every data-parallel replica has died"):
+        llm.generate(prompts[:4], GREEDY, use_tqdm=False)   # and the next job, at once
 
 
 def test_ray_data_example_writes_every_row(ray_session, dp_llm, qwen3_dir, tmp_path):

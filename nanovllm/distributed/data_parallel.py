@@ -92,6 +92,8 @@ class DataParallelLLM:
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
+        if not self.live:
+            raise RuntimeError("every data-parallel replica has died (or was shut down); start a new LLM")
         prompts = _as_prompt_list(prompts)
         params = _params_list(sampling_params, len(prompts))
         costs = [self._cost(p, sp) for p, sp in zip(prompts, params)]
