@@ -11,10 +11,10 @@ from dataclasses import dataclass, fields
 from nanovllm.config import Config
 from nanovllm.distributed.ray_utils import import_ray, init_ray
 from nanovllm.engine.llm_engine import _as_prompt_list, _unwrap_prompt_dict
-from nanovllm.utils.hf_files import load_tokenizer
 from nanovllm.llm import LLM
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import SamplingParams
+from nanovllm.utils.hf_files import load_tokenizer
 from nanovllm.utils.loader import resolve_model
 
 PLACEMENT_TIMEOUT_S = 300        # how long a replica may wait for its GPUs before start-up fails
