@@ -3,6 +3,7 @@ one node (a placement group per replica). A job's prompts are balanced over the 
 count and its outputs returned in prompt order; a replica that dies has its unfinished prompts re-run
 on the live ones."""
 import heapq
+import inspect
 import os
 import re
 from collections import deque
@@ -89,7 +90,8 @@ class DataParallelLLM:
     def get_tokenizer(self):
         return self.tokenizer
 
-    chat = LLM.chat   # renders the conversations here, then calls this class's generate
+    # LLM.chat without the single engine's lock: renders the conversations here, then calls generate.
+    chat = inspect.unwrap(LLM.chat)
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
