@@ -98,6 +98,8 @@ def main():
                    help="fp8: an e4m3 KV cache with per-layer scales (1.0 unless --calculate-kv-scales)")
     p.add_argument("--calculate-kv-scales", action="store_true",
                    help="fp8 scales from the first prefill's amax")
+    p.add_argument("--data-parallel-size", type=int, default=1,
+                   help="engine replicas on Ray (the ray extra), each with tensor-parallel-size GPUs")
     p.add_argument("--prefix-cache", action="store_true",
                    help="also measure prefill of 256 prompts sharing a 2,000-token prefix, cached vs not")
     p.add_argument("--json", help="write the figures to this file")
@@ -108,35 +110,37 @@ def main():
     llm = LLM(args.model, enforce_eager=args.enforce_eager, max_model_len=4096,
               tensor_parallel_size=args.tensor_parallel_size, load_format="dummy" if dummy else "auto",
               async_scheduling=not args.no_async_scheduling, kv_cache_dtype=args.kv_cache_dtype,
-              calculate_kv_scales=args.calculate_kv_scales)
+              calculate_kv_scales=args.calculate_kv_scales, data_parallel_size=args.data_parallel_size)
     startup = time.perf_counter() - t
 
     prompts, params = workload(args.num_seqs, args.max_input_len, args.max_output_len, args.temperature)
-    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8), use_tqdm=False)   # warm-up
+    # Warm-up: one prompt per replica (equal prompts are spread one to each).
+    llm.generate([[1, 2, 3]] * args.data_parallel_size, SamplingParams(max_tokens=8), use_tqdm=False)
     seconds = timed_generate(llm, prompts, params)
     tokens = sum(sp.max_tokens for sp in params)
     config_path = os.path.join(args.model, "config.json")
     limit = None
-    if os.path.isfile(config_path):
+    if os.path.isfile(config_path) and args.data_parallel_size == 1:
         with open(config_path) as f:
             limit = h200_limit(json.load(f), [len(p) for p in prompts], [sp.max_tokens for sp in params],
                                args.tensor_parallel_size, kv_bytes=1 if args.kv_cache_dtype != "auto" else 2)
+    runner = getattr(llm, "model_runner", None)   # a data-parallel LLM's runners live in its replicas
     record = dict(model=args.model, dummy_weights=dummy, temperature=args.temperature,
                   enforce_eager=args.enforce_eager, async_scheduling=not args.no_async_scheduling,
-                  tp=args.tensor_parallel_size, kv_cache_dtype=args.kv_cache_dtype,
-                  calculate_kv_scales=args.calculate_kv_scales,
-                  kv_cache_tokens=llm.model_runner.num_kvcache_blocks * llm.model_runner.block_size,
+                  tp=args.tensor_parallel_size, dp=args.data_parallel_size,
+                  kv_cache_dtype=args.kv_cache_dtype, calculate_kv_scales=args.calculate_kv_scales,
+                  kv_cache_tokens=runner.num_kvcache_blocks * runner.block_size if runner else None,
                   startup_s=round(startup, 2),
                   output_tokens=tokens, seconds=round(seconds, 3), tokens_per_s=round(tokens / seconds, 1),
                   h200_limit_tokens_per_s=round(limit) if limit else None,
                   fraction_of_h200_limit=round(tokens / seconds / limit, 3) if limit else None)
-    record["startup_phases_s"] = {k: round(v, 2) for k, v in llm.model_runner.startup_seconds.items()}
+    record["startup_phases_s"] = {k: round(v, 2) for k, v in runner.startup_seconds.items()} if runner else {}
     fraction = record["fraction_of_h200_limit"]
     of_limit = f" ({fraction:.1%} of the H200 limit, {limit:,.0f})" if limit else ""
     of_limit += f", KV cache {args.kv_cache_dtype} {record['kv_cache_tokens']:,} tokens"
     phases = ", ".join(f"{k} {v}s" for k, v in record["startup_phases_s"].items())
     print(f"Total: {tokens} tok, Time: {seconds:.2f}s, Throughput: {tokens / seconds:.2f} tok/s{of_limit}, "
-          f"start-up {startup:.1f}s ({phases})")
+          f"start-up {startup:.1f}s" + (f" ({phases})" if phases else ""))
 
     if args.prefix_cache:
         one = SamplingParams(temperature=0, max_tokens=1)

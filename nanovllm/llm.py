@@ -6,7 +6,18 @@ from nanovllm.sampling_params import SamplingParams
 
 
 class LLM(LLMEngine):
-    """The user's entry point: `LLM(model, **options).generate(prompts, sampling_params)`."""
+    """The user's entry point: `LLM(model, **options).generate(prompts, sampling_params)`.
+    With data_parallel_size=N > 1 it returns a DataParallelLLM instead: N engines on Ray (the `ray`
+    extra), with the same generate / chat / get_tokenizer / shutdown."""
+
+    def __new__(cls, model: str, data_parallel_size: int = 1, **options):
+        if type(data_parallel_size) is int and data_parallel_size == 1:
+            return super().__new__(cls)
+        from nanovllm.distributed.data_parallel import DataParallelLLM   # validates the value
+        return DataParallelLLM(model, data_parallel_size=data_parallel_size, **options)
+
+    def __init__(self, model: str, data_parallel_size: int = 1, **options):
+        super().__init__(model, **options)
 
     @property
     def llm_engine(self) -> LLMEngine:

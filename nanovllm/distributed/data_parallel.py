@@ -1,0 +1,268 @@
+"""Data parallelism on Ray: N engine replicas, each a Ray actor holding its tensor-parallel GPUs on
+one node (a placement group per replica). A job's prompts are balanced over the replicas by token
+count and its outputs returned in prompt order; a replica that dies has its unfinished prompts re-run
+on the live ones."""
+import heapq
+import inspect
+import os
+import re
+from collections import deque
+from dataclasses import dataclass, fields
+
+from nanovllm.config import Config
+from nanovllm.distributed.ray_utils import import_ray, init_ray
+from nanovllm.engine.llm_engine import _as_prompt_list, _unwrap_prompt_dict
+from nanovllm.llm import LLM
+from nanovllm.outputs import RequestOutput
+from nanovllm.sampling_params import SamplingParams
+from nanovllm.utils.hf_files import load_tokenizer
+from nanovllm.utils.loader import resolve_model
+
+PLACEMENT_TIMEOUT_S = 300        # how long a replica may wait for its GPUs before start-up fails
+CALLS_IN_FLIGHT = 2              # per replica: the next chunk is queued while one runs
+
+
+class _Replica:
+    """One engine in a Ray actor process (made a remote class when Ray is imported)."""
+
+    def __init__(self, model: str, options: dict):
+        self.llm = LLM(model, **options)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def generate(self, prompts: list, params: list[SamplingParams]) -> list[RequestOutput]:
+        return self.llm.generate(prompts, params, use_tqdm=False)
+
+    def shutdown(self):
+        self.llm.shutdown()
+
+
+@dataclass
+class _Chunk:
+    indices: list[int]     # the job's prompt indices, ascending
+    cost: int              # estimated tokens (prompt + output, times n)
+
+
+class DataParallelLLM:
+    """`LLM(model, data_parallel_size=N, **options)` with N > 1 returns one of these: the same
+    generate / chat / get_tokenizer / shutdown, over N engine replicas on a Ray cluster (RAY_ADDRESS,
+    else a local one). Every option but data_parallel_size goes to each replica's engine."""
+
+    requests_per_call = 1024     # a replica's share is sent in chunks of this many prompts
+
+    def __init__(self, model: str, data_parallel_size: int = 2, **options):
+        check_data_parallel_size(data_parallel_size)
+        _check_option_names(options)
+        ray = import_ray()
+        self.model = resolve_model(model)   # on the driver: a hub id is downloaded here (and on each node)
+        self.tokenizer = load_tokenizer(self.model)
+        self._owns_ray = init_ray()
+        tp = options.get("tensor_parallel_size", 1)
+        bundle = _replica_bundle(ray, tp, options.get("device", "auto"))
+        _check_cluster_fits(ray, bundle, data_parallel_size)
+        self.placement_groups = [ray.util.placement_group([bundle], strategy="STRICT_PACK")
+                                 for _ in range(data_parallel_size)]
+        self.replicas = [self._start_replica(ray, pg, bundle, options) for pg in self.placement_groups]
+        self.live = list(range(data_parallel_size))
+        try:
+            self.replica_pids = ray.get([r.pid.remote() for r in self.replicas])   # waits for start-up
+        except BaseException:
+            self.shutdown()
+            raise
+        self.completed_requests = 0   # of the running job; another thread may read it
+        self.rerun_requests = 0       # prompts re-run because their replica died (all jobs)
+
+    def _start_replica(self, ray, pg, bundle: dict, options: dict):
+        try:
+            ray.get(pg.ready(), timeout=PLACEMENT_TIMEOUT_S)
+        except ray.exceptions.GetTimeoutError:
+            self.shutdown()
+            raise RuntimeError(f"a replica's placement group {bundle} was not placed within "
+                               f"{PLACEMENT_TIMEOUT_S}s; free resources: "
+                               f"{ray.available_resources()}") from None
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        actor = ray.remote(_Replica).options(
+            num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0), max_restarts=0,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0))
+        return actor.remote(self.model, options)
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    # LLM.chat without the single engine's lock: renders the conversations here, then calls generate.
+    chat = inspect.unwrap(LLM.chat)
+
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        if not self.live:
+            raise RuntimeError("every data-parallel replica has died (or was shut down); start a new LLM")
+        prompts = _as_prompt_list(prompts)
+        params = _params_list(sampling_params, len(prompts))
+        costs = [self._cost(p, sp) for p, sp in zip(prompts, params)]
+        queues = {r: deque(self._chunks(share, costs))
+                  for r, share in zip(self.live, assign_by_cost(costs, len(self.live)))}
+        outputs = self._run(queues, prompts, params, _progress(len(prompts), use_tqdm))
+        for i, out in enumerate(outputs):
+            out.request_id = str(i)   # replicas number their requests independently
+        return outputs
+
+    def _cost(self, prompt, params: SamplingParams) -> int:
+        """Tokens the request will compute, as far as known beforehand."""
+        prompt = _unwrap_prompt_dict(prompt, "")
+        if isinstance(prompt, str):
+            n = len(self.tokenizer.encode(prompt)) if self.tokenizer else len(prompt.split())
+        else:
+            n = len(prompt) if isinstance(prompt, (list, tuple)) else 1
+        return (n + (params.max_tokens or n)) * params.n
+
+    def _chunks(self, indices: list[int], costs: list[int]) -> list[_Chunk]:
+        size = self.requests_per_call
+        return [_Chunk(part, sum(costs[i] for i in part))
+                for part in (indices[k:k + size] for k in range(0, len(indices), size))]
+
+    def _run(self, queues: dict[int, deque], prompts: list, params: list, bar) -> list[RequestOutput]:
+        """Keep CALLS_IN_FLIGHT chunks on each live replica until every chunk has its outputs."""
+        ray = import_ray()
+        outputs: list[RequestOutput | None] = [None] * len(prompts)
+        in_flight: dict = {}   # ObjectRef -> (replica, chunk)
+        self.completed_requests = 0
+        try:
+            while True:
+                for r in self.live:
+                    while queues[r] and sum(v[0] == r for v in in_flight.values()) < CALLS_IN_FLIGHT:
+                        chunk = queues[r].popleft()
+                        ref = self.replicas[r].generate.remote([prompts[i] for i in chunk.indices],
+                                                               [params[i] for i in chunk.indices])
+                        in_flight[ref] = (r, chunk)
+                if not in_flight:
+                    break
+                [ref], _ = ray.wait(list(in_flight), num_returns=1)
+                r, chunk = in_flight.pop(ref)
+                try:
+                    results = ray.get(ref)
+                except ray.exceptions.RayActorError as e:
+                    self._replica_died(r, chunk, queues, e)
+                    continue
+                except Exception as e:
+                    raise _with_job_indices(e, chunk.indices) from e
+                for i, out in zip(chunk.indices, results):
+                    outputs[i] = out
+                self.completed_requests += len(chunk.indices)
+                bar.update(len(chunk.indices))
+        finally:
+            bar.close()
+            for ref in in_flight:   # an error ended the job: drop the rest of it
+                ray.cancel(ref)
+        assert all(o is not None for o in outputs)
+        return outputs
+
+    def _replica_died(self, r: int, chunk: _Chunk, queues: dict[int, deque], error: Exception):
+        """Move the dead replica's chunk and its queue to the live replicas with the least work."""
+        if r in self.live:
+            self.live.remove(r)
+        orphans = [chunk, *queues.pop(r, ())]
+        if not self.live:
+            left = sum(len(c.indices) for c in orphans)
+            raise RuntimeError(f"every data-parallel replica has died; {left} prompts of this job were "
+                               f"left unfinished (last error: {error})") from error
+        for c in orphans:
+            least = min(self.live, key=lambda q: sum(x.cost for x in queues[q]))
+            queues[least].append(c)
+            self.rerun_requests += len(c.indices)
+
+    def shutdown(self):
+        """Stop the replicas and free their placement groups (and the local Ray session it started)."""
+        ray = import_ray()
+        for actor in getattr(self, "replicas", []):
+            try:
+                ray.get(actor.shutdown.remote(), timeout=30)
+            except Exception:
+                pass   # already dead, or stuck: killed below
+            ray.kill(actor)
+        self.replicas, self.live = [], []
+        for pg in getattr(self, "placement_groups", []):
+            ray.util.remove_placement_group(pg)
+        self.placement_groups = []
+        if getattr(self, "_owns_ray", False):
+            ray.shutdown()
+            self._owns_ray = False
+
+
+def check_data_parallel_size(value):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"data_parallel_size must be an integer >= 1, got {value!r}")
+
+
+def assign_by_cost(costs: list[int], n: int) -> list[list[int]]:
+    """Split request indices over n replicas so their summed costs are close: the largest request
+    first to the least-loaded replica (LPT). Each replica's indices come back ascending."""
+    heap = [(0, r) for r in range(n)]
+    shares: list[list[int]] = [[] for _ in range(n)]
+    for i in sorted(range(len(costs)), key=lambda i: -costs[i]):
+        load, r = heapq.heappop(heap)
+        shares[r].append(i)
+        heapq.heappush(heap, (load + costs[i], r))
+    return [sorted(s) for s in shares]
+
+
+def _check_option_names(options: dict):
+    """The engine's own check, made here so a typo fails before any replica starts."""
+    known = {f.name for f in fields(Config) if f.init} - {"model"}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise TypeError(f"unknown option(s) {', '.join(map(repr, unknown))}; valid options are: "
+                        f"data_parallel_size, {', '.join(sorted(known))}")
+
+
+def _params_list(sampling_params, n: int) -> list[SamplingParams]:
+    """One SamplingParams per prompt (each replica validates their values)."""
+    if sampling_params is None:
+        return [SamplingParams()] * n
+    if isinstance(sampling_params, SamplingParams):
+        return [sampling_params] * n
+    if not isinstance(sampling_params, (list, tuple)) or not all(
+            isinstance(p, SamplingParams) for p in sampling_params):
+        raise TypeError("sampling_params must be a SamplingParams or a list of them")
+    if len(sampling_params) != n:
+        raise ValueError(f"got {len(sampling_params)} SamplingParams for {n} prompts; "
+                         "give one, or one per prompt")
+    return list(sampling_params)
+
+
+def _replica_bundle(ray, tp: int, device: str) -> dict:
+    """A replica's resources, in one bundle, so that the actor and the tensor-parallel workers it
+    spawns see exactly these GPUs (CUDA_VISIBLE_DEVICES), all on one node."""
+    use_gpu = device == "cuda" or (device == "auto" and ray.cluster_resources().get("GPU", 0) > 0)
+    return {"CPU": 1, "GPU": tp} if use_gpu else {"CPU": tp}
+
+
+def _check_cluster_fits(ray, bundle: dict, replicas: int):
+    """Fail at once (not after a placement timeout) when the nodes cannot hold the replicas."""
+    fit = 0
+    for node in ray.nodes():
+        if node.get("Alive"):
+            have = node.get("Resources", {})
+            fit += min(int(have.get(k, 0) // v) for k, v in bundle.items() if v)
+    if fit < replicas:
+        raise ValueError(f"data_parallel_size={replicas} needs {replicas} x {bundle} with each replica on "
+                         f"one node, but the Ray cluster's nodes hold only {fit} "
+                         f"(cluster: {ray.cluster_resources()})")
+
+
+_PROMPT_INDEX = re.compile(r"^(prompt|sampling_params) (\d+)")
+
+
+def _with_job_indices(error: Exception, indices: list[int]) -> Exception:
+    """A replica's validation error names the prompt's index in its chunk; name the job's index.
+    Other errors pass unchanged."""
+    cause = getattr(error, "cause", None) or error   # a RayTaskError wraps the replica's exception
+    if not isinstance(cause, (ValueError, TypeError)):
+        return error
+    message = _PROMPT_INDEX.sub(lambda m: f"{m[1]} {indices[int(m[2])]}", str(cause))
+    return type(cause)(message)
+
+
+def _progress(total: int, use_tqdm: bool):
+    from tqdm.auto import tqdm
+    return tqdm(total=total, desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
