@@ -29,6 +29,7 @@ class Config:
     calculate_kv_scales: bool = False           # fp8: K/V scales from the first prefill's amax (else 1.0)
     load_format: str = "auto"                   # "auto" (safetensors) or "dummy" (random weights)
     seed: int = 0
+    tokenizer: str | None = None                # tokenizer folder (default: the model's)
     hf_config: PretrainedConfig = field(init=False, repr=False)
 
     @classmethod
@@ -68,6 +69,8 @@ class Config:
             if not _is_bool(getattr(self, name)):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
             setattr(self, name, bool(getattr(self, name)))
+        if self.tokenizer is not None and not os.path.isdir(self.tokenizer):
+            raise FileNotFoundError(f"tokenizer folder {self.tokenizer!r} does not exist")
         _check_choice(self, "device", ("auto", "cuda", "cpu"))
         _check_choice(self, "dtype", ("auto", "float32", "bfloat16", "float16"))
         _check_choice(self, "load_format", ("auto", "dummy"))

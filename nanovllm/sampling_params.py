@@ -4,6 +4,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from nanovllm.structured.params import GuidedDecodingParams, StructuredOutputsParams
+
+__all__ = ["SamplingParams", "StructuredOutputsParams", "GuidedDecodingParams"]
+
 _EPS = 1e-5   # temperatures below this are greedy, as in vLLM
 
 
@@ -26,6 +30,8 @@ class SamplingParams:
     min_tokens: int = 0                     # EOS and stop tokens cannot end the output before this
     logprobs: int | None = None             # top-k log probabilities per output token (+ the sampled one)
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None   # constrain the output (xgrammar)
+    guided_decoding: StructuredOutputsParams | None = None      # vLLM's older name for the same
 
     def __post_init__(self):
         self.validate()
@@ -60,6 +66,7 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
         if self.logprobs is not None:
             _check_int(self, "logprobs", 0)
+        self.structured_outputs = _structured(self)
         if self.greedy:
             # Truncation changes nothing for an argmax; clearing it keeps greedy rows on the fast path.
             self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
@@ -71,6 +78,22 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+
+def _structured(params: SamplingParams) -> StructuredOutputsParams | None:
+    """structured_outputs, or guided_decoding (vLLM's older name); a dict becomes the dataclass."""
+    if params.structured_outputs is not None and params.guided_decoding is not None:
+        raise ValueError("give structured_outputs or guided_decoding (its older name), not both")
+    value = params.structured_outputs if params.structured_outputs is not None else params.guided_decoding
+    if isinstance(value, dict):
+        value = StructuredOutputsParams(**value)
+    if value is not None and not isinstance(value, StructuredOutputsParams):
+        raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got {type(value).__name__}")
+    if value is not None and params.min_tokens > 0:
+        # The grammar decides where the output may end; banning EOS could leave no token allowed.
+        raise ValueError("min_tokens cannot be combined with structured_outputs: the grammar decides "
+                         "where the output ends")
+    return value
 
 
 def _not_int(value) -> bool:

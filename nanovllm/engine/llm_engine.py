@@ -18,6 +18,7 @@ from nanovllm.engine.sequence import Sequence, TokenLogprobs
 from nanovllm.engine.stop_checker import ABORT
 from nanovllm.outputs import CompletionOutput, Logprob, RequestOutput
 from nanovllm.sampling_params import SamplingParams
+from nanovllm.structured.params import StructuredOutputsParams
 from nanovllm.utils.hf_files import generation_eos_token_id, load_tokenizer
 from nanovllm.utils.loader import resolve_model
 
@@ -58,7 +59,7 @@ class LLMEngine:
         # between two queues when the failure came.
         self._queued: weakref.WeakSet[Sequence] = weakref.WeakSet()
         self.config = Config.create(resolve_model(model), **options)
-        self.tokenizer = load_tokenizer(self.config.model)
+        self.tokenizer = load_tokenizer(self.config.tokenizer or self.config.model)
         self.executor = Executor(self.config)   # rank 0's runner here, and the workers under TP
         c = self.config
         self.scheduler = Scheduler(c.max_num_seqs, c.max_num_batched_tokens, c.max_model_len,
@@ -66,6 +67,7 @@ class LLMEngine:
                                    eos_token_ids(c, self.tokenizer), c.enable_prefix_caching, self.tokenizer)
         # The launched batch whose tokens have not been applied yet (see step).
         self._in_flight: tuple[ScheduledBatch, PendingSample] | None = None
+        self._grammar_compiler = None   # built by the first request with structured_outputs
 
     @property
     def model_runner(self) -> ModelRunner:
@@ -181,11 +183,34 @@ class LLMEngine:
         if params.stop and self.tokenizer is None:
             raise ValueError(f"sampling_params {index}: stop strings need a tokenizer; the model folder has none "
                              "(use stop_token_ids)")
+        if params.structured_outputs is not None:
+            try:
+                self._compiled_grammar(params.structured_outputs)   # compiled now, and cached
+            except ValueError as e:
+                raise ValueError(f"sampling_params {index}: {e}") from None
+
+    def _compiled_grammar(self, params: StructuredOutputsParams):
+        """The grammar of a structured_outputs, compiled once per distinct spec while requests are
+        validated, so the step loop only fills token bitmasks."""
+        if self._grammar_compiler is None:
+            if self.tokenizer is None:
+                raise ValueError("structured outputs need a tokenizer; the model folder has none "
+                                 "(pass tokenizer=FOLDER)")
+            from nanovllm.structured.grammars import GrammarCompiler   # xgrammar: an optional extra
+            self._grammar_compiler = GrammarCompiler(self.tokenizer, self.config.hf_config.vocab_size,
+                                                     self.scheduler.eos_token_ids)
+        return self._grammar_compiler.compile(params)
 
     def _new_seqs(self, token_ids: list[int], params: SamplingParams) -> list[Sequence]:
         # n sequences share the prompt (the prefix cache shares its blocks once they are computed).
         eos = frozenset(self.scheduler.eos_token_ids)
-        return [Sequence(token_ids, params, index=i, eos_token_ids=eos) for i in range(params.n)]
+        compiled = None
+        if params.structured_outputs is not None:
+            from nanovllm.structured.grammars import GrammarState
+            compiled = self._compiled_grammar(params.structured_outputs)   # a cache hit: checked before
+        return [Sequence(token_ids, params, index=i, eos_token_ids=eos,
+                         grammar=GrammarState(compiled) if compiled is not None else None)
+                for i in range(params.n)]   # each completion its own matcher
 
     # ---- stepping -------------------------------------------------------------------------
 
@@ -235,9 +260,11 @@ class LLMEngine:
 
     def _can_run_ahead(self, batch: ScheduledBatch) -> bool:
         """May the next batch be launched before this one's tokens are on the host? Not with
-        penalties: their token counts are built on the host from the known tokens. (Without
-        async_scheduling nothing is left in flight to ask about.)"""
-        return not any(seq.sampling_params.has_penalties for seq in batch.sampling_seqs)
+        penalties: their token counts are built on the host from the known tokens; nor with a
+        grammar: its next token bitmask needs the token just sampled. (Without async_scheduling
+        nothing is left in flight to ask about.)"""
+        return not any(seq.sampling_params.has_penalties or seq.grammar is not None
+                       for seq in batch.sampling_seqs)
 
     def _apply(self, batch: ScheduledBatch, pending: PendingSample) -> list[Sequence]:
         """Wait for a launched batch's tokens and apply them; return the sequences that finished."""
