@@ -34,17 +34,21 @@ class StructuredOutputsParams:
         for name in ("regex", "grammar", "structural_tag"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
-                raise ValueError(f"structured_outputs.{name} must be a non-empty string, got {value!r}")
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string, "
+                                 f"got {value!r}")
         if self.choice is not None:
             self.choice = list(self.choice) if isinstance(self.choice, (list, tuple)) else self.choice
             if not isinstance(self.choice, list) or not self.choice \
                     or not all(isinstance(c, str) and c for c in self.choice):
-                raise ValueError(f"structured_outputs.choice must be a list of non-empty strings, got {self.choice!r}")
+                raise ValueError("structured_outputs.choice must be a list of non-empty strings, "
+                                 f"got {self.choice!r}")
         if self.json_object is not None and self.json_object is not True:
-            raise ValueError(f"structured_outputs.json_object must be True (or left None), got {self.json_object!r}")
+            raise ValueError("structured_outputs.json_object must be True (or left None), "
+                             f"got {self.json_object!r}")
         for name in ("disable_any_whitespace", "disable_additional_properties", "disable_fallback"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"structured_outputs.{name} must be True or False, got {getattr(self, name)!r}")
+                raise ValueError(f"structured_outputs.{name} must be True or False, "
+                                 f"got {getattr(self, name)!r}")
         if self.whitespace_pattern is not None:
             raise ValueError("structured_outputs.whitespace_pattern is not supported (xgrammar has no such "
                              "option); use disable_any_whitespace=True for JSON without whitespace")
