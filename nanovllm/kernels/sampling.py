@@ -145,6 +145,7 @@ def gumbel_max_sample(logits: torch.Tensor, temperatures: torch.Tensor, seeds: t
     _gumbel_max_kernel[(n, num_chunks)](logits, temperatures, seeds, best, cols, mask, vocab,
                                         logits.stride(0), mask.stride(0), offset, steps_per_chunk,
                                         QUARTER=quarter, FAST_LOG=FAST_LOG and logits.is_cuda,
-                                        ROUNDS=PHILOX_ROUNDS, HAS_MASK=bitmask is not None, num_warps=NUM_WARPS)
+                                        ROUNDS=PHILOX_ROUNDS, HAS_MASK=bitmask is not None,
+                                        num_warps=NUM_WARPS)
     _pick_chunk_kernel[(n,)](best, cols, out, vocab, num_chunks, BLOCK=MAX_CHUNKS, num_warps=1)
     return out
