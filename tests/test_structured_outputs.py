@@ -3,6 +3,7 @@
 mixed batches, with n > 1, chunked prefill and preemption."""
 import importlib.util
 import json
+import os
 import re
 import sys
 
@@ -300,3 +301,40 @@ def test_the_grammar_forbids_ids_past_the_tokenizer_and_ends_on_eos(llm):
     assert not state.is_terminated and not state.rejected
     state.accept(next(iter(llm.scheduler.eos_token_ids)))
     assert state.is_terminated
+
+
+# ---- on the GPU: Qwen3-0.6B's shapes with dummy weights and a Qwen3 tokenizer -----------------------
+
+QWEN3_TOKENIZER = os.environ.get("NANOVLLM_QWEN3_TOKENIZER")   # a folder with Qwen3's tokenizer files
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("xgrammar") is None
+                    or not QWEN3_TOKENIZER, reason="needs CUDA, xgrammar and NANOVLLM_QWEN3_TOKENIZER")
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_gpu_constrained_tokens_are_always_allowed(async_scheduling):
+    """CUDA graphs, the fused kernel's bitmask (temperature only) and the torch path's (top_p), a
+    mixed batch: every constrained token is one its fresh matcher accepts, and the outputs that
+    stopped are complete records."""
+    from nanovllm import LLM
+    from nanovllm.structured.grammars import GrammarState
+    model = os.path.join(os.path.dirname(__file__), "..", "configs", "qwen3-0.6b")
+    llm = LLM(model, load_format="dummy", tokenizer=QWEN3_TOKENIZER, async_scheduling=async_scheduling,
+              max_model_len=1024)
+    schema = StructuredOutputsParams(json=PERSON)
+    prompts = [[(7 * i + j) % 10000 for j in range(20 + i)] for i in range(96)]
+    params = [SamplingParams(temperature=(0.0, 0.6, 1.0)[i % 3], top_p=0.9 if i % 4 == 0 else 1.0,
+                             max_tokens=200, structured_outputs=schema if i % 8 else None) for i in range(96)]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    finished = 0
+    for out, sp in zip(outs, params):
+        c = out.outputs[0]
+        if sp.structured_outputs is None:
+            continue
+        state = GrammarState(llm._compiled_grammar(schema))
+        for t in c.token_ids:
+            state.accept(t)
+            assert not state.rejected, (c.token_ids, t)
+        if c.finish_reason == "stop":
+            finished += 1
+            assert state.is_terminated and conforms(json.loads(c.text), PERSON), c.text
+    print(f"{finished} of {sum(p.structured_outputs is not None for p in params)} constrained outputs stopped")
