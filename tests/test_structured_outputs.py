@@ -337,4 +337,4 @@ def test_gpu_constrained_tokens_are_always_allowed(async_scheduling):
         if c.finish_reason == "stop":
             finished += 1
             assert state.is_terminated and conforms(json.loads(c.text), PERSON), c.text
-    print(f"{finished} of {sum(p.structured_outputs is not None for p in params)} constrained outputs stopped")
+    print(f"{finished} of {sum(p.structured_outputs is not None for p in params)} constrained stopped")
