@@ -281,15 +281,15 @@ def test_invalid_constraints_are_value_errors_before_anything_is_queued(llm):
             llm.generate(prompts, params, use_tqdm=False)
         assert llm.scheduler.is_finished()
     # One compiled grammar per distinct spec.
-    one = llm._compiled_grammar(StructuredOutputsParams(json={"type": "object"}))
-    assert llm._compiled_grammar(StructuredOutputsParams(json='{"type":"object"}')) is one
-    assert llm._compiled_grammar(StructuredOutputsParams(json_object=True)) is not one
+    one = llm.compile_grammar(StructuredOutputsParams(json={"type": "object"}))
+    assert llm.compile_grammar(StructuredOutputsParams(json='{"type":"object"}')) is one
+    assert llm.compile_grammar(StructuredOutputsParams(json_object=True)) is not one
 
 
 @needs_model
 def test_the_grammar_forbids_ids_past_the_tokenizer_and_ends_on_eos(llm):
     from nanovllm.structured.grammars import GrammarState, fill_bitmask
-    state = GrammarState(llm._compiled_grammar(StructuredOutputsParams(choice=["yes", "no"])))
+    state = GrammarState(llm.compile_grammar(StructuredOutputsParams(choice=["yes", "no"])))
     vocab = llm.config.hf_config.vocab_size
     bitmask = torch.full((1, (vocab + 31) // 32), -1, dtype=torch.int32)
     fill_bitmask(bitmask, [0], [state])
@@ -330,7 +330,7 @@ def test_gpu_constrained_tokens_are_always_allowed(async_scheduling):
         c = out.outputs[0]
         if sp.structured_outputs is None:
             continue
-        state = GrammarState(llm._compiled_grammar(schema))
+        state = GrammarState(llm.compile_grammar(schema))
         for t in c.token_ids:
             state.accept(t)
             assert not state.rejected, (c.token_ids, t)

@@ -185,13 +185,14 @@ class LLMEngine:
                              "(use stop_token_ids)")
         if params.structured_outputs is not None:
             try:
-                self._compiled_grammar(params.structured_outputs)   # compiled now, and cached
+                self.compile_grammar(params.structured_outputs)   # compiled now, and cached
             except ValueError as e:
                 raise ValueError(f"sampling_params {index}: {e}") from None
 
-    def _compiled_grammar(self, params: StructuredOutputsParams):
+    def compile_grammar(self, params: StructuredOutputsParams):
         """The grammar of a structured_outputs, compiled once per distinct spec while requests are
-        validated, so the step loop only fills token bitmasks."""
+        validated, so the step loop only fills token bitmasks. Thread-safe: a server may call it
+        before add_request, off its engine loop, so add_request then finds it cached."""
         if self._grammar_compiler is None:
             if self.tokenizer is None:
                 raise ValueError("structured outputs need a tokenizer; the model folder has none "
@@ -207,7 +208,7 @@ class LLMEngine:
         compiled = None
         if params.structured_outputs is not None:
             from nanovllm.structured.grammars import GrammarState
-            compiled = self._compiled_grammar(params.structured_outputs)   # a cache hit: checked before
+            compiled = self.compile_grammar(params.structured_outputs)   # a cache hit: checked before
         return [Sequence(token_ids, params, index=i, eos_token_ids=eos,
                          grammar=GrammarState(compiled) if compiled is not None else None)
                 for i in range(params.n)]   # each completion its own matcher

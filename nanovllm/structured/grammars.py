@@ -3,6 +3,7 @@ its spec) when a request is validated, before anything is queued, so the step lo
 bitmasks; GrammarState is one sequence's matcher, advanced by the tokens appended to it."""
 import json
 import logging
+import threading
 from collections import OrderedDict
 from functools import cache
 
@@ -34,20 +35,23 @@ class GrammarCompiler:
                                                   stop_token_ids=sorted(stop_token_ids))
         self._compiler = xgr.GrammarCompiler(info, cache_enabled=False)   # the cache is ours, by spec
         self._cache: OrderedDict[tuple, object] = OrderedDict()
+        self._lock = threading.Lock()   # compile may be called from several threads (a server)
 
     def compile(self, params: StructuredOutputsParams):
         """The compiled grammar of params (cached by params.key()); ValueError if it is invalid."""
         key = params.key()
-        if key in self._cache:
-            self._cache.move_to_end(key)
-            return self._cache[key]
+        with self._lock:
+            if key in self._cache:
+                self._cache.move_to_end(key)
+                return self._cache[key]
         try:
-            compiled = self._compile(params)
+            compiled = self._compile(params)   # outside the lock: another spec need not wait
         except (RuntimeError, ValueError, TypeError) as e:   # xgrammar: a bad schema, regex, grammar
             raise ValueError(f"invalid structured_outputs.{params.kind}: {str(e).strip()}") from None
-        self._cache[key] = compiled
-        if len(self._cache) > CACHE_SIZE:
-            self._cache.popitem(last=False)
+        with self._lock:
+            self._cache[key] = compiled
+            if len(self._cache) > CACHE_SIZE:
+                self._cache.popitem(last=False)
         return compiled
 
     def _compile(self, params: StructuredOutputsParams):
