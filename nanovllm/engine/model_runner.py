@@ -259,12 +259,14 @@ class ModelRunner:
         batch's StepInput when the caller built it already (to send it to the other ranks)."""
         if not batch.seqs:
             return PendingSample(None, None)
-        sampling = self.sampler.prepare(batch.sampling_seqs)
         logits = self.forward_step(step or self.step_input(batch))
         if logits is None:   # only mid-prompt chunks: nothing to sample
             return PendingSample(None, None)
         if not self.logits_checked:
             self.check_first_logits(logits)
+        # Built while the device runs the forward pass just queued: the host's share of sampling
+        # (a grammar's token bitmasks, penalty counts) overlaps it.
+        sampling = self.sampler.prepare(batch.sampling_seqs)
         out = self.sampler.sample(logits, sampling)
         self.keep_sampled(out.token_ids)
         self.share_sampled(out.token_ids.numel())
