@@ -82,7 +82,9 @@ class SamplingParams:
 
 def _structured(params: SamplingParams) -> StructuredOutputsParams | None:
     """structured_outputs, or guided_decoding (vLLM's older name); a dict becomes the dataclass."""
-    if params.structured_outputs is not None and params.guided_decoding is not None:
+    # (Both set to one object is a dataclasses.replace of params that were given guided_decoding.)
+    if params.structured_outputs is not None and params.guided_decoding is not None \
+            and params.structured_outputs is not params.guided_decoding:
         raise ValueError("give structured_outputs or guided_decoding (its older name), not both")
     value = params.structured_outputs if params.structured_outputs is not None else params.guided_decoding
     if isinstance(value, dict):
