@@ -1,6 +1,7 @@
 """Structured outputs (xgrammar): the parameters, the sampler's token bitmask, and the real demo model
 (SmolLM2-135M-Instruct) on CPU writing JSON, regex, choice and EBNF outputs that always conform, in
 mixed batches, with n > 1, chunked prefill and preemption."""
+import dataclasses
 import importlib.util
 import json
 import os
@@ -44,6 +45,7 @@ def test_pydantic_model_dict_and_vllm_s_older_spelling_are_accepted():
     assert SamplingParams(structured_outputs={"regex": "a+"}).structured_outputs.regex == "a+"
     old = SamplingParams(guided_decoding=GuidedDecodingParams(choice=["x", "y"], backend="xgrammar"))
     assert old.structured_outputs.choice == ["x", "y"]
+    assert dataclasses.replace(old, max_tokens=3).structured_outputs is old.structured_outputs
     assert GuidedDecodingParams.from_optional() is None
     assert GuidedDecodingParams.from_optional(regex="b").regex == "b"
     for bad in (dict(structured_outputs=params, guided_decoding=params), dict(structured_outputs="json"),
