@@ -48,8 +48,8 @@ def test_pydantic_model_dict_and_vllm_s_older_spelling_are_accepted():
     assert dataclasses.replace(old, max_tokens=3).structured_outputs is old.structured_outputs
     assert GuidedDecodingParams.from_optional() is None
     assert GuidedDecodingParams.from_optional(regex="b").regex == "b"
-    for bad in (dict(structured_outputs=params, guided_decoding=params), dict(structured_outputs="json"),
-                dict(structured_outputs=params, min_tokens=2)):
+    for bad in (dict(structured_outputs=params, guided_decoding=old.guided_decoding),
+                dict(structured_outputs="json"), dict(structured_outputs=params, min_tokens=2)):
         with pytest.raises(ValueError):
             SamplingParams(**bad)
     with pytest.raises(ValueError, match="outlines"):
