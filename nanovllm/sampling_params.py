@@ -81,14 +81,17 @@ class SamplingParams:
 
 
 def _structured(params: SamplingParams) -> StructuredOutputsParams | None:
-    """structured_outputs, or guided_decoding (vLLM's older name); a dict becomes the dataclass."""
-    # (Both set to one object is a dataclasses.replace of params that were given guided_decoding.)
+    """structured_outputs, or guided_decoding (vLLM's older name); a dict becomes the dataclass.
+    Given guided_decoding, both end up as one object, so validating again (or dataclasses.replace)
+    sees one constraint."""
     if params.structured_outputs is not None and params.guided_decoding is not None \
             and params.structured_outputs is not params.guided_decoding:
         raise ValueError("give structured_outputs or guided_decoding (its older name), not both")
     value = params.structured_outputs if params.structured_outputs is not None else params.guided_decoding
     if isinstance(value, dict):
         value = StructuredOutputsParams(**value)
+    if params.guided_decoding is not None:
+        params.guided_decoding = value
     if value is not None and not isinstance(value, StructuredOutputsParams):
         raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got {type(value).__name__}")
     if value is not None and params.min_tokens > 0:
