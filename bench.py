@@ -1,7 +1,8 @@
 """Throughput on nano-vllm's workload: 256 sequences, prompts of 100-1024 random tokens, 100-1024
 output tokens each (133,966 in all), temperature 0.6, ignore_eos. With no checkpoint at hand it runs
 the Qwen3-0.6B architecture (configs/qwen3-0.6b) with dummy weights. The figure is also given as a
-fraction of the workload's physical limit on H200s; docs/benchmarks.md says how that is computed."""
+fraction of the workload's physical limit on H200s; docs/benchmarks.md says how that is computed.
+--structured-json also runs the workload with every request constrained by one JSON schema."""
 import argparse
 import glob
 import json
@@ -10,10 +11,15 @@ import time
 from random import randint, seed
 
 from nanovllm import LLM, SamplingParams
+from nanovllm.sampling_params import StructuredOutputsParams
 
 H200_COPY_BYTES_PER_S = 4.3e12   # a device-to-device copy (read + write), measured
 H200_BF16_FLOP_PER_S = 770e12    # dense bf16 tensor-core peak
 DEFAULT_MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "qwen3-0.6b")
+# --structured-json's schema: a record whose long text field (minLength) keeps a dummy-weight model
+# inside the grammar up to max_tokens, so the constrained run computes the same tokens as the free one.
+STRUCTURED_SCHEMA = {"type": "object", "required": ["id", "text"],
+                     "properties": {"id": {"type": "integer"}, "text": {"type": "string", "minLength": 8192}}}
 
 
 def workload(num_seqs: int, max_input_len: int, max_output_len: int, temperature: float):
@@ -83,6 +89,28 @@ def timed_generate(llm, prompts, params) -> float:
     return time.perf_counter() - t
 
 
+def structured_json(llm, prompts, params, free_seconds: float) -> dict:
+    """The workload again, every request constrained by STRUCTURED_SCHEMA, against the free run."""
+    schema = StructuredOutputsParams(json=STRUCTURED_SCHEMA)
+    constrained = [SamplingParams(temperature=sp.temperature, ignore_eos=True, max_tokens=sp.max_tokens,
+                                  structured_outputs=schema) for sp in params]
+    t = time.perf_counter()
+    llm.generate([[1, 2, 3]], constrained[0], use_tqdm=False)   # compiles the grammar (then cached)
+    compile_seconds = time.perf_counter() - t
+    t = time.perf_counter()
+    outs = llm.generate(prompts, constrained, use_tqdm=False)
+    seconds = time.perf_counter() - t
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    free = sum(sp.max_tokens for sp in params) / free_seconds
+    early = sum(o.outputs[0].finish_reason != "length" for o in outs)   # ended by the grammar
+    print(f"Structured JSON: {tokens} tok, Time: {seconds:.2f}s, Throughput: {tokens / seconds:.2f} tok/s, "
+          f"{tokens / seconds / free - 1:+.1%} against free generation ({early} requests ended by the "
+          f"grammar; first compile {compile_seconds:.1f}s)")
+    return dict(structured_output_tokens=tokens, structured_seconds=round(seconds, 3),
+                structured_tokens_per_s=round(tokens / seconds, 1),
+                structured_vs_free=round(tokens / seconds / free, 3), structured_ended_early=early)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--model", default=DEFAULT_MODEL, help="model folder (default: Qwen3-0.6B shapes)")
@@ -102,6 +130,11 @@ def main():
                    help="engine replicas on Ray (the ray extra), each with tensor-parallel-size GPUs")
     p.add_argument("--prefix-cache", action="store_true",
                    help="also measure prefill of 256 prompts sharing a 2,000-token prefix, cached vs not")
+    p.add_argument("--structured-json", action="store_true",
+                   help="also run the workload with every request constrained by one JSON schema (needs "
+                        "xgrammar and --tokenizer; no prefix caching: no run reuses another's prompts)")
+    p.add_argument("--tokenizer", help="tokenizer folder, for a model folder without one (--structured-json "
+                                       "needs one that fits the model's vocabulary, e.g. Qwen3-0.6B's)")
     p.add_argument("--json", help="write the figures to this file")
     args = p.parse_args()
 
@@ -110,7 +143,8 @@ def main():
     llm = LLM(args.model, enforce_eager=args.enforce_eager, max_model_len=4096,
               tensor_parallel_size=args.tensor_parallel_size, load_format="dummy" if dummy else "auto",
               async_scheduling=not args.no_async_scheduling, kv_cache_dtype=args.kv_cache_dtype,
-              calculate_kv_scales=args.calculate_kv_scales, data_parallel_size=args.data_parallel_size)
+              calculate_kv_scales=args.calculate_kv_scales, data_parallel_size=args.data_parallel_size,
+              tokenizer=args.tokenizer, enable_prefix_caching=not args.structured_json)
     startup = time.perf_counter() - t
 
     prompts, params = workload(args.num_seqs, args.max_input_len, args.max_output_len, args.temperature)
@@ -154,6 +188,8 @@ def main():
                       prefill_tokens_per_s_cached=round(n / cached, 1))
         print(f"Prefix cache: {n} prompt tok, no cache {n / no_cache:.0f} tok/s, "
               f"shared 2,000-token prefix cached {n / cached:.0f} tok/s ({no_cache / cached:.1f}x)")
+    if args.structured_json:
+        record.update(structured_json(llm, prompts, params, seconds))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(record, f, indent=1)

@@ -107,6 +107,8 @@ class Config:
             if not _is_bool(getattr(self, name)):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
             setattr(self, name, bool(getattr(self, name)))
+        if self.tokenizer is not None and not os.path.isdir(self.tokenizer):
+            raise FileNotFoundError(f"tokenizer folder {self.tokenizer!r} does not exist")
         _check_choice(self, "device", ("auto", "cuda", "cpu"))
         if not isinstance(self.dtype, (str, torch.dtype)) or self.dtype not in _DTYPE_NAMES:
             raise ValueError(f"dtype must be one of {tuple(k for k in _DTYPE_NAMES if isinstance(k, str))} "

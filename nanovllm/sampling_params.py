@@ -5,6 +5,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from nanovllm.beam_search import BeamSearchParams  # noqa: F401  (vllm.sampling_params has it too)
+from nanovllm.structured.params import GuidedDecodingParams, StructuredOutputsParams
+
+__all__ = ["SamplingParams", "StructuredOutputsParams", "GuidedDecodingParams"]
 
 _EPS = 1e-5   # temperatures below this are greedy, as in vLLM
 
@@ -36,6 +39,8 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None     # only these tokens may be sampled
     bad_words: list[str] | None = None             # words never generated (as in vLLM: their last token
                                                    # is banned where the output ends in the rest of them)
+    structured_outputs: StructuredOutputsParams | None = None   # constrain the output (xgrammar)
+    guided_decoding: StructuredOutputsParams | None = None      # vLLM's older name for the same
 
     def __post_init__(self):
         self.validate()
@@ -80,6 +85,7 @@ class SamplingParams:
             self.bad_words = _string_list(self.bad_words, "bad_words")
         if self.stop and not self.detokenize:
             raise ValueError("stop strings need detokenize=True (use stop_token_ids)")
+        self.structured_outputs = _structured(self)
         if self.greedy:
             # Truncation changes nothing for an argmax; clearing it keeps greedy rows on the fast path.
             self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
@@ -91,6 +97,27 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+
+def _structured(params: SamplingParams) -> StructuredOutputsParams | None:
+    """structured_outputs, or guided_decoding (vLLM's older name); a dict becomes the dataclass.
+    Given guided_decoding, both end up as one object, so validating again (or dataclasses.replace)
+    sees one constraint."""
+    if params.structured_outputs is not None and params.guided_decoding is not None \
+            and params.structured_outputs is not params.guided_decoding:
+        raise ValueError("give structured_outputs or guided_decoding (its older name), not both")
+    value = params.structured_outputs if params.structured_outputs is not None else params.guided_decoding
+    if isinstance(value, dict):
+        value = StructuredOutputsParams(**value)
+    if params.guided_decoding is not None:
+        params.guided_decoding = value
+    if value is not None and not isinstance(value, StructuredOutputsParams):
+        raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got {type(value).__name__}")
+    if value is not None and params.min_tokens > 0:
+        # The grammar decides where the output may end; banning EOS could leave no token allowed.
+        raise ValueError("min_tokens cannot be combined with structured_outputs: the grammar decides "
+                         "where the output ends")
+    return value
 
 
 def _not_int(value) -> bool:

@@ -141,6 +141,28 @@ def test_interp_draws_follow_softmax_over_temperature():
     assert_matches_softmax(tokens, logits[0], 0.7)
 
 
+@interp
+def test_interp_a_bitmask_forbids_its_columns_and_keeps_the_other_draws():
+    from nanovllm.kernels.sampling import gumbel_max_sample
+    torch.manual_seed(4)
+    n, vocab = 64, 300                            # 10 words, the last one partly past the vocabulary
+    logits = torch.randn(n, vocab) * 3
+    temps, seeds = torch.cat([torch.zeros(1), torch.full((n - 1,), 1.5)]), torch.arange(n) + 7
+    allowed = torch.zeros(n, vocab, dtype=torch.bool)
+    allowed[:, [3, 40, 41, 299]] = True           # a few tokens, none of them likely
+    allowed[1] = True                             # a row without a grammar: all allowed
+    bits = torch.zeros(n, 10 * 32, dtype=torch.int64)
+    bits[:, :vocab] = allowed.long()
+    words = (bits.view(n, 10, 32) << torch.arange(32)).sum(-1)
+    bitmask = torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
+    tokens = gumbel_max_sample(logits, temps, seeds, quarter=16, bitmask=bitmask)
+    assert allowed.gather(1, tokens.unsqueeze(1)).all()
+    assert tokens[0].item() == logits[0].masked_fill(~allowed[0], float("-inf")).argmax().item()
+    free = gumbel_max_sample(logits, temps, seeds, quarter=16)
+    assert tokens[1].item() == free[1].item()     # the unmasked row draws as without a bitmask
+    assert len(set(tokens[2:].tolist())) > 1
+
+
 # ---- on the GPU --------------------------------------------------------------------------------
 
 @cuda
@@ -222,3 +244,18 @@ def print_timing(logits, temps, seeds):
     fused = median_ms(lambda: gumbel_max_sample(logits, temps, seeds))
     unfused = median_ms(lambda: sampler.sample(logits, torch_params))   # converts to fp32 first
     print(f"\nsampling {tuple(logits.shape)} bf16 T=0.6: fused {fused:.3f} ms, torch path {unfused:.3f} ms")
+
+
+@cuda
+def test_gpu_fused_sampler_never_draws_a_masked_token():
+    from nanovllm.kernels.sampling import gumbel_max_sample
+    n, vocab = 256, 151936
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    logits = torch.randn(n, vocab, device="cuda", generator=gen).bfloat16()
+    allowed = torch.rand(n, vocab, device="cuda", generator=gen) < 0.001   # about 150 tokens a row
+    bits = (allowed.view(n, -1, 32).long() << torch.arange(32, device="cuda")).sum(-1)
+    bitmask = torch.where(bits >= 2 ** 31, bits - 2 ** 32, bits).to(torch.int32)
+    for step in range(20):
+        seeds = torch.randint(0, 2 ** 62, (n,), device="cuda", generator=gen)
+        tokens = gumbel_max_sample(logits, torch.full((n,), 1.0, device="cuda"), seeds, bitmask=bitmask)
+        assert allowed.gather(1, tokens.unsqueeze(1)).all(), step

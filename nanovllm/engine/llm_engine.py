@@ -20,6 +20,7 @@ from nanovllm.engine.token_constraints import bad_words_token_ids
 from nanovllm.inputs import UNSUPPORTED_PROMPT_KEYS
 from nanovllm.outputs import CompletionOutput, Logprob, RequestOutput
 from nanovllm.sampling_params import SamplingParams
+from nanovllm.structured.params import StructuredOutputsParams
 from nanovllm.utils.hf_files import generation_eos_token_id, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -70,6 +71,7 @@ class LLMEngine:
         self.default_sampling_overrides = default_sampling_overrides(c.model, c.generation_config)
         # The launched batch whose tokens have not been applied yet (see step).
         self._in_flight: tuple[ScheduledBatch, PendingSample] | None = None
+        self._grammar_compiler = None   # built by the first request with structured_outputs
 
     @property
     def model_runner(self) -> ModelRunner:
@@ -208,11 +210,35 @@ class LLMEngine:
             if k is not None and cap != -1 and (k == -1 or k > cap):
                 raise ValueError(f"sampling_params {index}: {name}={k} is more than max_logprobs={cap}; "
                                  "ask for fewer or raise LLM(max_logprobs=...) (-1: no cap)")
+        if params.structured_outputs is not None:
+            try:
+                self.compile_grammar(params.structured_outputs)   # compiled now, and cached
+            except ValueError as e:
+                raise ValueError(f"sampling_params {index}: {e}") from None
+
+    def compile_grammar(self, params: StructuredOutputsParams):
+        """The grammar of a structured_outputs, compiled once per distinct spec while requests are
+        validated, so the step loop only fills token bitmasks. Thread-safe: a server may call it
+        before add_request, off its engine loop, so add_request then finds it cached."""
+        if self._grammar_compiler is None:
+            if self.tokenizer is None:
+                raise ValueError("structured outputs need a tokenizer; the model folder has none "
+                                 "(pass tokenizer=FOLDER)")
+            from nanovllm.structured.grammars import GrammarCompiler   # xgrammar: an optional extra
+            self._grammar_compiler = GrammarCompiler(self.tokenizer, self.config.hf_config.vocab_size,
+                                                     self.scheduler.eos_token_ids)
+        return self._grammar_compiler.compile(params)
 
     def _new_seqs(self, token_ids: list[int], params: SamplingParams) -> list[Sequence]:
         # n sequences share the prompt (the prefix cache shares its blocks once they are computed).
         eos = frozenset(self.scheduler.eos_token_ids)
-        seqs = [Sequence(token_ids, params, index=i, eos_token_ids=eos) for i in range(params.n)]
+        compiled = None
+        if params.structured_outputs is not None:
+            from nanovllm.structured.grammars import GrammarState
+            compiled = self.compile_grammar(params.structured_outputs)   # a cache hit: checked before
+        seqs = [Sequence(token_ids, params, index=i, eos_token_ids=eos,
+                         grammar=GrammarState(compiled) if compiled is not None else None)
+                for i in range(params.n)]   # each completion its own matcher
         if params.bad_words:
             bad = bad_words_token_ids(self.tokenizer, params.bad_words)
             for seq in seqs:
@@ -271,8 +297,10 @@ class LLMEngine:
     def _can_run_ahead(self, batch: ScheduledBatch) -> bool:
         """May the next batch be launched before this one's tokens are on the host? Not with
         penalties or bad_words: their token counts and bans are built on the host from the known
-        tokens. (Without async_scheduling nothing is left in flight to ask about.)"""
-        return not any(seq.sampling_params.has_penalties or seq.bad_words_ids for seq in batch.sampling_seqs)
+        tokens; nor with a grammar: its next token bitmask needs the token just sampled. (Without
+        async_scheduling nothing is left in flight to ask about.)"""
+        return not any(seq.sampling_params.has_penalties or seq.bad_words_ids or seq.grammar is not None
+                       for seq in batch.sampling_seqs)
 
     def _apply(self, batch: ScheduledBatch, pending: PendingSample) -> list[Sequence]:
         """Wait for a launched batch's tokens and apply them; return the sequences that finished."""

@@ -262,7 +262,6 @@ class ModelRunner:
         batch's StepInput when the caller built it already (to send it to the other ranks)."""
         if not batch.seqs:
             return PendingSample(None, None)
-        sampling = self.sampler.prepare(batch.sampling_seqs)
         step = step or self.step_input(batch)
         logits = self.forward_step(step)
         if logits is None:   # only mid-prompt chunks: nothing to sample
@@ -271,10 +270,13 @@ class ModelRunner:
         if step.prompt_logprob_counts:   # their rows follow the sampling rows
             num_sampling = len(batch.sampling_seqs)
             logits, prompt = logits[:num_sampling], prompt_logprobs(logits[num_sampling:], batch, step)
-        out = None
+        out = sampling = None
         if logits.size(0):   # else a prefill step that only computed prompt logprobs: nothing sampled
             if not self.logits_checked:
                 self.check_first_logits(logits)
+            # Built while the device runs the forward pass just queued: the host's share of sampling
+            # (a grammar's token bitmasks, penalty counts) overlaps it.
+            sampling = self.sampler.prepare(batch.sampling_seqs)
             out = self.sampler.sample(logits, sampling)
             self.keep_sampled(out.token_ids)
             self.share_sampled(out.token_ids.numel())

@@ -25,7 +25,8 @@ class Sequence:
     _ids = count()
 
     def __init__(self, token_ids: list[int], sampling_params: SamplingParams = SamplingParams(),
-                 index: int = 0, eos_token_ids: frozenset[int] = frozenset()):
+                 index: int = 0, eos_token_ids: frozenset[int] = frozenset(), grammar=None):
+        """grammar: a GrammarState (nanovllm/structured) when the request has structured_outputs."""
         self.seq_id = next(Sequence._ids)
         self.index = index   # which of the request's n completions this is
         self.status = SequenceStatus.WAITING
@@ -52,6 +53,8 @@ class Sequence:
         self.bad_words_ids: list[list[int]] = []   # bad_words as token ids (set by the engine's tokenizer)
         self.num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache (set once)
         self.detokenizer: IncrementalDetokenizer | None = IncrementalDetokenizer() if p.stop else None
+        # The grammar's state follows the appended output tokens (so preemption keeps it).
+        self.grammar = grammar
 
     def __len__(self):
         return self.num_tokens
@@ -103,5 +106,7 @@ class Sequence:
 
     def append_token(self, token_id: int, logprobs: "TokenLogprobs | None" = None):
         self.token_ids.append(token_id)
+        if self.grammar is not None:
+            self.grammar.accept(token_id)
         if self.logprobs is not None and logprobs is not None:
             self.logprobs.append(logprobs)

@@ -11,7 +11,8 @@ class Stop(NamedTuple):
     stop_reason: int | str | None = None   # the stop token id or stop string; None for EOS and length
 
 
-EOS, LENGTH, ABORT = Stop("stop"), Stop("length"), Stop("abort")   # abort: the client went away
+# abort: the client went away, or a grammar rejected a token (its bitmask should have forbidden it)
+EOS, LENGTH, ABORT = Stop("stop"), Stop("length"), Stop("abort")
 
 
 class StopChecker:
@@ -26,6 +27,9 @@ class StopChecker:
         """Does seq stop on token_id, just appended to it? EOS and stop tokens come first, then stop
         strings, then the length limits. min_tokens holds off all but the length limits."""
         params = seq.sampling_params
+        if seq.grammar is not None and (seq.grammar.rejected or seq.grammar.is_terminated):
+            # Terminated: the grammar was complete and took EOS (it ends even with ignore_eos).
+            return ABORT if seq.grammar.rejected else EOS
         counts = seq.num_completion_tokens >= params.min_tokens
         if counts:
             if not params.ignore_eos and token_id in self.eos_token_ids:

@@ -1,7 +1,8 @@
 """The sampler: one step's sampling parameters as tensors on the device (prepare), then penalties,
 temperature, min-p / top-k / top-p truncation and the draw as batch-wide tensor operations (sample);
 optional logprobs of the raw model output (vLLM v1's default logprobs_mode). A CUDA step that needs
-nothing but temperature takes the fused Triton kernel (kernels/sampling.py)."""
+nothing but temperature takes the fused Triton kernel (kernels/sampling.py). Structured outputs add
+a token bitmask per step that both paths apply first, so a token it forbids is never sampled."""
 import random
 from dataclasses import dataclass
 
@@ -36,6 +37,8 @@ class SamplingTensors:
                                                 # only when temperature is the only knob (fused path)
     max_logprobs: int | None = None             # top-k width of the logprobs; None: no row asked
     num_logprobs: list[int | None] | None = None   # host: each row's `logprobs` (None: not asked)
+    bitmask: torch.Tensor | None = None         # [n, ceil(vocab / 32)] int32: bit j of word w allows
+                                                # token 32w + j; all ones in rows without a grammar
 
 
 @dataclass
@@ -79,7 +82,10 @@ class Sampler:
         asked = [vocab if p.logprobs == -1 else p.logprobs for p in params if p.logprobs is not None]
         penalized = any(p.has_penalties for p in params)
         all_greedy = all(p.greedy for p in params)
-        if all_greedy and not banned and not asked and not penalized and not constrained:
+        grammar_rows = [(row, seq.grammar) for row, seq in enumerate(seqs) if seq.grammar is not None]
+        # A grammar's mask needs the sequence's previous token (the engine waits for constrained steps).
+        assert all(seqs[row].num_pending == 0 for row, _ in grammar_rows)
+        if all_greedy and not banned and not asked and not penalized and not constrained and not grammar_rows:
             return None
         t = SamplingTensors(
             temperatures=self._tensor([0.0 if p.greedy else p.temperature for p in params]),
@@ -96,6 +102,8 @@ class Sampler:
             t.banned = (self._tensor(list(rows), torch.int64), self._tensor(list(tokens), torch.int64))
         if constrained:
             self._prepare_constraints(t, params)
+        if grammar_rows:
+            t.bitmask = self._bitmask(len(seqs), grammar_rows)
         return t
 
     def _prepare_constraints(self, t: SamplingTensors, params):
@@ -111,6 +119,16 @@ class Sampler:
             rows, tokens = zip(*pairs)
             t.allowed = (self._tensor(limited, torch.bool), self._tensor(list(rows), torch.int64),
                          self._tensor(list(tokens), torch.int64))
+
+    def _bitmask(self, n: int, grammar_rows: list) -> torch.Tensor:
+        """The step's token bitmask: each constrained row's grammar fills its row (the grammar has
+        seen every token of its sequence: the engine does not run ahead of constrained steps)."""
+        from nanovllm.structured.grammars import fill_bitmask   # xgrammar: only with a grammar
+        rows, grammars = zip(*grammar_rows)
+        host = torch.full((n, (self.vocab_size + 31) // 32), -1, dtype=torch.int32,
+                          pin_memory=self.device.type == "cuda")
+        fill_bitmask(host, list(rows), list(grammars))
+        return host.to(self.device, non_blocking=True)
 
     def _prepare_draw(self, t: SamplingTensors, seqs: list[Sequence], fused: bool):
         """Truncation knobs and seeds; the fused kernel's row seeds when temperature is the only knob."""
@@ -165,11 +183,13 @@ class Sampler:
             return SamplerOutput(logits.argmax(dim=-1))   # exact in bf16 too
         if params.row_seeds is not None and logits.is_cuda:
             from nanovllm.kernels.sampling import gumbel_max_sample   # triton: imported on CUDA only
-            return SamplerOutput(gumbel_max_sample(logits, params.temperatures, params.row_seeds))
+            return SamplerOutput(gumbel_max_sample(logits, params.temperatures, params.row_seeds,
+                                                   bitmask=params.bitmask))
         logits = logits.float()
         # vLLM v1 reports logprobs of the raw model output, before penalties and temperature.
         raw_logprobs = torch.log_softmax(logits, dim=-1) if params.max_logprobs is not None else None
-        logits = apply_penalties(apply_token_constraints(logits.clone(), params), params)
+        logits = apply_penalties(apply_token_constraints(apply_bitmask(logits.clone(), params.bitmask), params),
+                                 params)
         if params.all_greedy:
             token_ids = logits.argmax(dim=-1)
         else:
@@ -233,6 +253,15 @@ def apply_token_constraints(logits: torch.Tensor, params: SamplingTensors) -> to
     if params.banned is not None:
         logits[params.banned] = float("-inf")
     return logits
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor | None) -> torch.Tensor:
+    """-inf, in place, on every token the bitmask does not allow (also ids past the tokenizer's)."""
+    if bitmask is None:
+        return logits
+    bits = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = ((bitmask.unsqueeze(-1) >> bits) & 1).flatten(1)[:, :logits.size(1)]   # [n, vocab]
+    return logits.masked_fill_(allowed == 0, float("-inf"))
 
 
 def apply_penalties(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
