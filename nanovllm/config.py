@@ -98,7 +98,8 @@ class Config:
         _check_int(self, "seed", 0)
         _check_int(self, "max_logprobs", -1)
         if _is_bool(self.gpu_memory_utilization) or not isinstance(self.gpu_memory_utilization, numbers.Real):
-            raise ValueError(f"gpu_memory_utilization must be a number in (0, 1], got {self.gpu_memory_utilization!r}")
+            raise ValueError("gpu_memory_utilization must be a number in (0, 1], "
+                             f"got {self.gpu_memory_utilization!r}")
         self.gpu_memory_utilization = float(self.gpu_memory_utilization)   # a numpy float too
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
@@ -130,7 +131,8 @@ class Config:
         if self.calculate_kv_scales and self.kv_cache_dtype == "auto":
             raise ValueError("calculate_kv_scales=True scales an FP8 KV cache: also set kv_cache_dtype='fp8'")
         if self.device == "cuda" and self.kvcache_block_size % 16:
-            raise ValueError(f"kvcache_block_size must be a multiple of 16 on CUDA, got {self.kvcache_block_size}")
+            raise ValueError("kvcache_block_size must be a multiple of 16 on CUDA, "
+                             f"got {self.kvcache_block_size}")
         self.hf_config = apply_hf_overrides(load_hf_config(self.model), self.hf_overrides)
         self.max_model_len = min(self.max_model_len, self.hf_config.max_position_embeddings)
 

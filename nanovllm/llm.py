@@ -78,7 +78,8 @@ class LLM(LLMEngine):
         rather than a new one started; tools: function definitions the template shows the model."""
         template = load_chat_template(chat_template)
         if not isinstance(messages, (list, tuple)) or not messages:
-            raise TypeError("messages must be a conversation (a list of message dicts) or a list of conversations")
+            raise TypeError("messages must be a conversation (a list of message dicts) "
+                            "or a list of conversations")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
         prompts = [render_chat(self.tokenizer, c, f"conversation {i}", chat_template=template,
                                content_format=chat_template_content_format,

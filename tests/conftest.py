@@ -61,7 +61,8 @@ class HFOracle:
     """transformers' model on the same folder, for checking that tokens are argmax choices."""
 
     def __init__(self, path: str):
-        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                          attn_implementation="eager")
         self.model.eval()
 
     @torch.no_grad()

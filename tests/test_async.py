@@ -114,7 +114,8 @@ def test_a_launched_prompt_is_shared_by_the_very_next_step(qwen3_dir):
     for run_ahead in (True, False):
         llm = LLM(qwen3_dir, async_scheduling=run_ahead, **{**OPTS, "max_num_batched_tokens": 40})
         counts, launch = [], llm.model_runner.launch
-        llm.model_runner.launch = lambda b: (counts.extend(b.num_new_tokens if b.is_prefill else []), launch(b))[1]
+        llm.model_runner.launch = lambda b, counts=counts, launch=launch: (
+            counts.extend(b.num_new_tokens if b.is_prefill else []), launch(b))[1]
         llm.generate(prompts, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
         computed[run_ahead] = sum(counts)
     assert computed[True] == computed[False] == 40 + 3 * 8   # the first prompt whole, then the tails

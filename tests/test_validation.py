@@ -31,13 +31,16 @@ BAD_INPUTS = [
     ("prompt longer than max_model_len", [[5] * 3, [5] * 101], GREEDY, ValueError,
      r"prompt 1 has 101 tokens, too many for max_model_len=100"),
     ("prompt larger than the whole KV cache", [[5] * 65], GREEDY, ValueError,
-     r"prompt 0 has 65 tokens and cannot fit in the whole KV cache \(4 blocks of 16 tokens\).*num_kvcache_blocks"),
-    ("None as prompts", None, GREEDY, TypeError, r"prompts must be a string, a list of token ids, or a list of those; got NoneType"),
+     r"prompt 0 has 65 tokens and cannot fit in the whole KV cache \(4 blocks of 16 tokens\)"
+     r".*num_kvcache_blocks"),
+    ("None as prompts", None, GREEDY, TypeError,
+     r"prompts must be a string, a list of token ids, or a list of those; got NoneType"),
     ("int as prompts", 5, GREEDY, TypeError, r"got int"),
     ("bytes as prompts", b"w5 w6", GREEDY, TypeError, r"got bytes"),
     ("prompt dict with an unknown key", {"text": "w5"}, GREEDY, TypeError,
      r"prompt 0: a prompt dict is \{'prompt': str\} \(TextPrompt\) or \{'prompt_token_ids'"),
-    ("None among prompts", [[5], None], GREEDY, TypeError, r"prompt 1: expected a string or a list of token ids, got NoneType"),
+    ("None among prompts", [[5], None], GREEDY, TypeError,
+     r"prompt 1: expected a string or a list of token ids, got NoneType"),
     ("prompt dict with text as token ids", [[5], {"prompt_token_ids": "w5"}], GREEDY, TypeError,
      r"prompt 1: a prompt dict is"),
     ("numpy array as a prompt", [np.array([5, 6])], GREEDY, TypeError, r"prompt 0: .* got ndarray"),
@@ -47,10 +50,12 @@ BAD_INPUTS = [
     ("float in a single token-id prompt", [5, 6.0], GREEDY, TypeError, r"prompt 0: .* item 1 is float 6.0"),
     ("bool in a token list", [[5, True]], GREEDY, TypeError, r"prompt 0: .* item 1 is bool True"),
     ("string in a token list", [[5, "w6"]], GREEDY, TypeError, r"prompt 0: .* item 1 is str 'w6'"),
-    ("int among string prompts", ["w5", 7], GREEDY, TypeError, r"prompt 1: expected a string or a list of token ids, got int"),
+    ("int among string prompts", ["w5", 7], GREEDY, TypeError,
+     r"prompt 1: expected a string or a list of token ids, got int"),
     ("2 SamplingParams for 3 prompts", [[5], [6], [7]], [GREEDY, GREEDY], ValueError,
      r"got 2 SamplingParams for 3 prompts; give one, or one per prompt"),
-    ("None in the SamplingParams list", [[5], [6]], [GREEDY, None], TypeError, r"sampling_params 1 is NoneType, not SamplingParams"),
+    ("None in the SamplingParams list", [[5], [6]], [GREEDY, None], TypeError,
+     r"sampling_params 1 is NoneType, not SamplingParams"),
     ("dict as sampling_params", [[5]], {"max_tokens": 3}, TypeError,
      r"sampling_params must be a SamplingParams or a list of them, got dict"),
     ("stop token id outside the vocabulary", [[5]], SamplingParams(stop_token_ids=[600]), ValueError,
@@ -118,7 +123,9 @@ def test_accepted_prompt_forms(engine_and_reference):
 def test_string_prompt_without_a_tokenizer(tmp_path):
     path = make_model(str(tmp_path / "m"), tokenizer=False)
     llm = LLM(path, **ENGINE)
-    with pytest.raises(ValueError, match=r"prompt 1: the model folder has no tokenizer, so prompts must be token-id lists"):
+    with pytest.raises(ValueError,
+                       match=r"prompt 1: the model folder has no tokenizer, "
+                             r"so prompts must be token-id lists"):
         llm.generate([[5, 6], "w5 w6"], GREEDY, use_tqdm=False)
     assert_clean(llm)
     assert len(llm.generate([[5, 6]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == 4

@@ -106,7 +106,8 @@ class LLMEngine:
         prompt = _unwrap_prompt_dict(prompt, where)
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError(f"{where}: the model folder has no tokenizer, so prompts must be token-id lists")
+                raise ValueError(f"{where}: the model folder has no tokenizer, "
+                                 "so prompts must be token-id lists")
             ids = _encode(self.tokenizer, prompt, where)
         elif isinstance(prompt, (list, tuple)):
             if all(type(t) is int for t in prompt):   # the common case, checked fast (bench: 144k ids)
@@ -121,7 +122,8 @@ class LLMEngine:
             raise TypeError(f"{where}: expected a string or a list of token ids, got {type(prompt).__name__}")
         vocab = self.config.hf_config.vocab_size
         if not ids:
-            raise ValueError(f"{where} is empty" + (" (its text has no tokens)" if isinstance(prompt, str) else ""))
+            raise ValueError(f"{where} is empty"
+                             + (" (its text has no tokens)" if isinstance(prompt, str) else ""))
         if min(ids) < 0 or max(ids) >= vocab:
             bad = next(i for i, t in enumerate(ids) if not 0 <= t < vocab)
             raise ValueError(f"{where}: token id {ids[bad]} at position {bad} is outside the model's "
@@ -133,12 +135,14 @@ class LLMEngine:
         blocks = self.model_runner.num_kvcache_blocks
         if cdiv(len(ids), self.config.kvcache_block_size) > blocks:
             raise ValueError(f"{where} has {len(ids)} tokens and cannot fit in the whole KV cache "
-                             f"({blocks} blocks of {self.config.kvcache_block_size} tokens); give the cache more "
-                             "memory (gpu_memory_utilization, kv_cache_memory_bytes or num_kvcache_blocks)")
+                             f"({blocks} blocks of {self.config.kvcache_block_size} tokens); "
+                             "give the cache more memory "
+                             "(gpu_memory_utilization, kv_cache_memory_bytes or num_kvcache_blocks)")
         return ids
 
     @serialised
-    def add_request(self, prompt: str | list[int], sampling_params: SamplingParams | None = None) -> list[Sequence]:
+    def add_request(self, prompt: str | list[int],
+                    sampling_params: SamplingParams | None = None) -> list[Sequence]:
         """Queue one prompt; return its sampling_params.n sequences (completions 0..n-1)."""
         params = self._params_list(sampling_params, 1)[0]
         seqs = self._new_seqs(self._token_ids(prompt, 0), params)
@@ -193,10 +197,11 @@ class LLMEngine:
             raise type(e)(f"sampling_params {index}: {e}") from None
         vocab = self.config.hf_config.vocab_size
         if any(t >= vocab for t in params.stop_token_ids):
-            raise ValueError(f"sampling_params {index}: stop_token_ids must be in [0, {vocab}) (the model's vocabulary)")
+            raise ValueError(f"sampling_params {index}: stop_token_ids must be in [0, {vocab}) "
+                             "(the model's vocabulary)")
         if params.stop and self.tokenizer is None:
-            raise ValueError(f"sampling_params {index}: stop strings need a tokenizer; the model folder has none "
-                             "(use stop_token_ids)")
+            raise ValueError(f"sampling_params {index}: stop strings need a tokenizer; "
+                             "the model folder has none (use stop_token_ids)")
         for name in ("logit_bias", "allowed_token_ids"):
             if any(t >= vocab for t in getattr(params, name) or ()):
                 raise ValueError(f"sampling_params {index}: {name} token ids must be in [0, {vocab}) "
@@ -330,7 +335,8 @@ class LLMEngine:
         check_use_tqdm(use_tqdm)
         prompts = _as_prompt_list(prompts)
         params = self._params_list(sampling_params, len(prompts))
-        token_ids = [self._token_ids(p, i) for i, p in enumerate(prompts)]   # all checked before any is queued
+        # all checked before any is queued
+        token_ids = [self._token_ids(p, i) for i, p in enumerate(prompts)]
         requests = [self._new_seqs(ids, sp) for ids, sp in zip(token_ids, params)]
         seqs = [seq for request in requests for seq in request]
         with self._reset_on_error():
@@ -373,9 +379,11 @@ class LLMEngine:
                             f"got {type(sampling_params).__name__}")
         bad = next((i for i, p in enumerate(sampling_params) if not isinstance(p, SamplingParams)), None)
         if bad is not None:
-            raise TypeError(f"sampling_params {bad} is {type(sampling_params[bad]).__name__}, not SamplingParams")
+            raise TypeError(f"sampling_params {bad} is {type(sampling_params[bad]).__name__}, "
+                            "not SamplingParams")
         if len(sampling_params) != n:
-            raise ValueError(f"got {len(sampling_params)} SamplingParams for {n} prompts; give one, or one per prompt")
+            raise ValueError(f"got {len(sampling_params)} SamplingParams for {n} prompts; "
+                             "give one, or one per prompt")
         checked = set()
         for i, p in enumerate(sampling_params):
             if id(p) not in checked:   # one SamplingParams is often shared by every prompt
@@ -503,5 +511,6 @@ def _as_prompt_list(prompts) -> list:
                                             and isinstance(prompts[0], numbers.Number)):
         return [prompts]
     if not isinstance(prompts, (list, tuple)):
-        raise TypeError(f"prompts must be a string, a list of token ids, or a list of those; got {type(prompts).__name__}")
+        raise TypeError("prompts must be a string, a list of token ids, or a list of those; "
+                        f"got {type(prompts).__name__}")
     return list(prompts)

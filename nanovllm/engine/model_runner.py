@@ -123,7 +123,8 @@ class ModelRunner:
         seq_len = min(c.max_num_batched_tokens, c.max_model_len)
         num_seqs = max(1, min(c.max_num_batched_tokens // seq_len, c.max_num_seqs))
         cu = torch.arange(0, (num_seqs + 1) * seq_len, seq_len, dtype=torch.int32, device=self.device)
-        ctx = Context(is_prefill=True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=seq_len, max_seqlen_k=seq_len)
+        ctx = Context(is_prefill=True, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                      max_seqlen_q=seq_len, max_seqlen_k=seq_len)
         input_ids = torch.zeros(num_seqs * seq_len, dtype=torch.int64, device=self.device)
         positions = torch.arange(seq_len, device=self.device).repeat(num_seqs)
         with forward_context(ctx):
@@ -160,8 +161,8 @@ class ModelRunner:
         if num_blocks < 1:
             per_block = f"{self.kv_bytes_per_block()} bytes per block of {self.block_size} tokens"
             if self.config.kv_cache_memory_bytes is not None:
-                raise ValueError(f"kv_cache_memory_bytes={self.config.kv_cache_memory_bytes} is less than one "
-                                 f"KV block ({per_block}): raise it")
+                raise ValueError(f"kv_cache_memory_bytes={self.config.kv_cache_memory_bytes} "
+                                 f"is less than one KV block ({per_block}): raise it")
             raise ValueError(
                 f"no memory left for the KV cache ({per_block}): raise gpu_memory_utilization "
                 f"(now {self.config.gpu_memory_utilization}), lower max_num_batched_tokens, "

@@ -20,7 +20,8 @@ class ScheduledBatch:
     samples: list[bool] = field(init=False)
 
     def __post_init__(self):
-        self.samples = [seq.num_computed_tokens + n == seq.num_tokens for seq, n in zip(self.seqs, self.num_new_tokens)]
+        self.samples = [seq.num_computed_tokens + n == seq.num_tokens
+                        for seq, n in zip(self.seqs, self.num_new_tokens)]
 
     @property
     def num_tokens(self) -> int:

@@ -24,9 +24,11 @@ class Sequence:
     """One request: its tokens, how many of them have K/V in the cache, and its blocks."""
     _ids = count()
 
-    def __init__(self, token_ids: list[int], sampling_params: SamplingParams = SamplingParams(),
+    def __init__(self, token_ids: list[int], sampling_params: SamplingParams | None = None,
                  index: int = 0, eos_token_ids: frozenset[int] = frozenset(), grammar=None):
         """grammar: a GrammarState (nanovllm/structured) when the request has structured_outputs."""
+        if sampling_params is None:
+            sampling_params = SamplingParams()
         self.seq_id = next(Sequence._ids)
         self.index = index   # which of the request's n completions this is
         self.status = SequenceStatus.WAITING
@@ -46,7 +48,8 @@ class Sequence:
         # Sampling state. Tokens that may not be sampled before min_tokens outputs: stop tokens and
         # (unless ignore_eos) EOS, as vLLM does.
         p = sampling_params
-        self.min_tokens_banned = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else eos_token_ids)
+        self.min_tokens_banned = (frozenset(p.stop_token_ids)
+                                  | (frozenset() if p.ignore_eos else eos_token_ids))
         self.logprobs: list[TokenLogprobs] | None = [] if p.logprobs is not None else None
         # prompt_logprobs[i] is for prompt token i + 1 (the first token has none), filled by prefill.
         self.prompt_logprobs: list[TokenLogprobs] | None = [] if p.prompt_logprobs is not None else None

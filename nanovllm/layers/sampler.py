@@ -188,8 +188,8 @@ class Sampler:
         logits = logits.float()
         # vLLM v1 reports logprobs of the raw model output, before penalties and temperature.
         raw_logprobs = torch.log_softmax(logits, dim=-1) if params.max_logprobs is not None else None
-        logits = apply_penalties(apply_token_constraints(apply_bitmask(logits.clone(), params.bitmask), params),
-                                 params)
+        logits = apply_penalties(
+            apply_token_constraints(apply_bitmask(logits.clone(), params.bitmask), params), params)
         if params.all_greedy:
             token_ids = logits.argmax(dim=-1)
         else:

