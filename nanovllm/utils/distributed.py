@@ -74,7 +74,14 @@ def abort_tp_group(group: TPGroup | None):
     if group is None or group.aborted:
         return
     group.aborted = True
+    _reset_graphs(group)   # a captured graph still holding the communicator makes abort hang
     group.backend.abort()
+
+
+def _reset_graphs(group: TPGroup):
+    for graph in group.graphs:
+        graph.reset()
+    group.graphs.clear()
 
 
 def destroy_tp_group(group: TPGroup | None):
@@ -83,9 +90,7 @@ def destroy_tp_group(group: TPGroup | None):
     aborted group has nothing left to shut down."""
     if group is None:
         return
-    for graph in group.graphs:
-        graph.reset()
-    group.graphs.clear()
+    _reset_graphs(group)
     if not group.aborted and hasattr(group.backend, "shutdown"):
         group.backend.shutdown()
 
