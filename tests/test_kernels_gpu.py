@@ -476,7 +476,9 @@ def test_qk_norm_rope_store_fp8_matches_reference(num_tokens):
         assert torch.equal(bits(k_out)[rows], quantize_fp8(k[keep], k_scale).view(torch.uint8))
         assert torch.equal(bits(v_out), bits(v_ref))
         assert (bits(k_out) != bits(k_ref)).float().mean() <= 1e-3
-        torch.testing.assert_close(k_out.float(), k_ref.float(), rtol=1 / 8, atol=2 ** -9)
+        # The kernel's bf16 K differs from eager torch's in about 1 value in 10^6 (the order of the
+        # fp32 sum of squares), which can move its e4m3 code by a step or two: 2 steps allowed.
+        torch.testing.assert_close(k_out.float(), k_ref.float(), rtol=1 / 4, atol=2 ** -8)
 
 
 @pytest.mark.parametrize("block_size", [16, 256])
