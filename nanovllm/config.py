@@ -18,6 +18,8 @@ logger = logging.getLogger(__name__)
 _DTYPE_NAMES = {"auto": "auto", "half": "float16", "float16": "float16", "bfloat16": "bfloat16",
                 "float": "float32", "float32": "float32", torch.float16: "float16",
                 torch.bfloat16: "bfloat16", torch.float32: "float32"}
+# Attention back ends (nanovllm.layers.attention_backends says what each runs).
+ATTENTION_BACKENDS = ("auto", "flash_attn_4", "triton")
 
 
 @dataclass
@@ -40,6 +42,8 @@ class Config:
                                                 # or a torch.dtype
     kv_cache_dtype: str = "auto"                # "auto": the model's dtype; "fp8" = "fp8_e4m3" (1 byte)
     calculate_kv_scales: bool = False           # fp8: K/V scales from the first prefill's amax (else 1.0)
+    attention_backend: str = "auto"             # "auto" (FlashAttention-4 prefill where it runs), or force
+                                                # "flash_attn_4" or "triton" (torch's FA2 prefill)
     load_format: str = "auto"                   # "auto" (safetensors) or "dummy" (random weights)
     seed: int | None = 0                        # None: a random seed, drawn once
     tokenizer: str | None = None                # tokenizer folder or hub id; None: the model's
@@ -128,6 +132,7 @@ class Config:
                            "supports need none, and a model that needs remote code is refused")
         _check_choice(self, "load_format", ("auto", "dummy"))
         _check_choice(self, "kv_cache_dtype", ("auto", "fp8", "fp8_e4m3"))
+        _check_choice(self, "attention_backend", ATTENTION_BACKENDS)
         if self.calculate_kv_scales and self.kv_cache_dtype == "auto":
             raise ValueError("calculate_kv_scales=True scales an FP8 KV cache: also set kv_cache_dtype='fp8'")
         if self.device == "cuda" and self.kvcache_block_size % 16:

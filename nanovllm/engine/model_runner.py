@@ -15,6 +15,7 @@ from nanovllm.engine.scheduler import ScheduledBatch
 from nanovllm.engine.step_input import StepInput
 from nanovllm.kernels import paged_kv_slots
 from nanovllm.layers.attention import Attention
+from nanovllm.layers.attention_backends import select_attention_backend
 from nanovllm.layers.sampler import Sampler
 from nanovllm.models import get_model_class
 from nanovllm.utils.context import Context, forward_context
@@ -70,6 +71,10 @@ class ModelRunner:
         self.dtype = pick_dtype(config, self.device)
         self.kv_cache_dtype = pick_kv_cache_dtype(config, self.dtype)
         self.use_cuda = self.device.type == "cuda"
+        # Chosen before the model loads, so a forced back end that cannot run fails at once.
+        self.attention_backend = select_attention_backend(config.attention_backend, self.device,
+                                                          self.kv_cache_dtype)
+        logger.info("attention: %s", self.attention_backend.description)
         torch.manual_seed(config.seed)
         self.startup_seconds: dict[str, float] = {}   # phase -> seconds, for logs and bench.py
         self.logits_checked = False   # see check_first_logits
@@ -92,6 +97,8 @@ class ModelRunner:
             self.sampled_tokens = torch.zeros(rows, dtype=torch.int64, device=self.device)
             self.pending_rows: dict[int, int] = {}   # rank 0: seq_id -> row of sampled_tokens
             self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+            for layer in self.attention_layers:
+                layer.prefill_attention = self.attention_backend.prefill
             if self.use_cuda:
                 with self._timed("warm-up (and compile)"):
                     self.warmup_model()

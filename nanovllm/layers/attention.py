@@ -17,8 +17,9 @@ class Attention(nn.Module):
     """From the qkv projection to the attention output: per-head q/k RMSNorm (Qwen3), rotary and
     the new tokens' K/V write into the paged cache (through slot_mapping), then attention over the
     cache: prefill (possibly after a cached prefix or earlier chunks) or one-token decode.
-    The back end (Triton, torch) is chosen once, in nanovllm.kernels; on CUDA the norms, rotary and
-    store are one fused kernel."""
+    The kernels (Triton, torch) are chosen once, in nanovllm.kernels; on CUDA the norms, rotary and
+    store are one fused kernel. The prefill back end is the ModelRunner's choice
+    (nanovllm.layers.attention_backends), bound to prefill_attention."""
 
     def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int):
         super().__init__()
@@ -31,6 +32,7 @@ class Attention(nn.Module):
         # calculate_kv_scales, which sets them at this layer's first prefill into the cache).
         self.k_scale = self.v_scale = None
         self.calculate_kv_scales = False
+        self.prefill_attention = prefill_attention   # kernels.prefill_attention's interface
 
     def forward(self, positions: torch.Tensor, qkv: torch.Tensor, rotary_emb: RotaryEmbedding,
                 q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None) -> torch.Tensor:
@@ -47,9 +49,10 @@ class Attention(nn.Module):
                                          ctx.slot_mapping, self.k_cache, self.v_cache, self.num_heads,
                                          self.num_kv_heads, self.head_dim, self.k_scale, self.v_scale)
         if ctx.is_prefill:
-            return prefill_attention(q, k, v, self.k_cache, self.v_cache, ctx.cu_seqlens_q, ctx.cu_seqlens_k,
-                                     ctx.max_seqlen_q, ctx.max_seqlen_k, ctx.block_tables, self.scale,
-                                     ctx.kv_slots, self.k_scale, self.v_scale)
+            return self.prefill_attention(q, k, v, self.k_cache, self.v_cache, ctx.cu_seqlens_q,
+                                          ctx.cu_seqlens_k, ctx.max_seqlen_q, ctx.max_seqlen_k,
+                                          ctx.block_tables, self.scale, ctx.kv_slots, self.k_scale,
+                                          self.v_scale)
         return paged_decode_attention(q, self.k_cache, self.v_cache, ctx.block_tables, ctx.context_lens,
                                       self.scale, self.k_scale, self.v_scale)
 
