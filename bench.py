@@ -2,7 +2,10 @@
 output tokens each (133,966 in all), temperature 0.6, ignore_eos. With no checkpoint at hand it runs
 the Qwen3-0.6B architecture (configs/qwen3-0.6b) with dummy weights. The figure is also given as a
 fraction of the workload's physical limit on H200s; docs/benchmarks.md says how that is computed.
---structured-json also runs the workload with every request constrained by one JSON schema."""
+--structured-json also runs the workload with every request constrained by one JSON schema.
+--workload long: 256 prompts of 4,000-8,000 random tokens, 64 output tokens each (prefill-bound);
+--ttft-32k also times the first token of one 32,768-token prompt; --attention-backend picks the
+prefill back end (auto, flash_attn_4, triton)."""
 import argparse
 import glob
 import json
@@ -28,6 +31,27 @@ def workload(num_seqs: int, max_input_len: int, max_output_len: int, temperature
     params = [SamplingParams(temperature=temperature, ignore_eos=True,
                              max_tokens=randint(100, max_output_len)) for _ in range(num_seqs)]
     return prompts, params
+
+
+def long_workload(num_seqs: int, temperature: float):
+    """Long prompts (documents, retrieval, chat history): 4,000-8,000 tokens, 64 output tokens each."""
+    seed(0)
+    prompts = [[randint(0, 10000) for _ in range(randint(4000, 8000))] for _ in range(num_seqs)]
+    params = [SamplingParams(temperature=temperature, ignore_eos=True, max_tokens=64) for _ in range(num_seqs)]
+    return prompts, params
+
+
+TTFT_PROMPT_LEN = 32768
+
+
+def time_to_first_token(llm, repeats: int = 3) -> float:
+    """Median seconds to the first token of one TTFT_PROMPT_LEN-token prompt (after a warm-up of the
+    same shape, which compiles whatever compiles); every run's prompt differs, so no prefix is cached."""
+    seed(2)
+    base = [randint(0, 10000) for _ in range(TTFT_PROMPT_LEN)]
+    one = SamplingParams(temperature=0, max_tokens=1)
+    times = [timed_generate(llm, [[(t + i) % 10000 for t in base]], one) for i in range(repeats + 1)]
+    return sorted(times[1:])[repeats // 2]
 
 
 def h200_limit(config: dict, prompt_lens: list[int], output_lens: list[int], tp: int = 1,
@@ -135,19 +159,34 @@ def main():
                         "xgrammar and --tokenizer; no prefix caching: no run reuses another's prompts)")
     p.add_argument("--tokenizer", help="tokenizer folder, for a model folder without one (--structured-json "
                                        "needs one that fits the model's vocabulary, e.g. Qwen3-0.6B's)")
+    p.add_argument("--workload", default="default", choices=["default", "long"],
+                   help="long: 256 prompts of 4,000-8,000 tokens, 64 output tokens each")
+    p.add_argument("--ttft-32k", action="store_true",
+                   help=f"also time the first token of one {TTFT_PROMPT_LEN:,}-token prompt (median of 3)")
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "flash_attn_4", "triton"],
+                   help="prefill attention: FlashAttention-4 over the paged cache, or torch's FA2 (triton)")
     p.add_argument("--json", help="write the figures to this file")
     args = p.parse_args()
+    max_model_len = 4096
+    if args.workload == "long":
+        max_model_len = 8192
+    if args.ttft_32k:
+        max_model_len = TTFT_PROMPT_LEN + 64
 
     dummy = not glob.glob(os.path.join(args.model, "*.safetensors"))
     t = time.perf_counter()
-    llm = LLM(args.model, enforce_eager=args.enforce_eager, max_model_len=4096,
+    llm = LLM(args.model, enforce_eager=args.enforce_eager, max_model_len=max_model_len,
               tensor_parallel_size=args.tensor_parallel_size, load_format="dummy" if dummy else "auto",
               async_scheduling=not args.no_async_scheduling, kv_cache_dtype=args.kv_cache_dtype,
               calculate_kv_scales=args.calculate_kv_scales, data_parallel_size=args.data_parallel_size,
-              tokenizer=args.tokenizer, enable_prefix_caching=not args.structured_json)
+              tokenizer=args.tokenizer, enable_prefix_caching=not args.structured_json,
+              attention_backend=args.attention_backend)
     startup = time.perf_counter() - t
 
-    prompts, params = workload(args.num_seqs, args.max_input_len, args.max_output_len, args.temperature)
+    if args.workload == "long":
+        prompts, params = long_workload(args.num_seqs, args.temperature)
+    else:
+        prompts, params = workload(args.num_seqs, args.max_input_len, args.max_output_len, args.temperature)
     # Warm-up: one prompt per replica (equal prompts are spread one to each).
     llm.generate([[1, 2, 3]] * args.data_parallel_size, SamplingParams(max_tokens=8), use_tqdm=False)
     seconds = timed_generate(llm, prompts, params)
@@ -159,7 +198,11 @@ def main():
             limit = h200_limit(json.load(f), [len(p) for p in prompts], [sp.max_tokens for sp in params],
                                args.tensor_parallel_size, kv_bytes=1 if args.kv_cache_dtype != "auto" else 2)
     runner = getattr(llm, "model_runner", None)   # a data-parallel LLM's runners live in its replicas
+    backend = runner.attention_backend.name if runner else args.attention_backend
+    prompt_tokens = sum(map(len, prompts))
     record = dict(model=args.model, dummy_weights=dummy, temperature=args.temperature,
+                  workload=args.workload, attention_backend=backend, prompt_tokens=prompt_tokens,
+                  total_tokens_per_s=round((prompt_tokens + tokens) / seconds, 1),
                   enforce_eager=args.enforce_eager, async_scheduling=not args.no_async_scheduling,
                   tp=args.tensor_parallel_size, dp=args.data_parallel_size,
                   kv_cache_dtype=args.kv_cache_dtype, calculate_kv_scales=args.calculate_kv_scales,
@@ -175,6 +218,13 @@ def main():
     phases = ", ".join(f"{k} {v}s" for k, v in record["startup_phases_s"].items())
     print(f"Total: {tokens} tok, Time: {seconds:.2f}s, Throughput: {tokens / seconds:.2f} tok/s{of_limit}, "
           f"start-up {startup:.1f}s" + (f" ({phases})" if phases else ""))
+    print(f"Workload {args.workload}, attention {backend}: {prompt_tokens} prompt + {tokens} output tok, "
+          f"{(prompt_tokens + tokens) / seconds:.0f} tok/s prompt and output together")
+    if args.ttft_32k:
+        ttft = time_to_first_token(llm)
+        record["ttft_32k_s"] = round(ttft, 4)
+        print(f"Time to first token, one {TTFT_PROMPT_LEN:,}-token prompt: {ttft * 1000:.1f} ms "
+              f"(median of 3, attention {backend})")
 
     if args.prefix_cache:
         one = SamplingParams(temperature=0, max_tokens=1)

@@ -43,3 +43,13 @@ def test_a_large_batch_is_bound_by_flops():
     prefill_flops = 2 * TINY_PARAMS * 100_000 + 4 * 2 * 4 * 16 / 2 * 100_000
     expected = 100_000 / ((decode_flops + prefill_flops) / bench.H200_BF16_FLOP_PER_S)
     assert bench.h200_limit(TINY, [1] * 100_000, [1] * 100_000) == pytest.approx(expected, rel=1e-9)
+
+
+def test_long_workload_is_prefill_heavy_and_leaves_the_default_alone():
+    prompts, params = bench.long_workload(256, 0.6)
+    lens = [len(p) for p in prompts]
+    assert len(prompts) == 256 and min(lens) >= 4000 and max(lens) <= 8000
+    assert {p.max_tokens for p in params} == {64} and all(p.ignore_eos for p in params)
+    assert bench.long_workload(256, 0.6)[0] == prompts   # seeded
+    _, default_params = bench.workload(256, 1024, 1024, 0.6)
+    assert sum(p.max_tokens for p in default_params) == 133_966   # nano-vllm's workload, unchanged
