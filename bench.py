@@ -37,7 +37,8 @@ def long_workload(num_seqs: int, temperature: float):
     """Long prompts (documents, retrieval, chat history): 4,000-8,000 tokens, 64 output tokens each."""
     seed(0)
     prompts = [[randint(0, 10000) for _ in range(randint(4000, 8000))] for _ in range(num_seqs)]
-    params = [SamplingParams(temperature=temperature, ignore_eos=True, max_tokens=64) for _ in range(num_seqs)]
+    params = [SamplingParams(temperature=temperature, ignore_eos=True, max_tokens=64)
+              for _ in range(num_seqs)]
     return prompts, params
 
 

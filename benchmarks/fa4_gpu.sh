@@ -93,7 +93,7 @@ run() {
                 echo "bench default $backend: exit ${PIPESTATUS[0]}"
             done ;;
         decode)
-            timeout 300 python3 benchmarks/fa4_decode.py --json "$OUT/fa4_decode.json" 2>&1 | tee "$OUT/fa4_decode.log"
+            timeout 300 python3 benchmarks/fa4_decode.py --prefill --json "$OUT/fa4_decode.json" 2>&1 | tee "$OUT/fa4_decode.log"
             echo "decode: exit ${PIPESTATUS[0]}" ;;
         *) echo "unknown WHAT $w: use tests, bench, decode" >&2; exit 2 ;;
         esac

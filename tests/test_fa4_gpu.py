@@ -105,7 +105,7 @@ def test_fa4_default_block_256_with_prefix_hits(qwen3_dir, oracle):
     llm = LLM(qwen3_dir, device="cuda", dtype="bfloat16", attention_backend="flash_attn_4")
     prefix = random_prompts(1, [300], seed=11)[0]
     prompts = [prefix + p for p in random_prompts(3, [5, 270, 40], seed=12)]
-    for run in range(2):   # the second run hits the cached prefix blocks
+    for _ in range(2):   # the second run hits the cached prefix blocks
         outs = llm.generate(prompts, GREEDY, use_tqdm=False)
         for prompt, out in zip(prompts, outs):
             oracle.assert_greedy(prompt, out.outputs[0].token_ids, atol=ATOL["bfloat16"])

@@ -48,7 +48,9 @@ def fa4_unavailable_reason(device: torch.device) -> str | None:
     return None
 
 
-def select_attention_backend(name: str, device: torch.device, kv_cache_dtype: torch.dtype) -> AttentionBackend:
+def select_attention_backend(name: str, device: torch.device,
+                             kv_cache_dtype: torch.dtype) -> AttentionBackend:
+    """The back end `name` asks for on this device, or a ValueError that says why it cannot run."""
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {name!r}")
     reason = None
