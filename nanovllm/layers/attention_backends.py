@@ -53,18 +53,18 @@ def select_attention_backend(name: str, device: torch.device,
     """The back end `name` asks for on this device, or a ValueError that says why it cannot run."""
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {name!r}")
-    reason = None
-    if name != "triton":
-        reason = fa4_unavailable_reason(device)
-        if reason is None:
-            try:
-                return _fa4_backend(import_fa4_prefill(), kv_cache_dtype)
-            except Exception as e:   # a missing package, or a broken install: both fall back under "auto"
-                reason = f"needs {FA4_INSTALL}; importing it failed: {type(e).__name__}: {e}"
-                if name == "flash_attn_4":
-                    raise ValueError(f"attention_backend='flash_attn_4' {reason}") from e
-        if name == "flash_attn_4":
-            raise ValueError(f"attention_backend='flash_attn_4' {reason}; use 'auto' or 'triton'")
+    if name == "triton":
+        return _today_backend(device, None)
+    reason, error = fa4_unavailable_reason(device), None
+    if reason is None:
+        try:
+            prefill = import_fa4_prefill()
+        except Exception as e:   # a missing package, or a broken install: both fall back under "auto"
+            reason, error = f"needs {FA4_INSTALL}; importing it failed: {type(e).__name__}: {e}", e
+        else:
+            return _fa4_backend(prefill, kv_cache_dtype)
+    if name == "flash_attn_4":
+        raise ValueError(f"attention_backend='flash_attn_4' {reason}; use 'auto' or 'triton'") from error
     return _today_backend(device, reason)
 
 
