@@ -69,6 +69,7 @@ install() {
 fa4_env() {
     # A --target install skips the package's .pth, which puts dsl_packages on sys.path.
     export PYTHONPATH=".:$SITE:$SITE/nvidia_cutlass_dsl/dsl_packages"
+    export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1   # compiled kernels on disk: each process reuses them
     python3 -c "import flash_attn.cute, torch; print('flash_attn.cute imports; GPU', torch.cuda.get_device_name())"
 }
 
