@@ -16,15 +16,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import triton
+import triton.language as tl
 from safetensors.torch import load_file, save_file
 
 from nanovllm import LLM, SamplingParams
+from nanovllm.kernels.common import rounded
 from nanovllm.utils import default_model as dm
 
 try:
-    from conftest import REPO, assert_clean, make_model, tokens
+    from conftest import REPO, assert_clean, interp, make_model, run_interpreted_tests, tokens
 except ImportError:   # run as a script from the repository root
-    from tests.conftest import REPO, assert_clean, make_model, tokens
+    from tests.conftest import REPO, assert_clean, interp, make_model, run_interpreted_tests, tokens
 
 ENGINE = dict(kvcache_block_size=16, num_kvcache_blocks=8, max_model_len=100)
 GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
@@ -285,6 +288,30 @@ def test_nan_logits_on_cuda_with_graphs(qwen3_dir, tmp_path):
     good = LLM(qwen3_dir, **opts)
     assert [len(t) for t in tokens(good.generate(PROMPTS, GREEDY, use_tqdm=False))] == [4, 4]
     assert good.model_runner.logits_checked
+
+
+@triton.jit
+def round_to_bf16(x_ptr, out_ptr, N: tl.constexpr):
+    i = tl.arange(0, N)
+    tl.store(out_ptr + i, rounded(tl.load(x_ptr + i), tl.bfloat16))
+
+
+def test_nan_survives_the_kernels_bf16_rounding_under_interpreter():
+    run_interpreted_tests(__file__)
+
+
+@interp
+def test_interp_nan_survives_the_kernels_bf16_rounding():
+    """The GPU's NaN is 0x7FFFFFFF: rounding it to bf16 by bit arithmetic carried into the sign bit and
+    gave -0.0, so NaN weights gave finite logits on CUDA. (The interpreter makes numpy's 0x7FC00000,
+    so the GPU's bit patterns are fed in.)"""
+    bits = [0x7FFFFFFF, -1, 0x7FC00000, 0x7F800000, 0x3F800001, 0x3F808000, 0x3F818000, 0]
+    x = torch.tensor(bits, dtype=torch.int32).view(torch.float32)
+    out = torch.empty_like(x)
+    round_to_bf16[(1,)](x, out, N=len(bits))
+    assert out[:3].isnan().all()
+    assert out[3:].tolist() == [float("inf"), 1.0, 1.0, 1.015625, 0.0]   # ties to even
+    assert out[3:].tolist() == x[3:].to(torch.bfloat16).float().tolist()
 
 
 def test_finite_logits_are_checked_once(engine, reference, monkeypatch):

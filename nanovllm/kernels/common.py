@@ -19,10 +19,12 @@ def num_sms(device: torch.device) -> int:
 @triton.jit
 def rounded(x, DTYPE: tl.constexpr):
     """fp32 x rounded to DTYPE (to nearest, ties to even) and kept in fp32. bf16 by bit arithmetic:
-    the Triton interpreter's fp32 -> bf16 cast truncates; on the GPU this equals cvt.rn.bf16."""
+    the Triton interpreter's fp32 -> bf16 cast truncates; on the GPU this equals cvt.rn.bf16.
+    NaN stays NaN: the GPU's NaN (0x7FFFFFFF) would carry into the sign bit and become -0.0, hiding
+    broken weights."""
     if DTYPE == tl.bfloat16:
         bits = x.to(tl.uint32, bitcast=True)
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        return bits.to(tl.float32, bitcast=True)
+        return tl.where(x == x, bits.to(tl.float32, bitcast=True), x)
     else:
         return x.to(DTYPE).to(tl.float32)
