@@ -78,6 +78,7 @@ def finish(llm, record: dict) -> dict:
     record["shutdown"] = outcome(llm.shutdown)
     record["second_shutdown"] = outcome(llm.shutdown)
     record["pids"] = pids
+    record["exit_codes"] = [w.proc.returncode for w in llm.executor.workers.workers]   # -9: killed
     record["workers_left"] = [pid for pid in pids if os.path.exists(f"/proc/{pid}")]
     return record
 

@@ -41,12 +41,13 @@ def _text(data) -> str:
 
 
 def assert_no_leftovers(record: dict, exited: bool = False):
-    """Shut down (twice) without error, no worker process, nothing of the engine's in /dev/shm
+    """Shut down (twice) without error and within seconds, no worker process, nothing of the engine's in /dev/shm
     (the machine's /dev/shm is shared with other processes, so the check looks at what the
     engine's processes had mapped, and at names with the scenario process's pid). exited: the
     scenario's process is gone; its workers must be too (stopped by the atexit hook)."""
     if not exited:
         assert record["shutdown"]["error"] is None, record["shutdown"]
+        assert record["shutdown"]["seconds"] < 5, record["shutdown"]   # was 11 s under NCCL
         assert record["second_shutdown"]["error"] is None and record["second_shutdown"]["seconds"] < 1
         assert not record["workers_left"]
     assert not any(os.path.exists(f"/proc/{pid}") for pid in record["pids"])

@@ -36,7 +36,7 @@ from nanovllm.utils.heartbeat import Heartbeats
 WORKER_TIMEOUT_S = 15.0
 HEARTBEAT_S = 0.25
 CHECK_EVERY_S = 0.01    # while rank 0 polls a CUDA event, how often it checks the workers
-JOIN_TIMEOUT_S = 10.0   # how long a worker told to exit may take before it is killed
+JOIN_TIMEOUT_S = 5.0    # how long a worker told to exit may take before it is killed (it takes ~0.1 s)
 _WORKER_MAIN = "from nanovllm.engine.worker_main import main; main()"
 TRACEBACK_BYTES = 32_000   # a worker's report fits in a pipe's buffer, so writing it never blocks
 
@@ -248,8 +248,10 @@ class TPWorkers:
             w.close()
         if self.group is not None:
             group, self.group = self.group, None
-            if not clean or any(w.proc.returncode != 0 for w in self.workers):
-                abort_tp_group(group)   # a peer died mid-collective: a graceful shutdown could wait for it
+            # The workers have ended without a collective teardown (see worker_main). NCCL's
+            # would wait for peers that are gone, so rank 0 aborts its side (gloo's just closes).
+            if not clean or any(w.proc.returncode != 0 for w in self.workers) or self.device.type == "cuda":
+                abort_tp_group(group)
             destroy_tp_group(group)
         if self.beats is not None:
             self.beats.close()

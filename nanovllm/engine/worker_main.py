@@ -16,13 +16,13 @@ from nanovllm.config import Config
 from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.tp_worker import HEARTBEAT_S, TRACEBACK_BYTES, use_cuda
 from nanovllm.utils import command_pipe
-from nanovllm.utils.distributed import destroy_tp_group, init_tp_group, worker_store
+from nanovllm.utils.distributed import init_tp_group, worker_store
 from nanovllm.utils.heartbeat import Heartbeats
 
 
 def main():
     """A worker's whole life: heartbeat, read the setup, join the group, build the shard, run
-    commands until "exit" (or until rank 0 is gone)."""
+    commands until "exit" (or until rank 0 is gone), then end at once."""
     commands, reports, beats_fd, rank = map(int, sys.argv[1:5])
     # Ctrl-C in a terminal reaches every process of the foreground group: rank 0 alone decides
     # what happens (it stops the workers through the pipe, or kills them).
@@ -39,12 +39,17 @@ def main():
         config, port = command_pipe.receive(commands, check_parent)
         _serve(config, rank, port, commands, check_parent)
     except (EOFError, SystemExit):
-        os._exit(0)   # rank 0 closed the pipe or exited: a graceful group shutdown could wait forever
+        pass   # rank 0 closed the pipe or exited
     except BaseException:
         # Report first, then leave at once: cleaning up after a failed step (a communicator with
         # work in flight) could block, and rank 0 learns of the failure from this exit.
         os.write(reports, traceback.format_exc()[-TRACEBACK_BYTES:].encode())
         os._exit(1)
+    # No collective teardown of the group (nor the interpreter's): NCCL's would wait for rank 0,
+    # which waits for this process to end before it aborts its side. The end frees everything.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _heartbeat(beats: Heartbeats, rank: int, parent: int):
@@ -70,7 +75,6 @@ def _serve(config: Config, rank: int, port: int, commands: int, check_parent):
     while True:
         command, step = command_pipe.receive(commands, check_parent)
         if command == "exit":
-            break
+            return
         if runner.forward_step(step) is not None:
             runner.share_sampled(sum(step.samples))   # rank 0's sampled tokens, for later steps
-    destroy_tp_group(group)   # rank 0 destroys its side after this process has exited
