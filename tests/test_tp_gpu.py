@@ -81,12 +81,12 @@ INTERRUPTS = ["interrupt_in_step", "interrupt_in_shutdown", "startup_failure",
 
 @pytest.fixture(scope="module")
 def worker_faults(qwen3_dir):
-    return run_scenarios(qwen3_dir, "cuda", WORKER_FAULTS, timeout_s=200)
+    return run_scenarios(qwen3_dir, "cuda", WORKER_FAULTS, timeout_s=200, scenario_s=60)
 
 
 @pytest.fixture(scope="module")
 def faults(qwen3_dir):
-    return run_scenarios(qwen3_dir, "cuda", INTERRUPTS, timeout_s=200)
+    return run_scenarios(qwen3_dir, "cuda", INTERRUPTS, timeout_s=200, scenario_s=60)
 
 
 @pytest.mark.parametrize("name", ["worker_raises", "worker_killed", "worker_killed_mid_generate",
