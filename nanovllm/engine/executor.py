@@ -40,9 +40,14 @@ class Executor:
             return None
         if self.workers.error is not None:
             return str(self.workers.error).splitlines()[0]
-        if self.in_step:
-            return ("a step was interrupted while the tensor-parallel ranks ran it, so they are out of "
-                    "step; shut this engine down and create a new one")
+        return self.out_of_step
+
+    @property
+    def out_of_step(self) -> str | None:
+        """Why the ranks may be out of step (a step was cut short after the workers got it), or None;
+        also None once shut down or a worker failed: then launch raises that instead."""
+        if self.in_step and not self.closed and self.workers.error is None:
+            return "a step was interrupted while the tensor-parallel ranks ran it, so they are out of step"
         return None
 
     def launch(self, batch: ScheduledBatch) -> PendingSample:
@@ -50,7 +55,7 @@ class Executor:
         if self.broken:
             if not self.closed and self.workers.error is not None:
                 raise self.workers.error
-            raise RuntimeError(self.broken)
+            raise RuntimeError(f"{self.broken}: shut this engine down and create a new one")
         if self.workers is None:
             return self.runner.launch(batch)
         step = self.runner.step_input(batch)

@@ -39,14 +39,15 @@ def eos_token_ids(config: Config, tokenizer) -> set[int]:
 def serialised(method):
     """Run an engine method holding the engine's lock, so threads sharing one engine take turns: a
     generate call runs from queueing its first sequence to building its last output with no other
-    caller's step in between, and gives exactly the tokens it would alone. Also refuses a broken
-    engine, and finishes a reset that a second interrupt cut short."""
+    caller's step in between, and gives exactly the tokens it would alone. Also refuses an engine
+    whose tensor-parallel ranks fell out of step, and finishes a reset that a second interrupt cut
+    short."""
     @functools.wraps(method)
     def locked(self, *args, **kwargs):
         with self._lock:
-            if self._broken is not None:
-                raise RuntimeError(f"this engine can no longer run: {self._broken}. Create a new LLM "
-                                   "(and shut this one down)")
+            if self.executor.out_of_step:
+                raise RuntimeError(f"this engine can no longer run: {self.executor.out_of_step}. "
+                                   "Create a new LLM (and shut this one down)")
             if self._dirty:
                 self._reset()
             return method(self, *args, **kwargs)
@@ -57,7 +58,6 @@ class LLMEngine:
     def __init__(self, model: str, **options):
         self._lock = threading.RLock()   # see serialised
         self._dirty = False   # the bookkeeping may be half-updated: reset it before the next call
-        self._broken: str | None = None   # why the engine cannot run any more steps
         # Every sequence queued and still alive, so a reset ends them all, also one that was
         # between two queues when the failure came.
         self._queued: weakref.WeakSet[Sequence] = weakref.WeakSet()
@@ -270,11 +270,9 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         launched = None
         if batch.seqs:
-            try:
-                launched = batch, self.executor.launch(batch)
-            except BaseException as e:
-                self._break_tp_step(e)
-                raise
+            # (Cut short under TP after the workers got the step, it leaves the executor out of
+            # step, and every later call is refused.)
+            launched = batch, self.executor.launch(batch)
             self.scheduler.advance(batch)
         else:
             finished += batch.finished   # sequences ended while scheduling, with nothing to run
@@ -285,19 +283,6 @@ class LLMEngine:
             finished += self._apply(*launched)
             self._in_flight = None
         return finished, batch
-
-    def _break_tp_step(self, error: BaseException):
-        """A launch under tensor parallelism failed or was interrupted: the workers may have run
-        (or be waiting in) a step that rank 0 did not finish, so the ranks are out of step and
-        the next collective would hang or mix two steps. Mark the engine broken."""
-        workers = self.executor.workers
-        if workers is None or self.executor.closed or workers.error is not None:
-            # One rank: nothing to fall out of step with. Shut down, or a worker failed: the
-            # executor raises that (the WorkerError naming the rank) on every later launch.
-            return
-        self._broken = self.executor.broken or (
-            f"a step under tensor parallelism was cut short ({type(error).__name__}: {error}), "
-            "so the ranks may be out of step")
 
     def _can_run_ahead(self, batch: ScheduledBatch) -> bool:
         """May the next batch be launched before this one's tokens are on the host? Not with
