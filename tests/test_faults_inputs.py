@@ -276,6 +276,21 @@ def test_nan_or_inf_logits_say_the_weights_are_broken(qwen3_dir, tmp_path, value
         assert_clean(llm)
 
 
+def test_nan_logits_under_tensor_parallelism_keep_the_ranks_in_step(qwen3_dir, tmp_path):
+    """Every call says the weights are broken (not that the ranks are out of step), and shutdown
+    finds the worker waiting for its next command."""
+    path = copy_model(qwen3_dir, tmp_path / "m", tensors=set_weight("model.norm.weight", 3, float("nan")))
+    llm = LLM(path, tensor_parallel_size=2, device="cpu", **ENGINE)
+    try:
+        for _ in range(2):
+            with pytest.raises(ValueError, match=r"logits contain NaN or inf"):
+                llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+            assert_clean(llm)
+    finally:
+        llm.shutdown()
+    assert [w.proc.returncode for w in llm.executor.workers.workers] == [0]   # exited when told to
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_nan_logits_on_cuda_with_graphs(qwen3_dir, tmp_path):
     """The check also runs on CUDA (bf16, CUDA graphs, async scheduling), and a good model still runs."""

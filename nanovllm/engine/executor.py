@@ -2,7 +2,7 @@
 (ranks 1..N-1), then has rank 0's ModelRunner, in this process, run it and sample. The runner so
 knows nothing of the workers, and the engine nothing of the ranks."""
 from nanovllm.config import Config
-from nanovllm.engine.model_runner import ModelRunner
+from nanovllm.engine.model_runner import BrokenLogitsError, ModelRunner
 from nanovllm.engine.sampled_tokens import PendingSample, SampledTokens
 from nanovllm.engine.scheduler import ScheduledBatch
 from nanovllm.engine.tp_worker import TPWorkers
@@ -63,6 +63,9 @@ class Executor:
         try:
             self.workers.run_step(step)   # ranks 1..N-1 run the same step (they only skip sampling)
             pending = self.runner.launch(batch, step)
+        except BrokenLogitsError:
+            self.in_step = False   # every rank finished the step: still in step
+            raise
         except Exception as e:
             self.workers.raise_if_died(e)   # a collective failed because a worker died: say so
             raise

@@ -61,6 +61,11 @@ def _default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(old)
 
 
+class BrokenLogitsError(ValueError):
+    """NaN or inf in the first logits: the weights are broken. Raised after every rank finished the
+    step, so tensor-parallel ranks stay in step."""
+
+
 class ModelRunner:
     def __init__(self, config: Config, group: TPGroup | None = None):
         """group: this rank's tensor-parallel group (None: one rank)."""
@@ -304,7 +309,7 @@ class ModelRunner:
         self.share_sampled(logits.shape[0])
         fp16 = " (or float16 activations overflow: try dtype='bfloat16')" \
             if self.dtype == torch.float16 else ""
-        raise ValueError(f"the model's logits contain NaN or inf: the weights in {self.config.model!r} are "
+        raise BrokenLogitsError(f"the model's logits contain NaN or inf: the weights in {self.config.model!r} are "
                          f"broken (NaN or inf in the checkpoint){fp16}")
 
     def step_input(self, batch: ScheduledBatch) -> StepInput:
