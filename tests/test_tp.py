@@ -5,6 +5,7 @@ Each TP engine starts workers that import torch (seconds each), so engines are m
 shared by the tests. The device is pinned to the CPU, so the tests run the same on a GPU machine."""
 import gc
 import os
+import time
 import weakref
 
 import pytest
@@ -174,3 +175,23 @@ def test_an_aborted_group_is_aborted_once_and_not_shut_down():
     abort_tp_group(group)
     destroy_tp_group(group)
     assert calls == ["reset graph 8", "abort backend"] and not group.graphs
+
+
+def test_an_abort_that_blocks_is_left_behind_after_its_time(monkeypatch, caplog):
+    """Should the backend's abort block (a dead peer), the fault is still reported: abort_tp_group
+    returns after ABORT_TIMEOUT_S and says so."""
+    import threading
+
+    from nanovllm.utils import distributed
+    monkeypatch.setattr(distributed, "ABORT_TIMEOUT_S", 0.2)
+    release = threading.Event()
+
+    class Blocking:
+        def abort(self):
+            release.wait(30)
+
+    start = time.monotonic()
+    distributed.abort_tp_group(distributed.TPGroup(0, 2, Blocking(), store=None))
+    assert time.monotonic() - start < 5
+    assert "did not finish within" in caplog.text
+    release.set()

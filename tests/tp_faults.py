@@ -6,6 +6,7 @@ tests/test_tp_gpu.py (NCCL) in a subprocess with a deadline, since a regression 
 prints one JSON line per scenario as it finishes. This file deliberately has no
 `if __name__ == "__main__":` guard: the workers must not run the user's script (scenario
 "no_main_guard" generates with TP=2 from it)."""
+import faulthandler
 import json
 import os
 import signal
@@ -22,6 +23,7 @@ from nanovllm.engine import tp_worker  # noqa: E402
 from nanovllm.utils import command_pipe  # noqa: E402
 
 MODEL, DEVICE, SCENARIOS = sys.argv[1], sys.argv[2], sys.argv[3:]
+faulthandler.register(signal.SIGUSR1, all_threads=True)   # the runner asks where a hung scenario is
 OPTIONS = dict(device=DEVICE, kvcache_block_size=16, num_kvcache_blocks=16, max_num_batched_tokens=64,
                max_num_seqs=4, enforce_eager=True)
 PROMPTS = random_prompts(3, [5, 17, 33], seed=1)

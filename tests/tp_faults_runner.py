@@ -29,7 +29,7 @@ def run_scenarios(model: str, device: str, scenarios: list[str], timeout_s: floa
                 records[record["scenario"]] = record
         left = [name for name in left if name not in records]
         if left:   # the first one left hung or ended its process
-            failures[left.pop(0)] = f"{how}; output:\n{stdout[-3000:]}\n{stderr[-5000:]}"
+            failures[left.pop(0)] = f"{how}; output:\n{stdout[-3000:]}\n{stderr[-8000:]}"
         if left and time.monotonic() >= deadline:
             failures.update({name: f"not run: the {timeout_s} s deadline passed" for name in left})
             break
@@ -55,9 +55,11 @@ def _run(model: str, device: str, scenarios: list[str], scenario_s: float, deadl
         until = min(deadline, time.monotonic() + scenario_s)
         while True:
             ready, _, _ = select.select([proc.stdout], [], [], max(0.0, until - time.monotonic()))
-            if not ready:
+            if not ready:   # where is it stuck? every process of the group prints its stacks, then dies
+                os.killpg(proc.pid, signal.SIGUSR1)
+                time.sleep(2)
                 os.killpg(proc.pid, signal.SIGKILL)
-                how = f"killed after {scenario_s} s on it (or at the deadline)"
+                how = f"killed after {scenario_s} s on it (or at the deadline); its stacks are below"
                 break
             chunk = os.read(proc.stdout.fileno(), 65536)
             if not chunk:

@@ -3,6 +3,7 @@
 a fresh interpreter, so the user's script is never imported here. It reads its setup and then
 commands from the COMMANDS pipe, bumps its heartbeat counter from a thread of its own, and on a
 failure writes its traceback to the REPORTS pipe and exits."""
+import faulthandler
 import os
 import signal
 import sys
@@ -27,6 +28,7 @@ def main():
     # Ctrl-C in a terminal reaches every process of the foreground group: rank 0 alone decides
     # what happens (it stops the workers through the pipe, or kills them).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)   # `kill -USR1 PID`: where is it stuck?
     parent = os.getppid()
 
     def check_parent():

@@ -9,6 +9,8 @@ A group may carry a `watch` function (rank 0: TPWorkers.check) that waits call w
 a wait that blocks the host (a gloo collective, a device synchronize) is cut into short waits, so
 a dead or stopped peer raises instead of hanging until the backend's timeout, and Ctrl-C is seen."""
 import datetime
+import logging
+import threading
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -20,6 +22,9 @@ import torch.distributed as dist
 
 STARTUP_TIMEOUT = datetime.timedelta(minutes=10)   # loading a large shard can take minutes
 WAIT_SLICE = datetime.timedelta(milliseconds=100)  # a watched wait calls watch() this often
+ABORT_TIMEOUT_S = 10.0   # the longest abort_tp_group waits for the backend's abort
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -75,7 +80,14 @@ def abort_tp_group(group: TPGroup | None):
         return
     group.aborted = True
     _reset_graphs(group)   # a captured graph still holding the communicator makes abort hang
-    group.backend.abort()
+    # Bounded: should the backend's abort block (on a dead peer), the fault is still reported
+    # at once, and the communicator is left to the process's end.
+    aborting = threading.Thread(target=group.backend.abort, name="tp-group-abort", daemon=True)
+    aborting.start()
+    aborting.join(ABORT_TIMEOUT_S)
+    if aborting.is_alive():
+        logger.warning("aborting the tensor-parallel group did not finish within %.0f s; left to the "
+                       "process's end", ABORT_TIMEOUT_S)
 
 
 def _reset_graphs(group: TPGroup):
