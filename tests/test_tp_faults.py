@@ -24,7 +24,7 @@ SCENARIOS = ["no_main_guard", "worker_raises", "worker_killed", "worker_killed_m
 
 @pytest.fixture(scope="module")
 def results(qwen3_dir):
-    return run_scenarios(qwen3_dir, "cpu", SCENARIOS, timeout_s=240)
+    return run_scenarios(qwen3_dir, "cpu", SCENARIOS, timeout_s=300, scenario_s=120)
 
 
 def test_no_main_guard(results):
