@@ -49,8 +49,9 @@ def _run(model: str, device: str, scenarios: list[str], scenario_s: float, deadl
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(REPO), os.path.join(HERE, "worker_faults"), os.environ.get("PYTHONPATH", "")])}
     with tempfile.TemporaryFile() as err:   # a file: a pipe nobody reads could fill and block it
-        proc = subprocess.Popen([sys.executable, os.path.join(HERE, "tp_faults.py"), model, device, *scenarios],
-                                env=env, stdout=subprocess.PIPE, stderr=err, start_new_session=True)
+        script = os.path.join(HERE, "tp_faults.py")
+        proc = subprocess.Popen([sys.executable, script, model, device, *scenarios], env=env,
+                                stdout=subprocess.PIPE, stderr=err, start_new_session=True)
         out = b""
         until = min(deadline, time.monotonic() + scenario_s)
         while True:
@@ -75,8 +76,8 @@ def _run(model: str, device: str, scenarios: list[str], scenario_s: float, deadl
 
 
 def assert_no_leftovers(record: dict, exited: bool = False):
-    """Shut down (twice) without error and within seconds, no worker process, nothing of the engine's in /dev/shm
-    (the machine's /dev/shm is shared with other processes, so the check looks at what the
+    """Shut down (twice) without error and within seconds, no worker process, nothing of the engine's
+    in /dev/shm (the machine's /dev/shm is shared with other processes, so the check looks at what the
     engine's processes had mapped, and at names with the scenario process's pid). exited: the
     scenario's process is gone; its workers must be too (stopped by the atexit hook)."""
     if not exited:

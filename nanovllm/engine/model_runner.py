@@ -309,8 +309,8 @@ class ModelRunner:
         self.share_sampled(logits.shape[0])
         fp16 = " (or float16 activations overflow: try dtype='bfloat16')" \
             if self.dtype == torch.float16 else ""
-        raise BrokenLogitsError(f"the model's logits contain NaN or inf: the weights in {self.config.model!r} are "
-                         f"broken (NaN or inf in the checkpoint){fp16}")
+        raise BrokenLogitsError(f"the model's logits contain NaN or inf: the weights in "
+                                f"{self.config.model!r} are broken (NaN or inf in the checkpoint){fp16}")
 
     def step_input(self, batch: ScheduledBatch) -> StepInput:
         """What every rank needs to run the batch (the other ranks get it from rank 0)."""
