@@ -82,10 +82,14 @@ def _offsets_kernel(counts_ptr, starts_ptr, block_expert_ptr, num_padded_ptr, nu
     tl.store(num_padded_ptr, tl.sum(padded, 0))
     # block b belongs to the number of experts that end at or before its first row (NUM_EXPERTS:
     # past the last expert, a block its program skips)
-    for b0 in range(0, num_blocks, CHUNK):
+    # (a while loop, not `range(num_blocks)`: triton 3.6's interpreter cannot take a runtime scalar
+    # argument as a range bound)
+    b0 = 0
+    while b0 < num_blocks:
         b = b0 + tl.arange(0, CHUNK)
         ended = (ends[None, :] <= (b * BLOCK_M)[:, None]) & (e < NUM_EXPERTS)[None, :]
         tl.store(block_expert_ptr + b, tl.sum(ended.to(tl.int32), 1), mask=b < num_blocks)
+        b0 += CHUNK
 
 
 @triton.jit(do_not_specialize=["num_pairs"])
