@@ -159,7 +159,8 @@ def main():
                    help="also run the workload with every request constrained by one JSON schema (needs "
                         "xgrammar and --tokenizer; no prefix caching: no run reuses another's prompts)")
     p.add_argument("--tokenizer", help="tokenizer folder, for a model folder without one (--structured-json "
-                                       "needs one that fits the model's vocabulary, e.g. Qwen3-0.6B's)")
+                                       "needs one no wider than the model's vocabulary: Qwen3-0.6B's, "
+                                       "SmolLM2's)")
     p.add_argument("--workload", default="default", choices=["default", "long"],
                    help="long: 256 prompts of 4,000-8,000 tokens, 64 output tokens each")
     p.add_argument("--ttft-32k", action="store_true",

@@ -305,13 +305,44 @@ def test_the_grammar_forbids_ids_past_the_tokenizer_and_ends_on_eos(llm):
     assert state.is_terminated
 
 
-# ---- on the GPU: Qwen3-0.6B's shapes with dummy weights and a Qwen3 tokenizer -----------------------
+@needs_model
+def test_a_model_vocabulary_wider_than_the_tokenizer_s_is_masked_past_it(tmp_path):
+    """Qwen3's 151,936 logits with SmolLM2's 49,152-token tokenizer (how the GPU bench runs
+    --structured-json): a random model at temperature 1 samples mostly past the tokenizer when free,
+    never when constrained; the model config's EOS (151,645, past the tokenizer too) ends a grammar."""
+    from conftest import make_model
+    from nanovllm import LLM
+    from nanovllm.utils.default_model import default_model_path
+    path = make_model(str(tmp_path / "wide"), "qwen3", tokenizer=False, vocab_size=151936,
+                      eos_token_id=151645, tie_word_embeddings=True, num_hidden_layers=1)
+    llm = LLM(path, tokenizer=default_model_path(), device="cpu", enforce_eager=True,
+              kvcache_block_size=16, num_kvcache_blocks=64)
+    tokenizer_size = len(llm.tokenizer)
+    assert llm.config.hf_config.vocab_size == 151936 > tokenizer_size == 49152
+    eos = llm.scheduler.eos_token_ids
+    assert 151645 in eos
+    choice = StructuredOutputsParams(choice=["yes", "no", "maybe"])
+    regex = StructuredOutputsParams(regex=r"[0-9]{3}-[a-z]{2}")
+    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=16, structured_outputs=(choice, regex)[i % 2])
+              for i in range(8)] + [SamplingParams(temperature=1.0, seed=0, max_tokens=16, ignore_eos=True)]
+    outs = llm.generate([[5 + i, 6, 7] for i in range(9)], params, use_tqdm=False)
+    for i, out in enumerate(outs[:8]):
+        c = out.outputs[0]
+        assert all(t < tokenizer_size for t in c.token_ids[:-1]) and c.token_ids[-1] in eos, c.token_ids
+        assert c.finish_reason == "stop", c
+        assert c.text in choice.choice if i % 2 == 0 else re.fullmatch(regex.regex, c.text), c.text
+    assert sum(t >= tokenizer_size for t in outs[8].outputs[0].token_ids) >= 4   # free: past it
 
-QWEN3_TOKENIZER = os.environ.get("NANOVLLM_QWEN3_TOKENIZER")   # a folder with Qwen3's tokenizer files
+
+# ---- on the GPU: Qwen3-0.6B's shapes with dummy weights and a tokenizer that fits them ------------
+
+# A tokenizer folder: Qwen3's own, or any whose vocabulary is no wider than Qwen3's 151,936 logits
+# (SmolLM2's 49,152: the ids past it are never allowed). NANOVLLM_QWEN3_TOKENIZER is the older name.
+GPU_TOKENIZER = os.environ.get("NANOVLLM_TOKENIZER") or os.environ.get("NANOVLLM_QWEN3_TOKENIZER")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("xgrammar") is None
-                    or not QWEN3_TOKENIZER, reason="needs CUDA, xgrammar and NANOVLLM_QWEN3_TOKENIZER")
+                    or not GPU_TOKENIZER, reason="needs CUDA, xgrammar and NANOVLLM_TOKENIZER (a folder)")
 @pytest.mark.parametrize("async_scheduling", [True, False])
 def test_gpu_constrained_tokens_are_always_allowed(async_scheduling):
     """CUDA graphs, the fused kernel's bitmask (temperature only) and the torch path's (top_p), a
@@ -320,7 +351,7 @@ def test_gpu_constrained_tokens_are_always_allowed(async_scheduling):
     from nanovllm import LLM
     from nanovllm.structured.grammars import GrammarState
     model = os.path.join(os.path.dirname(__file__), "..", "configs", "qwen3-0.6b")
-    llm = LLM(model, load_format="dummy", tokenizer=QWEN3_TOKENIZER, async_scheduling=async_scheduling,
+    llm = LLM(model, load_format="dummy", tokenizer=GPU_TOKENIZER, async_scheduling=async_scheduling,
               max_model_len=1024)
     schema = StructuredOutputsParams(json=PERSON)
     prompts = [[(7 * i + j) % 10000 for j in range(20 + i)] for i in range(96)]
