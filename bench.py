@@ -216,7 +216,9 @@ def main():
     record["startup_phases_s"] = {k: round(v, 2) for k, v in runner.startup_seconds.items()} if runner else {}
     fraction = record["fraction_of_h200_limit"]
     of_limit = f" ({fraction:.1%} of the H200 limit, {limit:,.0f})" if limit else ""
-    of_limit += f", KV cache {args.kv_cache_dtype} {record['kv_cache_tokens']:,} tokens"
+    if record["kv_cache_tokens"] is not None:   # (a data-parallel LLM's caches are in its replicas)
+        of_limit += f", KV cache {args.kv_cache_dtype} {record['kv_cache_tokens']:,} tokens"
+    of_limit += f", {args.data_parallel_size} data-parallel replicas" if args.data_parallel_size > 1 else ""
     phases = ", ".join(f"{k} {v}s" for k, v in record["startup_phases_s"].items())
     print(f"Total: {tokens} tok, Time: {seconds:.2f}s, Throughput: {tokens / seconds:.2f} tok/s{of_limit}, "
           f"start-up {startup:.1f}s" + (f" ({phases})" if phases else ""))

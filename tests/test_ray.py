@@ -166,6 +166,7 @@ def test_a_replica_killed_mid_job_loses_no_prompt(ray_session, dp_llm, reference
 def test_ray_data_example_writes_every_row(ray_session, dp_llm, qwen3_dir, tmp_path):
     dp_llm.shutdown()   # gives its two CPUs back to the cluster for the Ray Data actors
     pd = pytest.importorskip("pandas")
+    pytest.importorskip("pyarrow")   # Ray Data's blocks and the Parquet output
     spec = importlib.util.spec_from_file_location("ray_batch", REPO / "examples" / "ray_batch_inference.py")
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
