@@ -12,7 +12,8 @@
 #   ray          nvidia-h200-x2   [".whl-ray"]    bench.py on one GPU, then --data-parallel-size 2 (two
 #                                                 Ray replicas, a GPU each); tests/test_ray.py
 #   moe-tp       nvidia-h200-x2   []              the MoE tests with CUDA hidden (the interpreter, under
-#                                                 the machine's triton), then `bash benchmarks/moe_gpu.sh tp`
+#                                                 the machine's triton) and the MoE kernel GPU tests, then
+#                                                 `bash benchmarks/moe_gpu.sh tp` (its own table)
 #
 #   bash benchmarks/scaleout_gpu.sh structured
 #
@@ -65,6 +66,7 @@ elif [[ $STAGE == ray ]]; then
   python -m ray.scripts.scripts stop --force > /dev/null 2>&1   # any Ray process a timeout left behind
 else
   CUDA_VISIBLE_DEVICES= tests moe_interp 100 tests/test_moe.py
+  CUDA_VISIBLE_DEVICES=0 tests moe_gpu 120 tests/test_kernels_gpu.py -k moe
   BENCH_TIMEOUT=240 bash benchmarks/moe_gpu.sh tp
 fi
 echo "stage $STAGE: $(( SECONDS - start )) s"
