@@ -65,9 +65,9 @@ elif [[ $STAGE == ray ]]; then
   CUDA_VISIBLE_DEVICES= tests ray 180 tests/test_ray.py
   python -m ray.scripts.scripts stop --force > /dev/null 2>&1   # any Ray process a timeout left behind
 else
-  CUDA_VISIBLE_DEVICES= tests moe_interp 100 tests/test_moe.py
-  CUDA_VISIBLE_DEVICES=0 tests moe_gpu 120 tests/test_kernels_gpu.py -k moe
-  BENCH_TIMEOUT=240 bash benchmarks/moe_gpu.sh tp
+  CUDA_VISIBLE_DEVICES= tests moe_interp 90 tests/test_moe.py
+  CUDA_VISIBLE_DEVICES=0 tests moe_gpu 90 tests/test_kernels_gpu.py -k moe
+  BENCH_TIMEOUT=200 bash benchmarks/moe_gpu.sh tp
 fi
 echo "stage $STAGE: $(( SECONDS - start )) s"
 
