@@ -74,8 +74,9 @@ def main():
         sys.exit(1)
     print("installing: " + (" ".join(os.path.basename(p).split("-")[0] for p in paths) or "nothing"))
     if paths:
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
-                        "--no-cache-dir", "--upgrade", "--target", target, *paths], check=True)
+        pip = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+               "--no-cache-dir", "--upgrade", "--target", target]
+        subprocess.run(pip + paths, check=True)
 
 
 if __name__ == "__main__":

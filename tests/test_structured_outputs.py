@@ -323,8 +323,9 @@ def test_a_model_vocabulary_wider_than_the_tokenizer_s_is_masked_past_it(tmp_pat
     assert 151645 in eos
     choice = StructuredOutputsParams(choice=["yes", "no", "maybe"])
     regex = StructuredOutputsParams(regex=r"[0-9]{3}-[a-z]{2}")
-    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=16, structured_outputs=(choice, regex)[i % 2])
-              for i in range(8)] + [SamplingParams(temperature=1.0, seed=0, max_tokens=16, ignore_eos=True)]
+    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=16,
+                             structured_outputs=(choice, regex)[i % 2]) for i in range(8)]
+    params.append(SamplingParams(temperature=1.0, seed=0, max_tokens=16, ignore_eos=True))
     outs = llm.generate([[5 + i, 6, 7] for i in range(9)], params, use_tqdm=False)
     for i, out in enumerate(outs[:8]):
         c = out.outputs[0]
