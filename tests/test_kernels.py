@@ -191,8 +191,13 @@ def test_triton_kernels_under_interpreter():
 @interp
 @pytest.mark.parametrize("block_size,num_splits,block_n",
                          [(4, 1, 16), (4, 3, 16), (16, 2, 16), (16, None, 32)])
-def test_interp_decode_matches_reference(block_size, num_splits, block_n):
+@pytest.mark.parametrize("mask_last_tile_only", [False, True])
+def test_interp_decode_matches_reference(monkeypatch, block_size, num_splits, block_n, mask_last_tile_only):
+    # mask_last_tile_only: whole tiles without masks, then the partial one (block_size 4 < block_n:
+    # a tile spans blocks; 16 % 16 == 0: one block per tile).
+    from nanovllm.kernels import decode_attention
     from nanovllm.kernels.decode_attention import paged_decode_attention_triton
+    monkeypatch.setattr(decode_attention, "MASK_LAST_TILE_ONLY", mask_last_tile_only)
     lens = [0, 1, block_size + 1, 3 * block_size - 1]  # empty padding row, one token, block crossings
     k_cache, v_cache, tables = make_paged(lens, block_size, num_kv_heads=2, head_dim=16, seed=3)
     tables[0].fill_(-1)  # a padding row's table may hold anything
@@ -218,11 +223,16 @@ def test_interp_decode_more_splits_than_tiles():
 
 
 @interp
-def test_interp_decode_head_dim_below_16_is_padded():
-    # tl.dot needs K >= 16: a head_dim of 8 (tiny test models) runs on a padded, masked tile.
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("mask_last_tile_only", [False, True])
+def test_interp_decode_head_dim_below_16_is_padded(monkeypatch, block_size, mask_last_tile_only):
+    # tl.dot needs K >= 16: a head_dim of 8 (tiny test models) runs on a padded, masked tile (also
+    # in the whole tiles that mask_last_tile_only loads without a token mask).
+    from nanovllm.kernels import decode_attention
     from nanovllm.kernels.decode_attention import paged_decode_attention_triton
-    lens = [5, 9]
-    k_cache, v_cache, tables = make_paged(lens, 4, num_kv_heads=2, head_dim=8, seed=5)
+    monkeypatch.setattr(decode_attention, "MASK_LAST_TILE_ONLY", mask_last_tile_only)
+    lens = [5, 40]
+    k_cache, v_cache, tables = make_paged(lens, block_size, num_kv_heads=2, head_dim=8, seed=5)
     ctx = torch.tensor(lens, dtype=torch.int32)
     q = torch.randn(2, 2, 8)
     out = paged_decode_attention_triton(q, k_cache, v_cache, tables, ctx, 0.3, num_splits=2, block_n=16)
@@ -340,8 +350,14 @@ def test_decode_and_prefill_refs_read_fp8_as_the_dequantized_cache():
 
 @interp
 @pytest.mark.parametrize("block_size,num_splits,block_n", [(4, 1, 16), (16, 2, 32), (16, None, 16)])
-def test_interp_decode_fp8_matches_reference(block_size, num_splits, block_n):
+@pytest.mark.parametrize("mask_last_tile_only", [False, True])
+def test_interp_decode_fp8_matches_reference(monkeypatch, block_size, num_splits, block_n, mask_last_tile_only):
+    import dataclasses
+
+    from nanovllm.kernels import decode_attention
     from nanovllm.kernels.decode_attention import paged_decode_attention_triton
+    monkeypatch.setattr(decode_attention, "FP8_DECODE", dataclasses.replace(
+        decode_attention.FP8_DECODE, mask_last_tile_only=mask_last_tile_only))
     lens = [0, 1, block_size + 1, 3 * block_size - 1]
     k_scale, v_scale = torch.tensor([0.03]), torch.tensor([0.004])
     k8, v8, tables = fp8_paged(lens, block_size, 2, 16, k_scale, v_scale, seed=6)

@@ -19,6 +19,8 @@ see them.
 Everything launched here depends only on tensor shapes, so a decode step can be captured in a CUDA
 graph: no host syncs, no branch on tensor values.
 """
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -27,6 +29,79 @@ from nanovllm.kernels.common import num_sms
 
 # Log-sum-exp of an empty split. Finite so that merging all-empty splits (context_len 0) gives 0, not NaN.
 _EMPTY_LSE = tl.constexpr(-1.0e30)
+
+
+@triton.jit
+def _e4m3_to_f16(x):
+    """An e4m3 tile, bitcast to uint8, as fp16 (exact): two values per cvt.rn.f16x2.e4m3x2, on the
+    registers the tile was loaded into. Inline assembly marked impure, so that Triton keeps the
+    conversion here: its own cast (.to) is moved behind the shared-memory read of a dot operand, and
+    for V, whose dot sums over tokens (rows of the tile), that read takes one byte per instruction;
+    converted here, V reaches the dot as fp16 through ldmatrix.trans, as a bf16 cache does."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; "
+        "cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
+        "=r,=r,r", [x], dtype=tl.float16, is_pure=False, pack=4)
+
+
+@triton.jit
+def _attend_tile(q, k_cache_ptr, v_cache_ptr, table, tile, end, offs_n, offs_d, kv_off, tile_off,
+                 scale_log2e, m_i, l_i, acc, stride_kb, stride_kt,
+                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                 BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DOT_FP32: tl.constexpr,
+                 PRECISION: tl.constexpr, FP8: tl.constexpr, FP8_DOT_DTYPE: tl.constexpr,
+                 V_CVT_ASM: tl.constexpr):
+    """The online softmax over the context tokens [tile, tile + BLOCK_N). MASKED: tokens from end on
+    are not loaded and weigh 0; otherwise the whole tile lies before end (no masks to compute)."""
+    tokens = tile + offs_n
+    valid = tokens < end
+    if MASKED:
+        if BLOCK_SIZE % BLOCK_N == 0:
+            # Tiles start at multiples of BLOCK_N, so a tile lies inside one block: one table read.
+            block_id = tl.load(table + tile // BLOCK_SIZE).to(tl.int64)
+            rows = block_id * stride_kb + ((tile % BLOCK_SIZE) + offs_n) * stride_kt
+        else:
+            block_ids = tl.load(table + tokens // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+            rows = block_ids * stride_kb + (tokens % BLOCK_SIZE) * stride_kt
+        kv_mask = valid[:, None] & (offs_d < HEAD_DIM)[None, :]
+        k = tl.load(k_cache_ptr + rows[:, None] + kv_off, mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + rows[:, None] + kv_off, mask=kv_mask, other=0.0)
+    else:
+        if BLOCK_SIZE % BLOCK_N == 0:
+            # One block: a scalar base plus the offsets every tile shares (tile_off).
+            base = tl.load(table + tile // BLOCK_SIZE).to(tl.int64) * stride_kb + (tile % BLOCK_SIZE) * stride_kt
+            k_ptrs = k_cache_ptr + base + tile_off
+            v_ptrs = v_cache_ptr + base + tile_off
+        else:
+            rows = tl.load(table + tokens // BLOCK_SIZE).to(tl.int64) * stride_kb + (tokens % BLOCK_SIZE) * stride_kt
+            k_ptrs = k_cache_ptr + rows[:, None] + kv_off
+            v_ptrs = v_cache_ptr + rows[:, None] + kv_off
+        if HEAD_DIM == BLOCK_D:
+            k = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
+        else:
+            k = tl.load(k_ptrs, mask=(offs_d < HEAD_DIM)[None, :], other=0.0)
+            v = tl.load(v_ptrs, mask=(offs_d < HEAD_DIM)[None, :], other=0.0)
+    if DOT_FP32:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    elif FP8:
+        # K's dot sums over head_dim, contiguous in the cache: Triton's own cast converts it in the
+        # dot's registers, four bytes per shared-memory read.
+        k = k.to(FP8_DOT_DTYPE)
+        if V_CVT_ASM:
+            v = _e4m3_to_f16(v.to(tl.uint8, bitcast=True)).to(FP8_DOT_DTYPE)
+        else:
+            v = v.to(FP8_DOT_DTYPE)
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2e  # [BLOCK_G, BLOCK_N], log2 domain
+    if MASKED:
+        s = tl.where(valid[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, l_i, acc
 
 
 @triton.jit
@@ -42,6 +117,7 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, DOT_FP32: tl.constexpr,
     PRECISION: tl.constexpr, FP8: tl.constexpr, FP8_DOT_DTYPE: tl.constexpr,
+    V_CVT_ASM: tl.constexpr, MASK_LAST_TILE_ONLY: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -74,33 +150,33 @@ def _decode_split_kernel(
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     kv_off = kv_head * stride_kh + offs_d[None, :]
-    for tile in range(start, end, BLOCK_N):
-        tokens = tile + offs_n
-        valid = tokens < end
-        if BLOCK_SIZE % BLOCK_N == 0:
-            # Tiles start at multiples of BLOCK_N, so a tile lies inside one block: one table read.
-            block_id = tl.load(table + tile // BLOCK_SIZE).to(tl.int64)
-            rows = block_id * stride_kb + ((tile % BLOCK_SIZE) + offs_n) * stride_kt
-        else:
-            block_ids = tl.load(table + tokens // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-            rows = block_ids * stride_kb + (tokens % BLOCK_SIZE) * stride_kt
-        kv_mask = valid[:, None] & mask_d[None, :]
-        k = tl.load(k_cache_ptr + rows[:, None] + kv_off, mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + rows[:, None] + kv_off, mask=kv_mask, other=0.0)
-        if DOT_FP32:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        elif FP8:
-            k = k.to(FP8_DOT_DTYPE)
-            v = v.to(FP8_DOT_DTYPE)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2e  # [BLOCK_G, BLOCK_N], log2 domain
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+    tile_off = offs_n[:, None] * stride_kt + kv_off   # [BLOCK_N, BLOCK_D], the same in every tile
+    # MASK_LAST_TILE_ONLY: the whole tiles first, without masks, then the partial one, if any.
+    whole_end = end
+    if MASK_LAST_TILE_ONLY:
+        whole_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
+    if INTERPRETED:
+        # Triton 3.6's interpreter cannot run range() over tensor bounds (it calls int() on a
+        # 1-element array, which numpy 2 refuses); the compiled loop must stay a for (pipelining).
+        tile = start
+        while tile < whole_end:
+            m_i, l_i, acc = _attend_tile(
+                q, k_cache_ptr, v_cache_ptr, table, tile, end, offs_n, offs_d, kv_off, tile_off,
+                scale_log2e, m_i, l_i, acc, stride_kb, stride_kt, HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N,
+                not MASK_LAST_TILE_ONLY, DOT_FP32, PRECISION, FP8, FP8_DOT_DTYPE, V_CVT_ASM)
+            tile += BLOCK_N
+    else:
+        for tile in range(start, whole_end, BLOCK_N):
+            m_i, l_i, acc = _attend_tile(
+                q, k_cache_ptr, v_cache_ptr, table, tile, end, offs_n, offs_d, kv_off, tile_off,
+                scale_log2e, m_i, l_i, acc, stride_kb, stride_kt, HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N,
+                not MASK_LAST_TILE_ONLY, DOT_FP32, PRECISION, FP8, FP8_DOT_DTYPE, V_CVT_ASM)
+    if MASK_LAST_TILE_ONLY:
+        if whole_end < end:
+            m_i, l_i, acc = _attend_tile(
+                q, k_cache_ptr, v_cache_ptr, table, whole_end, end, offs_n, offs_d, kv_off, tile_off,
+                scale_log2e, m_i, l_i, acc, stride_kb, stride_kt, HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N,
+                True, DOT_FP32, PRECISION, FP8, FP8_DOT_DTYPE, V_CVT_ASM)
 
     safe_l = tl.where(l_i > 0, l_i, 1.0)
     out = acc / safe_l[:, None]
@@ -148,11 +224,29 @@ NUM_STAGES = 2   # software-pipelining depth of the K/V loads in the split kerne
 # of (32|64|128) x (2|4|8) (benchmarks/RESULTS.md).
 BLOCK_N = 128
 NUM_WARPS = 4
-# The same for an FP8 cache, whose tiles hold half the bytes: 256 tokens keep as many bytes in
-# flight per step as the bf16 kernel's 128 (to be tuned: bench_kernels.py --sweep tiles_fp8).
-BLOCK_N_FP8 = 256
-NUM_WARPS_FP8 = 8
-FP8_DOT_BF16 = False   # True: FP8 tiles converted to bf16 (three conversions per two values), see above
+# bf16 only: the whole tiles without masks, then the last one masked (as FP8 does; not yet measured
+# on bf16, whose loop is at the copy limit).
+MASK_LAST_TILE_ONLY = False
+
+
+@dataclass(frozen=True)
+class Fp8Decode:
+    """How the split kernel runs over an FP8 cache. benchmarks/fp8_decode_sweep.py times the
+    choices; FP8_DECODE below is the one in use."""
+    block_n: int = 128          # context tokens per loop step
+    num_warps: int = 4
+    num_stages: int = 2         # software-pipelining depth of the K/V loads
+    # "asm": V converted to fp16 as loaded (_e4m3_to_f16); "triton": Triton's cast, which it moves to
+    # the dot's shared-memory read (one byte per read).
+    v_convert: str = "asm"
+    mask_last_tile_only: bool = True   # masks computed for the last, partial tile only
+    dot_dtype: str = "fp16"     # "bf16" to compare: e4m3 -> bf16 takes more conversions
+    # A cap on registers per thread (None: the compiler's choice), to fit more programs on an SM:
+    # 168 lets three 4-warp programs share one (64K registers).
+    max_registers: int | None = None
+
+
+FP8_DECODE = Fp8Decode(block_n=128, num_warps=4, max_registers=168)
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, block_n: int,
@@ -183,11 +277,15 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     fp8 = k_cache.dtype == torch.float8_e4m3fn
     assert not fp8 or (k_scale is not None and v_scale is not None), "an FP8 cache needs k_scale and v_scale"
     group = num_heads // num_kv_heads
+    interpreted = q.device.type == "cpu"
+    fp8_dot_dtype = {"fp16": tl.float16, "bf16": tl.bfloat16}[FP8_DECODE.dot_dtype]
     # The interpreter's tl.dot is wrong on bf16 (fp32 there instead), right on fp16 (FP8's dots).
-    dot_fp32 = q.dtype == torch.float32 or (q.device.type == "cpu" and not (fp8 and not FP8_DOT_BF16))
-    # fp32 dots (fp32 queries: tests) hold twice the bytes per tile: the FP8 tile would overflow
-    # shared memory on the H200 (328 KiB asked, 227 KiB there).
-    block_n = block_n or (BLOCK_N_FP8 if fp8 and not dot_fp32 else BLOCK_N)
+    dot_fp32 = q.dtype == torch.float32 or (interpreted and not (fp8 and fp8_dot_dtype == tl.float16))
+    # fp32 dots (fp32 queries: tests) hold twice the bytes per tile: they take the bf16 cache's
+    # tile (FP8's could overflow shared memory).
+    fp8_tiles = fp8 and not dot_fp32
+    block_n = block_n or (FP8_DECODE.block_n if fp8_tiles else BLOCK_N)
+    num_warps = FP8_DECODE.num_warps if fp8_tiles else NUM_WARPS
     max_context = block_tables.shape[1] * block_size
     if num_splits is None:
         num_splits = choose_num_splits(batch, num_kv_heads, max_context, block_n, q.device)
@@ -213,8 +311,14 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
         BLOCK_D=block_d, BLOCK_SIZE=block_size, BLOCK_N=block_n, DIRECT=direct,
         DOT_FP32=dot_fp32,
         PRECISION="ieee" if q.dtype == torch.float32 else None,  # ieee: fp32 tests need exact fp32
-        FP8=fp8, FP8_DOT_DTYPE=tl.bfloat16 if FP8_DOT_BF16 else tl.float16,
-        num_warps=NUM_WARPS_FP8 if fp8 else NUM_WARPS, num_stages=NUM_STAGES,
+        FP8=fp8, FP8_DOT_DTYPE=fp8_dot_dtype,
+        # The inline assembly needs the GPU, and whole groups of 4 values per thread.
+        V_CVT_ASM=fp8_tiles and FP8_DECODE.v_convert == "asm" and not interpreted
+        and block_n * block_d >= 4 * 32 * num_warps,
+        MASK_LAST_TILE_ONLY=FP8_DECODE.mask_last_tile_only if fp8 else MASK_LAST_TILE_ONLY,
+        INTERPRETED=interpreted,
+        num_warps=num_warps, num_stages=FP8_DECODE.num_stages if fp8_tiles else NUM_STAGES,
+        maxnreg=FP8_DECODE.max_registers if fp8_tiles else None,
     )
     if not direct:
         _decode_reduce_kernel[(batch, num_heads)](

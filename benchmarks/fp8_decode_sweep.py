@@ -1,0 +1,217 @@
+"""The decode attention kernel's variants over an FP8 cache, and the bf16 kernel beside them, at
+Qwen3-0.6B's shapes (16 query heads, 8 KV heads, head_dim 128, blocks of 256 tokens) on one GPU.
+
+For each case (batch x context: 256 x 1024, 64 x 4096, 16 x 8192, and bench.py's mixed contexts
+100-2048 at batch 256 with the CUDA graphs' 16-block tables) and each variant: the output's largest
+error against the fp32 torch reference (on the same, dequantized, cache), then the median time of
+25 timings of 10 back-to-back calls (CUDA events, after a warm-up), as bytes per second (K and V of
+every context at 1 byte per value for FP8, 2 for bf16, plus q and out) and as a fraction of a
+device-to-device copy measured here. Ends with the FP8 variants ranked by their mean fraction of
+copy over the cases, and the line that makes the fastest correct one the default
+(decode_attention.FP8_DECODE). About 2-3 minutes on one H200, most of it compiling.
+
+    PYTHONPATH=. python benchmarks/fp8_decode_sweep.py [--json PATH] [--quick]
+"""
+import argparse
+import dataclasses
+import json
+import statistics
+import time
+
+import torch
+import triton
+
+from nanovllm.kernels import decode_attention
+from nanovllm.kernels.decode_attention import Fp8Decode, paged_decode_attention_triton
+from nanovllm.kernels.reference import paged_decode_attention_ref, quantize_fp8
+
+H, HKV, D, BLOCK = 16, 8, 128, 256
+SCALE = D ** -0.5
+K_SCALE, V_SCALE = 1 / 64, 1 / 128   # not 1.0, so the scales' folding is checked too
+CASES = [(256, 1024), (64, 4096), (16, 8192), "mixed"]
+MAX_ERR = 2e-2   # outputs are bf16 means of values of about 1: a few bf16 roundings
+
+# The FP8 variants timed, by name. "old default" is the kernel before the V conversion moved:
+# Triton's cast, which reads V's dot operand one byte per shared-memory load.
+FP8_VARIANTS = {
+    "old default 256x8 triton-cvt": Fp8Decode(256, 8, v_convert="triton", mask_last_tile_only=False),
+    "128x4 triton-cvt": Fp8Decode(128, 4, v_convert="triton", mask_last_tile_only=False),
+    "128x4 asm masked": Fp8Decode(128, 4, mask_last_tile_only=False),
+    "128x4 asm": Fp8Decode(128, 4),
+    "128x4 asm regs168": Fp8Decode(128, 4, max_registers=168),
+    "128x4 asm regs168 st3": Fp8Decode(128, 4, num_stages=3, max_registers=168),
+    "128x4 asm bf16-dots": Fp8Decode(128, 4, dot_dtype="bf16", max_registers=168),
+    "128x8 asm": Fp8Decode(128, 8),
+    "128x8 asm regs80": Fp8Decode(128, 8, max_registers=80),
+    "64x4 asm masked": Fp8Decode(64, 4, mask_last_tile_only=False),
+    "64x4 asm": Fp8Decode(64, 4),
+    "64x4 asm regs128": Fp8Decode(64, 4, max_registers=128),
+    "64x4 asm st3": Fp8Decode(64, 4, num_stages=3),
+    "64x2 asm": Fp8Decode(64, 2),
+    "32x2 asm": Fp8Decode(32, 2),
+    "256x8 asm": Fp8Decode(256, 8),
+}
+QUICK = ["old default 256x8 triton-cvt", "128x4 asm masked", "128x4 asm regs168", "64x4 asm"]
+# bf16 variants: (name, module constants); the first is the default.
+BF16_VARIANTS = [("bf16 default 128x4", {}),
+                 ("bf16 128x4 mask-last-tile", dict(MASK_LAST_TILE_ONLY=True)),
+                 ("bf16 64x4", dict(BLOCK_N=64))]
+
+
+def copy_bandwidth(gib=2):
+    src = torch.empty(gib << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = median_ms(lambda: dst.copy_(src), calls=3)
+    return 2 * src.numel() / (ms * 1e-3)   # read + write
+
+
+def median_ms(fn, calls=10, timings=25):
+    """Median over `timings` of the mean time of `calls` back-to-back calls (after a warm-up)."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(timings):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    return statistics.median(times)
+
+
+@dataclasses.dataclass
+class Case:
+    name: str
+    q: torch.Tensor
+    tables: torch.Tensor
+    lens: torch.Tensor
+    caches: dict          # "bf16" / "fp8": (k_cache, v_cache, scales kwargs)
+    refs: dict            # "bf16" / "fp8": the fp32 reference output
+
+    def nbytes(self, kind):
+        per_value = 1 if kind == "fp8" else 2
+        return int(self.lens.sum()) * HKV * D * 2 * per_value + 2 * self.q.numel() * 2
+
+
+def make_case(spec, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    if spec == "mixed":   # as bench.py's decode runs: contexts 100-2048, tables 16 blocks wide
+        batch, width, name = 256, 16, "b=256 mixed ctx 100-2048"
+        lens = torch.randint(100, 2049, (batch,), device="cuda", generator=gen, dtype=torch.int32)
+    else:
+        batch, ctx = spec
+        width, name = -(-ctx // BLOCK), f"b={batch} ctx={ctx}"
+        lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+    num_blocks = batch * width
+    k = torch.randn(num_blocks, BLOCK, HKV, D, device="cuda", generator=gen, dtype=torch.bfloat16)
+    v = torch.randn(num_blocks, BLOCK, HKV, D, device="cuda", generator=gen, dtype=torch.bfloat16)
+    tables = torch.randperm(num_blocks, device="cuda", generator=gen).int().view(batch, width)
+    q = torch.randn(batch, H, D, device="cuda", generator=gen, dtype=torch.bfloat16)
+    k_scale = torch.tensor([K_SCALE], device="cuda")
+    v_scale = torch.tensor([V_SCALE], device="cuda")
+    caches = {"bf16": (k, v, {}),
+              "fp8": (quantize_fp8(k, k_scale), quantize_fp8(v, v_scale),
+                      dict(k_scale=k_scale, v_scale=v_scale))}
+    refs = {kind: reference(q, tables, lens, *caches[kind]) for kind in caches}
+    return Case(name, q, tables, lens, caches, refs)
+
+
+def reference(q, tables, lens, k_cache, v_cache, scales, chunk=32):
+    """The fp32 torch reference, in batch chunks (its gathered cache would not fit at once)."""
+    outs = [paged_decode_attention_ref(q[i:i + chunk].float(), k_cache, v_cache, tables[i:i + chunk],
+                                       lens[i:i + chunk], SCALE, scales.get("k_scale"), scales.get("v_scale"))
+            for i in range(0, q.shape[0], chunk)]
+    return torch.cat(outs)
+
+
+def run_variant(case, kind, copy_bw):
+    """Time the kernel with the module's current constants; None when it cannot compile."""
+    k_cache, v_cache, scales = case.caches[kind]
+    def call():
+        return paged_decode_attention_triton(case.q, k_cache, v_cache, case.tables, case.lens, SCALE, **scales)
+    try:
+        out = call()
+    except (triton.runtime.errors.OutOfResources, triton.CompilationError) as e:
+        return dict(error=f"{type(e).__name__}: {str(e).splitlines()[0][:80]}")
+    err = (out.float() - case.refs[kind]).abs().max().item()
+    ms = median_ms(call)
+    bw = case.nbytes(kind) / (ms * 1e-3)
+    return dict(ms=ms, bytes_per_s=bw, of_copy=bw / copy_bw, max_abs_err=err, ok=err <= MAX_ERR)
+
+
+def constructor(config):
+    """The Python line that makes `config` the FP8 default."""
+    fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)
+              if getattr(config, f.name) != f.default}
+    return "FP8_DECODE = Fp8Decode(" + ", ".join(f"{k}={v!r}" for k, v in fields.items()) + ")"
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--quick", action="store_true", help=f"only {QUICK} and the bf16 default")
+    args = parser.parse_args()
+    t0 = time.perf_counter()
+    fp8_names = QUICK if args.quick else list(FP8_VARIANTS)
+    bf16_variants = BF16_VARIANTS[:1] if args.quick else BF16_VARIANTS
+    copy_bw = copy_bandwidth()
+    print(f"{torch.cuda.get_device_name()}, triton {triton.__version__}; device copy {copy_bw / 1e12:.2f} TB/s; "
+          f"FP8 default now: {decode_attention.FP8_DECODE}")
+    rows = []
+    for spec in CASES:
+        case = make_case(spec)
+        print(f"\n{case.name}   ({case.nbytes('fp8') / 1e6:.0f} MB FP8, {case.nbytes('bf16') / 1e6:.0f} MB bf16)")
+        print(f"  {'variant':32s} {'ms':>8s} {'GB/s':>7s} {'of copy':>8s} {'max err':>9s}")
+        runs = [(name, "bf16", dict(constants)) for name, constants in bf16_variants]
+        runs += [(name, "fp8", dict(FP8_DECODE=FP8_VARIANTS[name])) for name in fp8_names]
+        for name, kind, constants in runs:
+            saved = {k: getattr(decode_attention, k) for k in constants}
+            for k, value in constants.items():
+                setattr(decode_attention, k, value)
+            try:
+                r = run_variant(case, kind, copy_bw)
+            finally:
+                for k, value in saved.items():
+                    setattr(decode_attention, k, value)
+            rows.append(dict(case=case.name, variant=name, kind=kind, **r))
+            if "error" in r:
+                print(f"  {name:32s} n/a ({r['error']})")
+                continue
+            flag = "" if r["ok"] else "  WRONG"
+            print(f"  {name:32s} {r['ms']:8.4f} {r['bytes_per_s'] / 1e9:7.0f} {r['of_copy']:8.1%} "
+                  f"{r['max_abs_err']:9.2e}{flag}")
+        del case
+        torch.cuda.empty_cache()
+    print("\nFP8 variants by mean fraction of copy over the cases (correct on every case):")
+    ranked = []
+    for name in fp8_names:
+        mine = [r for r in rows if r["variant"] == name]
+        if all("ok" in r and r["ok"] for r in mine):
+            ranked.append((statistics.mean(r["of_copy"] for r in mine), name))
+        else:
+            print(f"  {name}: failed or wrong on some case")
+    ranked.sort(reverse=True)
+    bf16_mean = statistics.mean(r["of_copy"] for r in rows if r["variant"] == BF16_VARIANTS[0][0])
+    for frac, name in ranked:
+        speed = statistics.mean(
+            b["ms"] / r["ms"] for r in rows if r["variant"] == name
+            for b in rows if b["variant"] == BF16_VARIANTS[0][0] and b["case"] == r["case"])
+        print(f"  {frac:6.1%}  {speed:4.2f}x bf16's speed  {name}")
+    print(f"  (bf16 default: {bf16_mean:.1%} of copy)")
+    if ranked:
+        best = FP8_VARIANTS[ranked[0][1]]
+        verdict = "already the default" if best == decode_attention.FP8_DECODE else "NOT the default"
+        print(f"\nfastest: {ranked[0][1]} ({verdict}); in nanovllm/kernels/decode_attention.py:\n"
+              f"  {constructor(best)}")
+    print(f"\n{time.perf_counter() - t0:.0f} s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(copy_bytes_per_s=copy_bw, variants={n: dataclasses.asdict(c) for n, c in
+                                                                FP8_VARIANTS.items()}, results=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
