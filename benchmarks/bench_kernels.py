@@ -18,6 +18,7 @@ path (which converts to fp32 first); its bytes are one read of the bf16 logits.
 """
 import argparse
 import contextlib
+import dataclasses
 import json
 from functools import partial
 
@@ -205,24 +206,25 @@ def sweep(json_path, which):
                                  of_copy=bw / copy_bw))
             print(f"{batch:5d} " + "".join(f"{f:10.1%}" for f in fractions))
     if which == "tiles_fp8":
-        # (BLOCK_N_FP8, NUM_WARPS_FP8, FP8_DOT_BF16); a tile too large for shared memory shows as n/a
-        shapes = [(64, 4, False), (128, 4, False), (128, 8, False), (256, 4, False), (256, 8, False),
-                  (512, 8, False), (128, 4, True), (256, 8, True)]
-        print("FP8 decode mixed ctx 100-2048, % of copy bandwidth, auto splits, by (BLOCK_N_FP8, "
-              "NUM_WARPS_FP8), fp16 dots (bf16: the last two)")
-        print("batch " + "".join(f"{f'{n}x{w}' + (' bf16' if bf16 else ''):>12}" for n, w, bf16 in shapes))
+        # decode_attention.FP8_DECODE's tile and warps (benchmarks/fp8_decode_sweep.py times more
+        # knobs, against bf16 and the reference); a tile too large for shared memory shows as n/a
+        shapes = [(64, 4), (128, 4), (128, 8), (256, 8), (64, 2), (32, 2)]
+        print("FP8 decode mixed ctx 100-2048, % of copy bandwidth, auto splits, by (block_n, num_warps)")
+        print("batch " + "".join(f"{f'{n}x{w}':>12}" for n, w in shapes))
         for batch in (256, 128, 64, 16):
             cells = []
-            for block_n, warps, bf16 in shapes:
+            for block_n, warps in shapes:
+                config = dataclasses.replace(decode_attention.FP8_DECODE, block_n=block_n, num_warps=warps,
+                                             max_registers=None)
                 try:
-                    with knobs(decode_attention, BLOCK_N_FP8=block_n, NUM_WARPS_FP8=warps, FP8_DOT_BF16=bf16):
+                    with knobs(decode_attention, FP8_DECODE=config):
                         ms, bw = mixed_decode_case(batch, fp8=True)
                 except triton.runtime.errors.OutOfResources:
                     cells.append(f"{'n/a':>12}")
                     continue
                 cells.append(f"{bw / copy_bw:12.1%}")
-                rows.append(dict(case=f"fp8 mixed decode b={batch} block_n={block_n} warps={warps}"
-                                      + (" bf16" if bf16 else ""), ms=ms, of_copy=bw / copy_bw))
+                rows.append(dict(case=f"fp8 mixed decode b={batch} block_n={block_n} warps={warps}", ms=ms,
+                                 of_copy=bw / copy_bw))
             print(f"{batch:5d} " + "".join(cells))
     if which == "stages":
         print("decode mixed ctx 100-2048, % of copy bandwidth, auto splits, by NUM_STAGES 2 / 3 / 4")

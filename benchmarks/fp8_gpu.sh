@@ -4,7 +4,8 @@
 #   bash benchmarks/fp8_gpu.sh
 # 1. decode bandwidth over an FP8 cache (batch 256 x context 1024, bf16 beside it; bench.py's mixed contexts)
 # 2. bench.py --kv-cache-dtype fp8, then auto (bf16), then fp8 with --calculate-kv-scales
-# 3. the FP8 decode tile sweep; bench.py fp8 again with its best tile when that is not the default
+# 3. the FP8 decode kernel's variants (benchmarks/fp8_decode_sweep.py); bench.py fp8 again with the
+#    fastest when that is not the default
 # 4. accuracy on a real model (MODEL=a Hugging Face folder, or GGUF=SmolLM2's GGUF file with gguf and
 #    accelerate installed; skipped without either)
 # 5. the GPU kernel tests and the FP8 engine tests (on GPU 1 alongside 1-4 when two GPUs are visible)
@@ -29,36 +30,30 @@ timeout 60 python benchmarks/bench_kernels.py --fp8 --json "$OUT/fp8_kernels.jso
 bench fp8 --kv-cache-dtype fp8
 bench auto
 bench fp8_calc --kv-cache-dtype fp8 --calculate-kv-scales
-timeout 150 python benchmarks/bench_kernels.py --sweep tiles_fp8 --json "$OUT/fp8_tiles.json" 2>&1 \
-  | grep -v -i warn | tail -7
-# The tile with the best mean fraction of copy bandwidth over the sweep's batches: bench.py with it.
-best=$(python - "$OUT/fp8_tiles.json" <<'PY'
-import collections, json, re, sys
+timeout 270 python benchmarks/fp8_decode_sweep.py --json "$OUT/fp8_sweep.json" 2>&1 | grep -v -i warn | tail -22
+# The fastest correct variant of the sweep: bench.py with it when it is not the default.
+best=$(python - "$OUT/fp8_sweep.json" <<'PY'
+import json, sys
+sys.path.insert(0, "benchmarks")
+from fp8_decode_sweep import fastest
 from nanovllm.kernels import decode_attention as d
 try:
-    rows = json.load(open(sys.argv[1]))["results"]
-except (OSError, ValueError, KeyError):
+    data = json.load(open(sys.argv[1]))
+except (OSError, ValueError):
     sys.exit()
-by_tile = collections.defaultdict(list)
-for r in rows:
-    if not r["case"].endswith("bf16"):   # the fp16-dot tiles only
-        block_n, warps = map(int, re.search(r"block_n=(\d+) warps=(\d+)", r["case"]).groups())
-        by_tile[block_n, warps].append(r["of_copy"])
-by_tile = {t: f for t, f in by_tile.items() if len(f) == 4}   # measured at every batch
-block_n, warps = max(by_tile, key=lambda t: sum(by_tile[t]) / len(by_tile[t]))
-if (block_n, warps) != (d.BLOCK_N_FP8, d.NUM_WARPS_FP8):
-    print(block_n, warps)
+ranked = fastest(data["results"], list(data["variants"]))
+if ranked and d.Fp8Decode(**data["variants"][ranked[0][1]]) != d.FP8_DECODE:
+    print(json.dumps(data["variants"][ranked[0][1]]))
 PY
 )
 if [[ -n $best ]]; then
-  set -- $best
-  echo "best FP8 tile ($1 tokens, $2 warps) is not the default: bench.py with it"
+  echo "fastest FP8 decode variant is not the default: bench.py with it ($best)"
   timeout 100 python -c "
-import runpy, sys
+import json, runpy, sys
 from nanovllm.kernels import decode_attention as d
-d.BLOCK_N_FP8, d.NUM_WARPS_FP8 = $1, $2
-sys.argv = ['bench.py', '--kv-cache-dtype', 'fp8', '--json', '$OUT/bench_fp8_tile_$1x$2.json']
-runpy.run_path('bench.py', run_name='__main__')" 2>&1 | grep -v -i warn | tail -1 | sed "s/^/[fp8 tile $1x$2] /"
+d.FP8_DECODE = d.Fp8Decode(**json.loads(sys.argv[1]))
+sys.argv = ['bench.py', '--kv-cache-dtype', 'fp8', '--json', '$OUT/bench_fp8_fastest.json']
+runpy.run_path('bench.py', run_name='__main__')" "$best" 2>&1 | grep -v -i warn | tail -1 | sed "s/^/[fp8 fastest] /"
 fi
 if [[ -n $MODEL || -n $GGUF ]]; then
   timeout 150 python benchmarks/fp8_accuracy.py ${MODEL:+--model "$MODEL"} ${GGUF:+--gguf "$GGUF"} \

@@ -1,7 +1,7 @@
 """Where a bench.py run spends its time (CUDA): host time per phase over the whole default workload,
 GPU time of each decode step (CUDA events around graph replay + logits + sampling), and a kernel
 breakdown of a few eager decode steps at batch 256 (torch.profiler).
-Usage: PYTHONPATH=. python benchmarks/profile_bench.py [--out FILE]"""
+Usage: PYTHONPATH=. python benchmarks/profile_bench.py [--out FILE] [--kv-cache-dtype fp8]"""
 import argparse
 import gc
 import os
@@ -86,9 +86,9 @@ def host_profile(llm, lines):
         lines.append(f"{label:58s} {s:8.3f} {s / total:7.1%}")
 
 
-def kernel_profile(model, lines, steps=5, gpu_memory_utilization=0.4):
+def kernel_profile(model, lines, steps=5, gpu_memory_utilization=0.4, kv_cache_dtype="auto"):
     llm = LLM(model, load_format="dummy", max_model_len=4096, enforce_eager=True,
-              gpu_memory_utilization=gpu_memory_utilization)
+              gpu_memory_utilization=gpu_memory_utilization, kv_cache_dtype=kv_cache_dtype)
     prompts, _ = workload(256, 1024, 1024, 0.6)
     params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=steps + 3)
     runner = llm.model_runner
@@ -131,18 +131,21 @@ def main():
     p.add_argument("--skip-host", action="store_true", help="only the kernel breakdown")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.4,
                    help="of each engine (one at a time; a model over 0.4 of the GPU needs more)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
+                   help="as bench.py's: fp8 profiles the engine over an e4m3 KV cache")
     args = p.parse_args()
-    lines = []
+    lines = [f"model {args.model}, KV cache {args.kv_cache_dtype}"]
     if not args.skip_host:
         llm = LLM(args.model, load_format="dummy", max_model_len=4096,
-                  gpu_memory_utilization=args.gpu_memory_utilization)
+                  gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_dtype=args.kv_cache_dtype)
         llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8), use_tqdm=False)
         host_profile(llm, lines)
         del llm
         gc.collect()
         torch.cuda.empty_cache()
     if not args.skip_kernels:
-        kernel_profile(args.model, lines, gpu_memory_utilization=args.gpu_memory_utilization)
+        kernel_profile(args.model, lines, gpu_memory_utilization=args.gpu_memory_utilization,
+                       kv_cache_dtype=args.kv_cache_dtype)
     text = "\n".join(lines)
     print(text)
     if args.out:

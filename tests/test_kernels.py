@@ -351,7 +351,8 @@ def test_decode_and_prefill_refs_read_fp8_as_the_dequantized_cache():
 @interp
 @pytest.mark.parametrize("block_size,num_splits,block_n", [(4, 1, 16), (16, 2, 32), (16, None, 16)])
 @pytest.mark.parametrize("mask_last_tile_only", [False, True])
-def test_interp_decode_fp8_matches_reference(monkeypatch, block_size, num_splits, block_n, mask_last_tile_only):
+def test_interp_decode_fp8_matches_reference(monkeypatch, block_size, num_splits, block_n,
+                                             mask_last_tile_only):
     import dataclasses
 
     from nanovllm.kernels import decode_attention

@@ -411,21 +411,68 @@ def test_decode_fp8_matches_reference(batch, max_ctx, block_size, block_n):
         assert torch.equal(entry[keep], out[keep])
 
 
-@pytest.mark.parametrize("block_n,num_warps,bf16_dots", [(128, 4, False), (64, 4, False), (256, 8, True)])
-def test_decode_fp8_tile_variants_match_reference(monkeypatch, block_n, num_warps, bf16_dots):
-    """The knobs bench_kernels.py --sweep tiles_fp8 turns: every variant computes the same."""
+FP8_VARIANTS = [dict(block_n=256, num_warps=8, v_convert="triton", mask_last_tile_only=False),
+                dict(block_n=128, num_warps=4, mask_last_tile_only=False),
+                dict(block_n=64, num_warps=4), dict(block_n=64, num_warps=2, num_stages=3),
+                dict(block_n=128, num_warps=8, dot_dtype="bf16"), dict(block_n=32, num_warps=2)]
+
+
+@pytest.mark.parametrize("variant", FP8_VARIANTS)
+def test_decode_fp8_variants_match_reference(monkeypatch, variant):
+    """The configurations benchmarks/fp8_decode_sweep.py times: every one computes the same, also
+    at block sizes that split a tile over blocks, and with splits."""
+    import dataclasses
+
     from nanovllm.kernels import decode_attention
-    monkeypatch.setattr(decode_attention, "BLOCK_N_FP8", block_n)
-    monkeypatch.setattr(decode_attention, "NUM_WARPS_FP8", num_warps)
-    monkeypatch.setattr(decode_attention, "FP8_DOT_BF16", bf16_dots)
-    lens = [1, 700, 2048, 0, 1500]
-    k8, v8, tables, k_scale, v_scale, k_deq, v_deq = fp8_paged(lens, 256, seed=5)
+    monkeypatch.setattr(decode_attention, "FP8_DECODE", dataclasses.replace(decode_attention.FP8_DECODE,
+                                                                            **variant))
+    for block_size, lens in ((256, [1, 700, 2048, 0, 1500]), (16, [3, 130, 0, 333])):
+        k8, v8, tables, k_scale, v_scale, k_deq, v_deq = fp8_paged(lens, block_size, seed=5)
+        ctx = torch.tensor(lens, dtype=torch.int32, device="cuda")
+        q = torch.randn(len(lens), H, D, device="cuda").bfloat16()
+        for num_splits in (None, 3):
+            out = decode_attention.paged_decode_attention_triton(q, k8, v8, tables, ctx, SCALE,
+                                                                 num_splits=num_splits, k_scale=k_scale,
+                                                                 v_scale=v_scale)
+            keep = ctx > 0
+            torch.testing.assert_close(out.float()[keep], decode_ref(q, k_deq, v_deq, tables, ctx)[keep],
+                                       **BF16_TOL)
+
+
+@pytest.mark.parametrize("head_dim", [8, 64])
+def test_decode_fp8_small_head_dims(head_dim):
+    """Padded head_dim in the FP8 tiles (the whole tiles' loads keep a head_dim mask)."""
+    from nanovllm.kernels.decode_attention import paged_decode_attention_triton
+    from nanovllm.kernels.reference import quantize_fp8
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    lens = [1, 300, 1000]
+    k_cache = torch.randn(16, 256, 4, head_dim, device="cuda", generator=gen)
+    v_cache = torch.randn_like(k_cache)
+    scale = torch.ones(1, device="cuda")
+    k8, v8 = quantize_fp8(k_cache, scale), quantize_fp8(v_cache, scale)
+    tables = torch.randperm(16, device="cuda", generator=gen)[:12].int().view(3, 4)
     ctx = torch.tensor(lens, dtype=torch.int32, device="cuda")
-    q = torch.randn(5, H, D, device="cuda").bfloat16()
-    out = decode_attention.paged_decode_attention_triton(q, k8, v8, tables, ctx, SCALE, k_scale=k_scale,
-                                                         v_scale=v_scale)
-    keep = ctx > 0
-    torch.testing.assert_close(out.float()[keep], decode_ref(q, k_deq, v_deq, tables, ctx)[keep], **BF16_TOL)
+    q = torch.randn(3, 8, head_dim, device="cuda", generator=gen).bfloat16()
+    out = paged_decode_attention_triton(q, k8, v8, tables, ctx, head_dim ** -0.5, k_scale=scale,
+                                        v_scale=scale)
+    ref = paged_decode_attention_ref(q.float(), k8.float(), v8.float(), tables, ctx, head_dim ** -0.5)
+    torch.testing.assert_close(out.float(), ref, **BF16_TOL)
+
+
+def test_decode_bf16_masking_only_the_last_tile_matches_reference(monkeypatch):
+    """MASK_LAST_TILE_ONLY for the bf16 cache (off by default): the same results."""
+    from nanovllm.kernels import decode_attention
+    monkeypatch.setattr(decode_attention, "MASK_LAST_TILE_ONLY", True)
+    for block_size, lens in ((256, [1, 700, 2048, 0, 1500]), (16, [3, 130, 0, 333])):
+        k_cache, v_cache, tables = make_paged(lens, block_size, seed=6)
+        ctx = torch.tensor(lens, dtype=torch.int32, device="cuda")
+        q = torch.randn(len(lens), H, D, device="cuda").bfloat16()
+        for num_splits in (None, 3):
+            out = decode_attention.paged_decode_attention_triton(q, k_cache, v_cache, tables, ctx, SCALE,
+                                                                 num_splits=num_splits)
+            keep = ctx > 0
+            torch.testing.assert_close(out.float()[keep], decode_ref(q, k_cache, v_cache, tables, ctx)[keep],
+                                       **BF16_TOL)
 
 
 def test_decode_fp8_with_fp32_queries_matches_reference():

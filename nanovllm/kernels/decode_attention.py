@@ -9,12 +9,14 @@ An FP8 cache (float8_e4m3fn, the FP8 constexpr) is read as it is, one byte per v
 dequantized in registers: the layer's k_scale joins the softmax scale, v_scale multiplies the
 output, and the K and V tiles are converted to fp16 (exact: every e4m3 value is an fp16 value) for
 dots in fp16 with fp32 accumulation. fp16, not bf16: e4m3 -> fp16 is one hardware instruction per
-two values (cvt.rn.f16x2.e4m3x2), e4m3 -> bf16 three (through fp16), and at the cache's bandwidth
-the conversions alone could then outrun the SM's conversion throughput. So the query is rounded to
+two values (cvt.rn.f16x2.e4m3x2), e4m3 -> bf16 three (through fp16). So the query is rounded to
 fp16 too (finer than bf16; it must stay below 65504, as in any fp16 model) and so are the softmax
-weights (finer than the bf16 kernel's). FP8_DOT_BF16 keeps the dots in bf16 instead (to compare).
-The scales are read on the device, so graphs captured before calculate_kv_scales sets them still
-see them.
+weights (finer than the bf16 kernel's). Where each tile is converted decides the speed: K as
+Triton places it, in the dot's registers, V as it is loaded (_e4m3_to_f16); and with half the bytes
+per token the loop's other work counts twice as much, so whole tiles skip the masks and a register
+cap fits three programs per SM. FP8_DECODE holds these choices; benchmarks/fp8_decode_sweep.py
+times the alternatives. The scales are read on the device, so graphs captured before
+calculate_kv_scales sets them still see them.
 
 Everything launched here depends only on tensor shapes, so a decode step can be captured in a CUDA
 graph: no host syncs, no branch on tensor values.
@@ -69,11 +71,13 @@ def _attend_tile(q, k_cache_ptr, v_cache_ptr, table, tile, end, offs_n, offs_d, 
     else:
         if BLOCK_SIZE % BLOCK_N == 0:
             # One block: a scalar base plus the offsets every tile shares (tile_off).
-            base = tl.load(table + tile // BLOCK_SIZE).to(tl.int64) * stride_kb + (tile % BLOCK_SIZE) * stride_kt
+            block_id = tl.load(table + tile // BLOCK_SIZE).to(tl.int64)
+            base = block_id * stride_kb + (tile % BLOCK_SIZE) * stride_kt
             k_ptrs = k_cache_ptr + base + tile_off
             v_ptrs = v_cache_ptr + base + tile_off
         else:
-            rows = tl.load(table + tokens // BLOCK_SIZE).to(tl.int64) * stride_kb + (tokens % BLOCK_SIZE) * stride_kt
+            block_ids = tl.load(table + tokens // BLOCK_SIZE).to(tl.int64)
+            rows = block_ids * stride_kb + (tokens % BLOCK_SIZE) * stride_kt
             k_ptrs = k_cache_ptr + rows[:, None] + kv_off
             v_ptrs = v_cache_ptr + rows[:, None] + kv_off
         if HEAD_DIM == BLOCK_D:
@@ -224,8 +228,8 @@ NUM_STAGES = 2   # software-pipelining depth of the K/V loads in the split kerne
 # of (32|64|128) x (2|4|8) (benchmarks/RESULTS.md).
 BLOCK_N = 128
 NUM_WARPS = 4
-# bf16 only: the whole tiles without masks, then the last one masked (as FP8 does; not yet measured
-# on bf16, whose loop is at the copy limit).
+# bf16 (and fp16, fp32) caches: the whole tiles without masks, then the last one masked, as FP8
+# does. Off: the bf16 loop already runs at the copy limit (fp8_decode_sweep.py times it on).
 MASK_LAST_TILE_ONLY = False
 
 
@@ -245,7 +249,14 @@ class Fp8Decode:
     # 168 lets three 4-warp programs share one (64K registers).
     max_registers: int | None = None
 
+    def __post_init__(self):
+        if self.v_convert not in ("asm", "triton"):
+            raise ValueError(f"v_convert must be 'asm' or 'triton', not {self.v_convert!r}")
+        if self.dot_dtype not in ("fp16", "bf16"):
+            raise ValueError(f"dot_dtype must be 'fp16' or 'bf16', not {self.dot_dtype!r}")
 
+
+# The FP8 default: the one line to change (fp8_decode_sweep.py prints it for its fastest variant).
 FP8_DECODE = Fp8Decode(block_n=128, num_warps=4, max_registers=168)
 
 
