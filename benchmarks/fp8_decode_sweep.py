@@ -10,7 +10,7 @@ device-to-device copy measured here. Ends with the FP8 variants ranked by their 
 copy over the cases, and the line that makes the fastest correct one the default
 (decode_attention.FP8_DECODE). About 2-3 minutes on one H200, most of it compiling.
 
-    PYTHONPATH=. python benchmarks/fp8_decode_sweep.py [--json PATH] [--quick]
+    PYTHONPATH=. python benchmarks/fp8_decode_sweep.py [--json PATH] [--quick] [--only asm]
 """
 import argparse
 import dataclasses
@@ -45,6 +45,7 @@ FP8_VARIANTS = {
     "64x4 asm": Fp8Decode(64, 4),
     "64x4 asm regs128": Fp8Decode(64, 4, max_registers=128),
     "64x4 asm st3": Fp8Decode(64, 4, num_stages=3),
+    "64x4 asm st1": Fp8Decode(64, 4, num_stages=1),   # no prefetch: three programs per SM hide the loads
     "64x2 asm": Fp8Decode(64, 2),
     "32x2 asm": Fp8Decode(32, 2),
     "256x8 asm": Fp8Decode(256, 8),
@@ -133,8 +134,9 @@ def run_variant(case, kind, copy_bw):
                                              **scales)
     try:
         out = call()
-    except (triton.runtime.errors.OutOfResources, triton.CompilationError) as e:
-        return dict(error=f"{type(e).__name__}: {str(e).splitlines()[0][:80]}")
+        torch.cuda.synchronize()
+    except Exception as e:   # a variant that fails to compile (or to run) must not end the sweep
+        return dict(error=f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:80]}")
     err = (out.float() - case.refs[kind]).abs().max().item()
     ms = median_ms(call)
     bw = case.nbytes(kind) / (ms * 1e-3)
@@ -162,9 +164,11 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--quick", action="store_true", help=f"only {QUICK} and the bf16 default")
+    parser.add_argument("--only", help="only the FP8 variants whose names contain this (and bf16)")
     args = parser.parse_args()
     t0 = time.perf_counter()
     fp8_names = QUICK if args.quick else list(FP8_VARIANTS)
+    fp8_names = [name for name in fp8_names if args.only is None or args.only in name]
     bf16_variants = BF16_VARIANTS[:1] if args.quick else BF16_VARIANTS
     copy_bw = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}, triton {triton.__version__}; "
