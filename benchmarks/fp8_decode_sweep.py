@@ -2,7 +2,7 @@
 Qwen3-0.6B's shapes (16 query heads, 8 KV heads, head_dim 128, blocks of 256 tokens) on one GPU.
 
 For each case (batch x context: 256 x 1024, 64 x 4096, 16 x 8192, and bench.py's mixed contexts
-100-2048 at batch 256 with the CUDA graphs' 16-block tables) and each variant: the output's largest
+100-2048 at batches 256 and 32 with the CUDA graphs' 16-block tables) and each variant: the output's largest
 error against the fp32 torch reference (on the same, dequantized, cache), then the median time of
 25 timings of 10 back-to-back calls (CUDA events, after a warm-up), as bytes per second (K and V of
 every context at 1 byte per value for FP8, 2 for bf16, plus q and out) and as a fraction of a
@@ -28,7 +28,9 @@ from nanovllm.kernels.reference import paged_decode_attention_ref, quantize_fp8
 H, HKV, D, BLOCK = 16, 8, 128, 256
 SCALE = D ** -0.5
 K_SCALE, V_SCALE = 1 / 64, 1 / 128   # not 1.0, so the scales' folding is checked too
-CASES = [(256, 1024), (64, 4096), (16, 8192), "mixed"]
+# (batch, context), or ("mixed", batch): bench.py's contexts; its batch shrinks to a few sequences
+# at the end of the run, where the split count matters.
+CASES = [(256, 1024), (64, 4096), (16, 8192), ("mixed", 256), ("mixed", 32)]
 MAX_ERR = 2e-2   # outputs are bf16 means of values of about 1: a few bf16 roundings
 
 # The FP8 variants timed, by name. "old default" is the kernel before the V conversion moved:
@@ -97,8 +99,9 @@ class Case:
 
 def make_case(spec, seed=0):
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    if spec == "mixed":   # as bench.py's decode runs: contexts 100-2048, tables 16 blocks wide
-        batch, width, name = 256, 16, "b=256 mixed ctx 100-2048"
+    if spec[0] == "mixed":   # as bench.py's decode runs: contexts 100-2048, tables 16 blocks wide
+        batch, width = spec[1], 16
+        name = f"b={batch} mixed ctx 100-2048"
         lens = torch.randint(100, 2049, (batch,), device="cuda", generator=gen, dtype=torch.int32)
     else:
         batch, ctx = spec
