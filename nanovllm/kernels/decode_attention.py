@@ -21,6 +21,7 @@ calculate_kv_scales sets them still see them.
 Everything launched here depends only on tensor shapes, so a decode step can be captured in a CUDA
 graph: no host syncs, no branch on tensor values.
 """
+import os
 from dataclasses import dataclass
 
 import torch
@@ -288,7 +289,8 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     fp8 = k_cache.dtype == torch.float8_e4m3fn
     assert not fp8 or (k_scale is not None and v_scale is not None), "an FP8 cache needs k_scale and v_scale"
     group = num_heads // num_kv_heads
-    interpreted = q.device.type == "cpu"
+    # The Triton interpreter: CPU tensors (or TRITON_INTERPRET=1 on any).
+    interpreted = q.device.type == "cpu" or os.environ.get("TRITON_INTERPRET") == "1"
     fp8_dot_dtype = {"fp16": tl.float16, "bf16": tl.bfloat16}[FP8_DECODE.dot_dtype]
     # The interpreter's tl.dot is wrong on bf16 (fp32 there instead), right on fp16 (FP8's dots).
     dot_fp32 = q.dtype == torch.float32 or (interpreted and not (fp8 and fp8_dot_dtype == tl.float16))
