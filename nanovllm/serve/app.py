@@ -99,6 +99,7 @@ def create_app(engine, model_name: str, stream_interval: int = 1) -> FastAPI:
     async def completions(body: api.CompletionRequest, raw: HTTPRequest):
         check_model(body.model)
         params = body.sampling_params(body.max_tokens, body.logprobs, engine.default_sampling_overrides)
+        await compile_grammar(engine, params)
         requests = await submit(raw, [(p, params) for p in body.prompts()])
         reply = _Completions(tokenizer, model_name, body, requests)
         if body.stream:
@@ -109,6 +110,7 @@ def create_app(engine, model_name: str, stream_interval: int = 1) -> FastAPI:
     async def chat(body: api.ChatRequest, raw: HTTPRequest):
         check_model(body.model)
         params = body.chat_params(engine.default_sampling_overrides)
+        await compile_grammar(engine, params)
         prompt = await asyncio.to_thread(chat_prompt, tokenizer, body)
         requests = await submit(raw, [(prompt, params)])
         reply = _Chat(tokenizer, model_name, body, requests)
@@ -130,6 +132,18 @@ def chat_prompt(tokenizer, body: api.ChatRequest) -> list[int]:
         chat_template_kwargs=body.chat_template_kwargs,
     )
     return tokenizer.encode(text, add_special_tokens=False)  # the template wrote any BOS
+
+
+async def compile_grammar(engine, params):
+    """Compile the request's structured-output grammar (or find it cached) in a worker thread, so
+    neither the event loop nor the engine's step loop waits for xgrammar. A bad schema, regex or
+    grammar, or a server without xgrammar, is a ValueError: a 400."""
+    if params.structured_outputs is None:
+        return
+    try:
+        await asyncio.to_thread(engine.compile_grammar, params.structured_outputs)
+    except ImportError as e:
+        raise ValueError(f"this server cannot serve structured outputs: {e}") from None
 
 
 async def submit(raw: HTTPRequest, prompts: list[tuple]) -> list[Request]:

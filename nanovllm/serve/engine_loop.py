@@ -113,8 +113,9 @@ class EngineLoop:
     def _add(self, request: Request, accepted: asyncio.Future):
         try:
             request.seqs = self.engine.add_request(request.prompt, request.params)
-        except (ValueError, TypeError) as e:  # the client's fault: a 400, the engine goes on
-            self.loop.call_soon_threadsafe(_settle, accepted, e)
+        except (ValueError, TypeError, ImportError) as e:  # the client's fault: a 400, the engine goes on
+            error = ValueError(f"this server cannot serve the request: {e}") if isinstance(e, ImportError) else e
+            self.loop.call_soon_threadsafe(_settle, accepted, error)
             return
         request.published = [seq.num_prompt_tokens for seq in request.seqs]
         self.active[id(request)] = request
