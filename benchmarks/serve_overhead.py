@@ -141,7 +141,10 @@ def main():
         tokens = engine.generate(prompts, params)
         offline[c] = tokens / (time.perf_counter() - t)
         print(f"offline (fake engine, {c} at a time): {offline[c]:,.0f} output tok/s", flush=True)
-    flags = [f"--{k}={getattr(args, k.replace('-', '_'))}" for k in ("host-ms", "device-ms", "port", "stream-interval")]
+    flags = [
+        f"--{k}={getattr(args, k.replace('-', '_'))}"
+        for k in ("host-ms", "device-ms", "port", "stream-interval")
+    ]
     server = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--serve", *flags])
     url = f"http://127.0.0.1:{args.port}"
     try:

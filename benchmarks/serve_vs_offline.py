@@ -55,7 +55,9 @@ def start_server(model: str, load_format: str, port: int, stream_interval: int, 
         except OSError:
             if server.poll() is not None or time.monotonic() > deadline:
                 server.kill()
-                raise RuntimeError(f"the server did not start (exit code {server.returncode}); see {log.name}")
+                raise RuntimeError(
+                    f"the server did not start (exit code {server.returncode}); see {log.name}"
+                ) from None
             time.sleep(1)
 
 
@@ -77,7 +79,12 @@ def main():
     with multiprocessing.get_context("spawn").Pool(1) as pool:  # its own process: the GPU is free after
         offline = pool.apply(offline_tokens_per_s, (args.model, load_format, args))
     print(f"offline LLM.generate: {offline:,.0f} output tok/s", flush=True)
-    figures = {"model": args.model, "load_format": load_format, "offline_output_tokens_per_s": offline, "runs": []}
+    figures = {
+        "model": args.model,
+        "load_format": load_format,
+        "offline_output_tokens_per_s": offline,
+        "runs": [],
+    }
     prompts, params = workload(args.num_requests, args.max_input_len, args.max_output_len, args.temperature)
     url = f"http://127.0.0.1:{args.port}"
     for interval in args.stream_interval:
@@ -87,10 +94,15 @@ def main():
                 run_load(url, args.model, prompts[:8], params[:8], 8, 1)  # warm-up
                 for c in args.concurrency:
                     r = run_load(url, args.model, prompts, params, c, args.client_processes)
-                    r |= {"stream_interval": interval, "fraction_of_offline": r["output_tokens_per_s"] / offline}
+                    r |= {
+                        "stream_interval": interval,
+                        "fraction_of_offline": r["output_tokens_per_s"] / offline,
+                    }
                     figures["runs"].append(r)
                     print(f"stream-interval {interval}, {describe(r)}", flush=True)
-                    print(f"  the server at {c} streams: {r['fraction_of_offline']:.0%} of offline", flush=True)
+                    print(
+                        f"  the server at {c} streams: {r['fraction_of_offline']:.0%} of offline", flush=True
+                    )
             finally:
                 server.terminate()
                 server.wait(60)

@@ -114,7 +114,9 @@ class EngineLoop:
         try:
             request.seqs = self.engine.add_request(request.prompt, request.params)
         except (ValueError, TypeError, ImportError) as e:  # the client's fault: a 400, the engine goes on
-            error = ValueError(f"this server cannot serve the request: {e}") if isinstance(e, ImportError) else e
+            error = (
+                ValueError(f"this server cannot serve the request: {e}") if isinstance(e, ImportError) else e
+            )
             self.loop.call_soon_threadsafe(_settle, accepted, error)
             return
         request.published = [seq.num_prompt_tokens for seq in request.seqs]
@@ -136,14 +138,18 @@ class EngineLoop:
                 token_ids = seq.token_ids
                 end = len(token_ids)
                 is_finished = seq.status is finished
-                if not is_finished and (end == sent or (end - sent < interval and sent > seq.num_prompt_tokens)):
+                if not is_finished and (
+                    end == sent or (end - sent < interval and sent > seq.num_prompt_tokens)
+                ):
                     continue
                 logprobs = seq.logprobs
                 if logprobs is not None:
                     first = sent - seq.num_prompt_tokens
                     logprobs = logprobs[first : first + end - sent]
                 output = self.engine.completion_output(seq) if is_finished else None
-                deliveries.append((request, Update(request.choice_base + i, token_ids[sent:end], logprobs, output)))
+                deliveries.append(
+                    (request, Update(request.choice_base + i, token_ids[sent:end], logprobs, output))
+                )
                 published[i] = -1 if is_finished else end
             if max(published) < 0:
                 done.append(key)

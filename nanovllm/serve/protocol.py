@@ -112,7 +112,9 @@ class _Request(BaseModel):
         except TypeError:  # a field StructuredOutputsParams does not have
             known = ", ".join(f.name for f in dataclasses.fields(StructuredOutputsParams))
             unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(StructuredOutputsParams)})
-            raise ValueError(f"structured_outputs: unknown field(s) {unknown}; the fields are {known}") from None
+            raise ValueError(
+                f"structured_outputs: unknown field(s) {unknown}; the fields are {known}"
+            ) from None
 
 
 def _constraint_of(response_format: dict | None) -> dict | None:
@@ -133,9 +135,7 @@ def _constraint_of(response_format: dict | None) -> dict | None:
                 'response_format json_schema needs "json_schema": {"name": ..., "schema": {...}}'
             )
         return {"json": spec["schema"]}
-    raise ValueError(
-        f"response_format type must be 'text', 'json_object' or 'json_schema', got {kind!r}"
-    )
+    raise ValueError(f"response_format type must be 'text', 'json_object' or 'json_schema', got {kind!r}")
 
 
 class CompletionRequest(_Request):
