@@ -281,3 +281,115 @@ def test_bad_chat_request_is_a_bad_request_error(client):
         client.chat.completions.create(model=NAME, messages=[], max_tokens=2)
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}], top_p=5)
+
+
+# ---- structured outputs: response_format and vLLM's extra fields ------------------------------
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 20},
+        "age": {"type": "integer"},
+        "job": {"enum": ["teacher", "engineer", "doctor", "other"]},
+    },
+    "required": ["name", "age", "job"],
+}
+TEXTS = [
+    "Maria Lopez is a 34-year-old teacher from Madrid.",
+    "Kenji Sato, 51, works as an engineer in Osaka.",
+    "Amara Okafor is a doctor in Lagos; she is 42.",
+]
+
+
+def _person(value) -> bool:
+    """value conforms to PERSON (no jsonschema dependency: the few features PERSON uses)."""
+    props = PERSON["properties"]
+    return (
+        isinstance(value, dict)
+        and set(value) == set(props)
+        and isinstance(value["name"], str)
+        and len(value["name"]) <= 20
+        and type(value["age"]) is int
+        and value["job"] in props["job"]["enum"]
+    )
+
+
+def _needs_xgrammar():
+    if importlib.util.find_spec("xgrammar") is None:
+        pytest.skip("needs xgrammar (pip install 'nanovllm[structured]')")
+
+
+def test_response_format_json_schema_returns_json_that_validates(client):
+    _needs_xgrammar()
+    schema = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    for text in TEXTS:
+        got = client.chat.completions.create(
+            model=NAME,
+            messages=[{"role": "user", "content": f"Extract the person as JSON: {text}"}],
+            max_tokens=60,
+            temperature=0,
+            response_format=schema,
+        ).choices[0]
+        assert got.finish_reason == "stop", got.message.content
+        assert _person(json.loads(got.message.content)), got.message.content
+    # The same, streamed from /v1/completions at temperature 1: the joined deltas validate.
+    stream = client.completions.create(
+        model=NAME, prompt=f"JSON for: {TEXTS[0]}\n", max_tokens=60, temperature=1.0, seed=3,
+        stream=True, extra_body={"response_format": schema},
+    )  # fmt: skip
+    chunks = list(stream)
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    assert _person(json.loads("".join(c.choices[0].text for c in chunks)))
+
+
+def test_json_object_and_vllm_s_guided_fields(client):
+    _needs_xgrammar()
+    got = client.chat.completions.create(
+        model=NAME,
+        messages=[{"role": "user", "content": "Give a JSON object with a city and its country."}],
+        max_tokens=60,
+        temperature=0,
+        response_format={"type": "json_object"},
+    ).choices[0]
+    assert got.finish_reason == "stop", got.message.content
+    assert isinstance(json.loads(got.message.content), dict)
+    choices = ["positive", "negative"]
+    for review in ("I loved it, wonderful!", "Terrible, a waste of money."):
+        text = client.completions.create(
+            model=NAME, prompt=f"Review: {review}\nSentiment:", max_tokens=5, temperature=0,
+            extra_body={"guided_choice": choices},
+        ).choices[0].text  # fmt: skip
+        assert text in choices
+    text = client.completions.create(
+        model=NAME, prompt="Year:", max_tokens=8, temperature=0,
+        extra_body={"structured_outputs": {"regex": "(19|20)[0-9]{2}"}},
+    ).choices[0].text  # fmt: skip
+    assert len(text) == 4 and text[:2] in ("19", "20") and text.isdigit()
+    plain = client.completions.create(
+        model=NAME,
+        prompt="Year:",
+        max_tokens=8,
+        temperature=0,
+        extra_body={"response_format": {"type": "text"}},
+    ).choices[0]
+    assert plain.finish_reason == "length"  # "text": no constraint
+
+
+@pytest.mark.parametrize(
+    "extra, fragment",
+    [
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 1}}}},
+         "structured_outputs.json"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "schema"),
+        ({"response_format": {"type": "yaml"}}, "response_format type"),
+        ({"guided_regex": "(unclosed"}, "structured_outputs.regex"),
+        ({"guided_choice": ["a"], "response_format": {"type": "json_object"}}, "one of"),
+        ({"structured_outputs": {"jsn": {}}}, "unknown field"),
+    ],
+)  # fmt: skip
+def test_bad_structured_outputs_are_400s_and_the_server_goes_on(client, extra, fragment):
+    _needs_xgrammar()
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=NAME, prompt="hi", max_tokens=4, extra_body=extra)
+    assert fragment in info.value.body["message"]
+    assert client.completions.create(model=NAME, prompt="hi", max_tokens=2).choices[0].text is not None

@@ -17,7 +17,8 @@ if importlib.util.find_spec("fastapi") is None or importlib.util.find_spec("uvic
 
 import uvicorn  # noqa: E402
 
-from nanovllm.engine.sequence import Sequence  # noqa: E402
+from nanovllm.engine.sequence import Sequence, SequenceStatus  # noqa: E402
+from nanovllm.outputs import CompletionOutput  # noqa: E402
 from nanovllm.sampling_params import SamplingParams  # noqa: E402
 from nanovllm.serve.app import create_app  # noqa: E402
 from nanovllm.serve.engine_loop import EngineError, EngineLoop, Request  # noqa: E402
@@ -103,3 +104,53 @@ def test_http_500_and_unhealthy_after_an_engine_failure():
         assert _status(base + "/health")[0] == 503
     finally:
         server.should_exit = True
+
+
+def test_a_missing_extra_is_a_bad_request_and_the_loop_goes_on():
+    class NoXgrammarEngine(BrokenEngine):
+        def add_request(self, prompt, params):
+            if prompt == [9]:
+                raise ImportError("structured outputs need xgrammar: pip install 'nanovllm[structured]'")
+            return super().add_request(prompt, params)
+
+    async def main():
+        loop = EngineLoop(NoXgrammarEngine(), asyncio.get_running_loop())
+        with pytest.raises(ValueError, match=r"nanovllm\[structured\]"):
+            await loop.add(Request([9], SamplingParams()))
+        assert loop.healthy
+        loop.stop()
+
+    asyncio.run(main())
+
+
+class CountingEngine(BrokenEngine):
+    """One token per running sequence per step, finishing at max_tokens."""
+
+    def step(self):
+        for seq in self.queued:
+            seq.append_token(7)
+            if seq.num_completion_tokens == seq.sampling_params.max_tokens:
+                seq.status, seq.finish_reason = SequenceStatus.FINISHED, "length"
+        self.queued = [s for s in self.queued if not s.is_finished]
+
+    def completion_output(self, seq):
+        return CompletionOutput(seq.index, "", seq.completion_token_ids, finish_reason=seq.finish_reason)
+
+
+@pytest.mark.parametrize("interval", [1, 4])
+def test_every_token_arrives_once_whatever_the_stream_interval(interval):
+    async def main():
+        loop = EngineLoop(CountingEngine(), asyncio.get_running_loop(), stream_interval=interval)
+        request = Request([1, 2, 3], SamplingParams(max_tokens=10))
+        await loop.add(request)
+        updates = []
+        while not updates or updates[-1].output is None:
+            updates.append(await asyncio.wait_for(request.updates.get(), 10))
+        loop.stop()
+        return updates
+
+    updates = asyncio.run(main())
+    assert [t for u in updates for t in u.token_ids] == [7] * 10
+    # The first token goes out at once, then every `interval` tokens, the rest with the output.
+    assert [len(u.token_ids) for u in updates] == ([1] * 10 if interval == 1 else [1, 4, 4, 1])
+    assert updates[-1].output.finish_reason == "length"

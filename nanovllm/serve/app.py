@@ -2,6 +2,7 @@
 and turns the updates that come back into a response or a stream of server-sent events."""
 
 import asyncio
+import gc
 import json
 from contextlib import asynccontextmanager
 
@@ -25,10 +26,16 @@ class ClientGone(Exception):
     pass
 
 
-def create_app(engine, model_name: str) -> FastAPI:
+def create_app(engine, model_name: str, stream_interval: int = 1) -> FastAPI:
+    """stream_interval: see EngineLoop (1: every token is streamed as the engine makes it)."""
+
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        app.state.loop = EngineLoop(engine, asyncio.get_running_loop())
+        # The model, torch and the tokenizer are hundreds of thousands of long-lived objects: keep
+        # the collector from walking them again and again while it serves (as vLLM does).
+        gc.collect()
+        gc.freeze()
+        app.state.loop = EngineLoop(engine, asyncio.get_running_loop(), stream_interval)
         try:
             yield
         finally:
@@ -92,6 +99,7 @@ def create_app(engine, model_name: str) -> FastAPI:
     async def completions(body: api.CompletionRequest, raw: HTTPRequest):
         check_model(body.model)
         params = body.sampling_params(body.max_tokens, body.logprobs, engine.default_sampling_overrides)
+        await compile_grammar(engine, params)
         requests = await submit(raw, [(p, params) for p in body.prompts()])
         reply = _Completions(tokenizer, model_name, body, requests)
         if body.stream:
@@ -102,6 +110,7 @@ def create_app(engine, model_name: str) -> FastAPI:
     async def chat(body: api.ChatRequest, raw: HTTPRequest):
         check_model(body.model)
         params = body.chat_params(engine.default_sampling_overrides)
+        await compile_grammar(engine, params)
         prompt = await asyncio.to_thread(chat_prompt, tokenizer, body)
         requests = await submit(raw, [(prompt, params)])
         reply = _Chat(tokenizer, model_name, body, requests)
@@ -123,6 +132,18 @@ def chat_prompt(tokenizer, body: api.ChatRequest) -> list[int]:
         chat_template_kwargs=body.chat_template_kwargs,
     )
     return tokenizer.encode(text, add_special_tokens=False)  # the template wrote any BOS
+
+
+async def compile_grammar(engine, params):
+    """Compile the request's structured-output grammar (or find it cached) in a worker thread, so
+    neither the event loop nor the engine's step loop waits for xgrammar. A bad schema, regex or
+    grammar, or a server without xgrammar, is a ValueError: a 400."""
+    if params.structured_outputs is None:
+        return
+    try:
+        await asyncio.to_thread(engine.compile_grammar, params.structured_outputs)
+    except ImportError as e:
+        raise ValueError(f"this server cannot serve structured outputs: {e}") from None
 
 
 async def submit(raw: HTTPRequest, prompts: list[tuple]) -> list[Request]:
@@ -172,15 +193,16 @@ async def collect(raw: HTTPRequest, requests: list[Request]) -> list[tuple]:
 def sse(raw: HTTPRequest, requests: list[Request], reply) -> StreamingResponse:
     async def events():
         done = False
+        updates = requests[0].updates
         try:
             remaining = sum(r.params.n for r in requests)
             while remaining:
-                update = await requests[0].updates.get()
-                if isinstance(update, Exception):  # the engine failed: say so in the stream
-                    yield _event(api.error_body(str(update), "InternalServerError", 500))
+                merged = _drain(await updates.get(), updates)
+                if isinstance(merged, Exception):  # the engine failed: say so in the stream
+                    yield _event(api.error_body(str(merged), "InternalServerError", 500))
                     break
-                remaining -= update.output is not None
-                yield _event(reply.chunk(update))
+                remaining -= sum(u.output is not None for u in merged)
+                yield "".join(reply.chunk_event(u) for u in merged)
             else:
                 if reply.body.include_usage:
                     yield _event(reply.usage_chunk())
@@ -194,8 +216,33 @@ def sse(raw: HTTPRequest, requests: list[Request], reply) -> StreamingResponse:
     return StreamingResponse(events(), media_type="text/event-stream")
 
 
+def _drain(first, updates: asyncio.Queue) -> list[Update] | Exception:
+    """first and every update already queued behind it, merged into one per choice: a stream sends
+    one event per choice for all the steps that ran since it last sent, so a busy event loop sends
+    fewer, larger events instead of falling behind the engine."""
+    merged: dict[int, Update] = {}
+    update = first
+    while True:
+        if isinstance(update, Exception):
+            return update
+        seen = merged.get(update.index)
+        if seen is None:
+            merged[update.index] = update
+        else:
+            seen.token_ids = seen.token_ids + update.token_ids
+            if update.logprobs is not None:
+                seen.logprobs = (seen.logprobs or []) + update.logprobs
+            seen.output = update.output
+        if updates.empty():
+            return list(merged.values())
+        update = updates.get_nowait()
+
+
+_encode = json.JSONEncoder(ensure_ascii=False).encode  # one encoder, not one per call as json.dumps
+
+
 def _event(payload: dict) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+    return f"data: {_encode(payload)}\n\n"
 
 
 class _TextStream:
@@ -234,6 +281,12 @@ class _Reply:
         self.tokenizer, self.model, self.body, self.requests = tokenizer, model_name, body, requests
         self.id, self.created = api.new_id(self.id_prefix), api.now()
         self.streams = [_TextStream(tokenizer, r.params) for r in requests for _ in range(r.params.n)]
+        # Every chunk shares its envelope: written once, each event adds only its choice.
+        self.chunk_head = "data: " + _encode(self.envelope(self.chunk_name))[:-1] + ',"choices":['
+
+    def chunk_event(self, update: Update) -> str:
+        """One server-sent event with this update's choice."""
+        return f"{self.chunk_head}{self.choice_json(update)}]}}\n\n"
 
     def envelope(self, name: str, **fields) -> dict:
         return {"id": self.id, "object": name, "created": self.created, "model": self.model, **fields}
@@ -279,7 +332,7 @@ class _Completions(_Reply):
             )
         return self.envelope(self.object_name, choices=choices, usage=self.usage(outputs))
 
-    def chunk(self, update: Update) -> dict:
+    def choice_json(self, update: Update) -> str:
         stream = self.streams[update.index]
         first = stream.sent == 0 and not stream.ids
         offset = stream.sent
@@ -287,14 +340,18 @@ class _Completions(_Reply):
         if first and self.body.echo:
             text = self.prompt_text(update.index) + text
         out = update.output
-        choice = {
-            "index": update.index,
-            "text": text,
-            "logprobs": self.logprobs(update.index, update.token_ids, update.logprobs, offset),
-            "finish_reason": out.finish_reason if out else None,
-            "stop_reason": out.stop_reason if out else None,
-        }
-        return self.envelope(self.chunk_name, choices=[choice])
+        logprobs = self.logprobs(update.index, update.token_ids, update.logprobs, offset)
+        return (
+            f'{{"index":{update.index},"text":{_encode(text)},"logprobs":{_encode(logprobs)},'
+            f'"finish_reason":{_finish_json(out)}}}'
+        )
+
+
+def _finish_json(out) -> str:
+    """The last two fields of a streamed choice: null until its final output."""
+    if out is None:
+        return 'null,"stop_reason":null'
+    return f'{_encode(out.finish_reason)},"stop_reason":{_encode(out.stop_reason)}'
 
 
 class _Chat(_Reply):
@@ -315,19 +372,14 @@ class _Chat(_Reply):
         ]
         return self.envelope(self.object_name, choices=choices, usage=self.usage(outputs))
 
-    def chunk(self, update: Update) -> dict:
+    def choice_json(self, update: Update) -> str:
         stream = self.streams[update.index]
-        delta = {"role": "assistant"} if not stream.ids else {}
-        delta["content"] = stream.delta(update)
-        out = update.output
+        role = '"role":"assistant",' if not stream.ids else ""
+        content = _encode(stream.delta(update))
         logprobs = None
         if update.logprobs is not None:
             logprobs = api.chat_logprobs(self.tokenizer, update.token_ids, update.logprobs)
-        choice = {
-            "index": update.index,
-            "delta": delta,
-            "logprobs": logprobs,
-            "finish_reason": out.finish_reason if out else None,
-            "stop_reason": out.stop_reason if out else None,
-        }
-        return self.envelope(self.chunk_name, choices=[choice])
+        return (
+            f'{{"index":{update.index},"delta":{{{role}"content":{content}}},'
+            f'"logprobs":{_encode(logprobs)},"finish_reason":{_finish_json(update.output)}}}'
+        )

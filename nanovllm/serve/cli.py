@@ -19,6 +19,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", default=None, help="the name clients use (default: MODEL)")
+    p.add_argument(
+        "--stream-interval",
+        type=int,
+        default=1,
+        help="stream a completion's tokens once this many have gathered (1: each at once; more: "
+        "fewer, larger events, less host work per token under many streams)",
+    )
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     EngineArgs.add_cli_args(p)  # every LLM option, as vLLM spells its flags (--max-model-len ...)
     return p
@@ -44,7 +51,7 @@ def serve(argv: list[str] | None = None):
     llm = LLM(**dataclasses.asdict(EngineArgs.from_cli_args(args)))
     try:
         uvicorn.run(
-            create_app(llm, args.served_model_name or args.model),
+            create_app(llm, args.served_model_name or args.model, args.stream_interval),
             host=args.host,
             port=args.port,
             log_level=args.log_level,

@@ -9,7 +9,7 @@ import queue
 import threading
 from dataclasses import dataclass, field
 
-from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.sequence import Sequence, SequenceStatus
 from nanovllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -34,7 +34,9 @@ class Request:
     updates: asyncio.Queue = field(default_factory=asyncio.Queue)
     choice_base: int = 0  # this request's first choice index in its HTTP response
     seqs: list[Sequence] = field(default_factory=list)
-    published: list[int] = field(default_factory=list)  # output tokens already sent, per completion
+    # Per completion: the length of its token_ids already sent (prompt included); -1 once its final
+    # output went out.
+    published: list[int] = field(default_factory=list)
 
 
 class EngineError(RuntimeError):
@@ -42,8 +44,14 @@ class EngineError(RuntimeError):
 
 
 class EngineLoop:
-    def __init__(self, engine, loop: asyncio.AbstractEventLoop):
-        self.engine, self.loop = engine, loop
+    """stream_interval: a completion's new tokens go out once this many have gathered (the first
+    token and the last go out at once), as vLLM's --stream-interval: 1 streams every token; more
+    sends fewer, larger events, for less host work per token under many streams."""
+
+    def __init__(self, engine, loop: asyncio.AbstractEventLoop, stream_interval: int = 1):
+        if not isinstance(stream_interval, int) or stream_interval < 1:
+            raise ValueError(f"stream_interval must be an int >= 1, got {stream_interval!r}")
+        self.engine, self.loop, self.stream_interval = engine, loop, stream_interval
         self.commands: queue.SimpleQueue = queue.SimpleQueue()  # (verb, Request | None)
         self.active: dict[int, Request] = {}  # id(request) -> request
         self.error: BaseException | None = None
@@ -105,30 +113,45 @@ class EngineLoop:
     def _add(self, request: Request, accepted: asyncio.Future):
         try:
             request.seqs = self.engine.add_request(request.prompt, request.params)
-        except (ValueError, TypeError) as e:  # the client's fault: a 400, the engine goes on
-            self.loop.call_soon_threadsafe(_settle, accepted, e)
+        except (ValueError, TypeError, ImportError) as e:  # the client's fault: a 400, the engine goes on
+            error = (
+                ValueError(f"this server cannot serve the request: {e}") if isinstance(e, ImportError) else e
+            )
+            self.loop.call_soon_threadsafe(_settle, accepted, error)
             return
-        request.published = [0] * len(request.seqs)
+        request.published = [seq.num_prompt_tokens for seq in request.seqs]
         self.active[id(request)] = request
         self.loop.call_soon_threadsafe(_settle, accepted, None)
 
     def _publish(self):
         """Send every completion's new tokens (and its final output once finished) to its request;
-        one hop to the event loop per step, whatever the number of requests."""
+        one hop to the event loop per step, whatever the number of requests. This runs on the
+        engine's thread between steps, for every running request: keep it lean."""
         deliveries, done = [], []
+        finished, interval = SequenceStatus.FINISHED, self.stream_interval
         for key, request in self.active.items():
+            published = request.published
             for i, seq in enumerate(request.seqs):
-                sent = request.published[i]  # -1: its final output went out already
-                if sent < 0 or (sent == seq.num_completion_tokens and not seq.is_finished):
+                sent = published[i]
+                if sent < 0:  # its final output went out already
                     continue
-                logprobs = seq.logprobs[sent:] if seq.logprobs is not None else None
-                output = self.engine.completion_output(seq) if seq.is_finished else None
-                update = Update(
-                    request.choice_base + i, seq.token_ids[seq.num_prompt_tokens + sent :], logprobs, output
+                token_ids = seq.token_ids
+                end = len(token_ids)
+                is_finished = seq.status is finished
+                if not is_finished and (
+                    end == sent or (end - sent < interval and sent > seq.num_prompt_tokens)
+                ):
+                    continue
+                logprobs = seq.logprobs
+                if logprobs is not None:
+                    first = sent - seq.num_prompt_tokens
+                    logprobs = logprobs[first : first + end - sent]
+                output = self.engine.completion_output(seq) if is_finished else None
+                deliveries.append(
+                    (request, Update(request.choice_base + i, token_ids[sent:end], logprobs, output))
                 )
-                deliveries.append((request, update))
-                request.published[i] = -1 if seq.is_finished else seq.num_completion_tokens
-            if all(p < 0 for p in request.published):
+                published[i] = -1 if is_finished else end
+            if max(published) < 0:
                 done.append(key)
         for key in done:
             del self.active[key]

@@ -1,12 +1,13 @@
 """The OpenAI API's shapes: request bodies (validated by pydantic, mapped to SamplingParams as
 vLLM's server maps them), responses, stream chunks and errors."""
 
+import dataclasses
 import time
 import uuid
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from nanovllm.sampling_params import SamplingParams
+from nanovllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 class _Request(BaseModel):
@@ -31,6 +32,15 @@ class _Request(BaseModel):
     include_stop_str_in_output: bool = False
     stream: bool = False
     stream_options: dict | None = None
+    # Structured outputs, as vLLM's server takes them: OpenAI's response_format, vLLM's
+    # structured_outputs object, or its older guided_* fields (one of them per request).
+    response_format: dict | None = None
+    structured_outputs: dict | None = None
+    guided_json: str | dict | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -65,8 +75,67 @@ class _Request(BaseModel):
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            structured_outputs=self.structured(),
             **given,
         )
+
+    def structured(self) -> StructuredOutputsParams | None:
+        """The request's output constraint, or None. Raises ValueError (a 400) for a malformed one
+        or for two given at once; whether a schema, regex or grammar compiles is checked later."""
+        guided = {
+            kind: getattr(self, f"guided_{kind}")
+            for kind in ("json", "regex", "choice", "grammar")
+            if getattr(self, f"guided_{kind}") is not None
+        }
+        given = [
+            name
+            for name, value in (
+                ("response_format", _constraint_of(self.response_format)),
+                ("structured_outputs", self.structured_outputs),
+                ("guided_*", guided or None),
+            )
+            if value is not None
+        ]
+        if len(given) > 1:
+            raise ValueError(f"give one of response_format, structured_outputs or guided_*; got {given}")
+        if not given:
+            if self.guided_whitespace_pattern is not None:
+                raise ValueError("guided_whitespace_pattern needs guided_json")
+            return None
+        if given[0] == "response_format":
+            return StructuredOutputsParams(**_constraint_of(self.response_format))
+        fields = self.structured_outputs if given[0] == "structured_outputs" else guided
+        if given[0] == "guided_*" and self.guided_whitespace_pattern is not None:
+            fields = fields | {"whitespace_pattern": self.guided_whitespace_pattern}
+        try:
+            return StructuredOutputsParams(**fields)
+        except TypeError:  # a field StructuredOutputsParams does not have
+            known = ", ".join(f.name for f in dataclasses.fields(StructuredOutputsParams))
+            unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(StructuredOutputsParams)})
+            raise ValueError(
+                f"structured_outputs: unknown field(s) {unknown}; the fields are {known}"
+            ) from None
+
+
+def _constraint_of(response_format: dict | None) -> dict | None:
+    """StructuredOutputsParams' fields for OpenAI's response_format: {"type": "json_schema",
+    "json_schema": {"name", "schema", "strict", "description"}}, {"type": "json_object"} (any
+    JSON object) or {"type": "text"} (no constraint: None)."""
+    if response_format is None:
+        return None
+    kind = response_format.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        if not isinstance(spec, dict) or "schema" not in spec:
+            raise ValueError(
+                'response_format json_schema needs "json_schema": {"name": ..., "schema": {...}}'
+            )
+        return {"json": spec["schema"]}
+    raise ValueError(f"response_format type must be 'text', 'json_object' or 'json_schema', got {kind!r}")
 
 
 class CompletionRequest(_Request):
