@@ -195,3 +195,27 @@ def test_an_abort_that_blocks_is_left_behind_after_its_time(monkeypatch, caplog)
     assert time.monotonic() - start < 5
     assert "did not finish within" in caplog.text
     release.set()
+
+
+def test_a_worker_that_exits_is_noticed_without_a_call(qwen3_dir):
+    """The watch thread finds a worker that exited even while rank 0's thread looks nowhere (under
+    NCCL it can be stuck in a driver call behind an all-reduce waiting for the lost peer): it records
+    the error and aborts the group at once, and the next call raises it."""
+    import signal
+
+    from nanovllm.engine.tp_worker import WorkerError
+    llm = LLM(qwen3_dir, tensor_parallel_size=2, **OPTIONS)
+    try:
+        workers = llm.executor.workers
+        os.kill(workers.pids[0], signal.SIGKILL)
+        deadline = time.monotonic() + 5
+        while workers.error is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert isinstance(workers.error, WorkerError) and "rank 1" in str(workers.error)
+        assert "SIGKILL" in str(workers.error) and workers.group.aborted
+        start = time.monotonic()
+        with pytest.raises(WorkerError, match="rank 1"):
+            llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        assert time.monotonic() - start < 2
+    finally:
+        llm.shutdown()

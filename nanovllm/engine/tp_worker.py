@@ -17,7 +17,9 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -36,6 +38,7 @@ from nanovllm.utils.heartbeat import Heartbeats
 WORKER_TIMEOUT_S = 15.0
 HEARTBEAT_S = 0.25
 CHECK_EVERY_S = 0.01    # while rank 0 polls a CUDA event, how often it checks the workers
+WATCH_EVERY_S = 0.1     # how often the watch thread looks for workers that exited
 JOIN_TIMEOUT_S = 5.0    # how long a worker told to exit may take before it is killed (it takes ~0.1 s)
 _WORKER_MAIN = "from nanovllm.engine.worker_main import main; main()"
 TRACEBACK_BYTES = 32_000   # a worker's report fits in a pipe's buffer, so writing it never blocks
@@ -94,6 +97,7 @@ class TPWorkers:
         self.error: WorkerError | None = None   # once set, every check raises it again
         self.closed = False
         self._watched_at = time.monotonic()
+        self._fail_lock = threading.Lock()
         atexit.register(self.shutdown)   # unregistered once everything is released
         try:
             for rank in range(1, size):
@@ -103,6 +107,8 @@ class TPWorkers:
         except BaseException:
             self.shutdown(graceful=False)
             raise
+        threading.Thread(target=_watch_exits, args=(weakref.ref(self),), name="tp-watch-exits",
+                         daemon=True).start()
 
     def _start(self, config: Config, rank: int):
         commands_r, commands_w = command_pipe.new_pipe()
@@ -153,10 +159,7 @@ class TPWorkers:
             if code == 0 and self.closed:
                 continue   # told to exit, and did
             if code is not None:
-                how = (f"was killed by {signal.Signals(-code).name}" if code < 0
-                       else f"exited with code {code}")
-                self._fail(WorkerError(f"tensor-parallel worker rank {w.rank} (pid {w.proc.pid}) {how}:\n"
-                                       f"{w.traceback() or 'no traceback (killed or crashed)'}"))
+                self._fail(self._exit_error(w, code))
             beat = self.beats.count(w.rank)
             if beat != w.beat or not watching:
                 w.beat, w.beat_seen = beat, now
@@ -165,15 +168,23 @@ class TPWorkers:
                     f"tensor-parallel worker rank {w.rank} (pid {w.proc.pid}) has not answered for "
                     f"{now - w.beat_seen:.1f} s: it is stopped (SIGSTOP, a debugger) or frozen"))
 
+    def _exit_error(self, w: "_Worker", code: int) -> WorkerError:
+        how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+        return WorkerError(f"tensor-parallel worker rank {w.rank} (pid {w.proc.pid}) {how}:\n"
+                           f"{w.traceback() or 'no traceback (killed or crashed)'}")
+
     def _fail(self, error: WorkerError):
         """The group cannot go on: abort the communicator (an NCCL kernel waiting for a dead peer
-        would spin forever and hold rank 0's stream), kill the workers, raise."""
-        self.error = error
-        abort_tp_group(self.group)
-        for w in self.workers:
-            if w.proc.poll() is None:
-                w.proc.kill()
-        raise error
+        would spin forever and hold rank 0's stream), kill the workers, raise. The first error
+        wins (rank 0's thread and the watch thread may both find one)."""
+        with self._fail_lock:
+            if self.error is None:
+                self.error = error
+                abort_tp_group(self.group)
+                for w in self.workers:
+                    if w.proc.poll() is None:
+                        w.proc.kill()
+        raise self.error
 
     def raise_if_died(self, error: BaseException, grace_s: float = 2.0):
         """After rank 0 failed (a gloo collective broke): if a worker died or is dying, raise
@@ -258,6 +269,27 @@ class TPWorkers:
             self.beats = None
         self.store = None
         atexit.unregister(self.shutdown)
+
+
+def _watch_exits(ref: "weakref.ref[TPWorkers]"):
+    """Rank 0's second pair of eyes: a worker that exits while not told to is a fault even when
+    rank 0's thread cannot look, stuck in a driver call (under NCCL a kernel's first launch loads
+    its module, which waits behind an all-reduce spinning for the lost peer). Failing here aborts the
+    group, which ends that all-reduce; rank 0's thread then returns and its next check raises."""
+    while True:
+        time.sleep(WATCH_EVERY_S)
+        workers = ref()
+        if workers is None or workers.closed or workers.error is not None:
+            return
+        for w in workers.workers:
+            code = w.proc.poll()
+            if code is not None and not workers.closed:
+                try:
+                    workers._fail(workers._exit_error(w, code))
+                except WorkerError:
+                    pass   # recorded: rank 0's next check raises it
+                return
+        del workers
 
 
 def _worker_env() -> dict[str, str]:
