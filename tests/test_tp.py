@@ -164,9 +164,10 @@ def test_destroying_a_group_resets_its_captured_graphs_first():
 
 
 def test_an_aborted_group_is_aborted_once_and_not_shut_down():
-    """After a fault the communicator is aborted (NCCL kernels waiting for a dead peer exit), its
-    captured graphs reset first (on the H200 abort hung while a graph held the communicator); a
-    graceful shutdown of it afterwards could wait for the peer, so destroy does nothing more."""
+    """After a fault the communicator is aborted first (NCCL kernels waiting for a dead peer exit,
+    also inside a replaying graph), then its captured graphs are reset (on the H200 abort did not
+    finish while a graph held the communicator); a graceful shutdown of it afterwards could wait
+    for the peer, so destroy does nothing more."""
     from nanovllm.utils.distributed import TPGroup, abort_tp_group, destroy_tp_group
     calls = []
     group = TPGroup(0, 2, _Recorder("backend", calls), store=None)
@@ -174,7 +175,20 @@ def test_an_aborted_group_is_aborted_once_and_not_shut_down():
     abort_tp_group(group)
     abort_tp_group(group)
     destroy_tp_group(group)
-    assert calls == ["reset graph 8", "abort backend"] and not group.graphs
+    assert calls == ["abort backend", "reset graph 8"] and not group.graphs
+
+
+def test_the_watch_threads_abort_leaves_the_graphs_to_rank_0():
+    """The watch thread aborts without touching the graphs (rank 0's thread may be launching
+    them); destroying the group later resets them."""
+    from nanovllm.utils.distributed import TPGroup, abort_tp_group, destroy_tp_group
+    calls = []
+    group = TPGroup(0, 2, _Recorder("backend", calls), store=None)
+    group.graphs.append(_Recorder("graph 8", calls))
+    abort_tp_group(group, reset_graphs=False)
+    assert calls == ["abort backend"] and group.graphs
+    destroy_tp_group(group)
+    assert calls == ["abort backend", "reset graph 8"] and not group.graphs
 
 
 def test_an_abort_that_blocks_is_left_behind_after_its_time(monkeypatch, caplog):
@@ -217,5 +231,78 @@ def test_a_worker_that_exits_is_noticed_without_a_call(qwen3_dir):
         with pytest.raises(WorkerError, match="rank 1"):
             llm.generate(PROMPTS, GREEDY, use_tqdm=False)
         assert time.monotonic() - start < 2
+    finally:
+        llm.shutdown()
+
+
+def test_a_worker_stopped_during_a_step_is_noticed_without_a_call(qwen3_dir):
+    """While rank 0's thread is inside a step (here: marked busy, as if stuck in a driver call), the
+    watch thread finds a worker whose heartbeat stopped, records the error and aborts the group."""
+    import signal
+
+    from nanovllm.engine.tp_worker import WorkerError
+    llm = LLM(qwen3_dir, tensor_parallel_size=2, **OPTIONS)
+    try:
+        workers = llm.executor.workers
+        workers.timeout_s = 1.0
+        os.kill(workers.pids[0], signal.SIGSTOP)
+        workers.busy += 1
+        deadline = time.monotonic() + 10
+        while workers.error is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        workers.busy -= 1
+        assert isinstance(workers.error, WorkerError) and "not answered" in str(workers.error)
+        assert workers.group.aborted
+        with pytest.raises(WorkerError, match="rank 1"):
+            llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert not os.path.exists(f"/proc/{workers.pids[0]}")
+
+
+def test_ctrl_c_unanswered_in_a_step_aborts_the_group(qwen3_dir, monkeypatch):
+    """Ctrl-C reaches the watch thread during a step (signal.set_wakeup_fd); if rank 0's thread has
+    not left the step INTERRUPT_GRACE_S later (stuck in a driver call), the group is aborted so the
+    call can end, and the engine says the ranks are out of step. Between steps nothing happens."""
+    from nanovllm.engine import tp_worker
+    monkeypatch.setattr(tp_worker, "INTERRUPT_GRACE_S", 0.0)
+    llm = LLM(qwen3_dir, tensor_parallel_size=2, **OPTIONS)
+    try:
+        workers = llm.executor.workers
+        workers._watch_once({}, interrupted=True)   # not in a step: ignored
+        assert workers.error is None
+        workers.busy += 1
+        seen = {}
+        workers._watch_once(seen, interrupted=True)
+        time.sleep(0.01)
+        with pytest.raises(tp_worker.WorkerError, match="out of step"):
+            workers._watch_once(seen, interrupted=False)
+        workers.busy -= 1
+        assert workers.group.aborted
+        with pytest.raises(RuntimeError, match="out of step"):
+            llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    finally:
+        llm.shutdown()
+
+
+def test_stepping_hands_sigint_to_the_watch_pipe_only_inside_a_step(qwen3_dir):
+    """Inside stepping() the main thread's signal wakeup fd is the watch thread's pipe (Ctrl-C still
+    raises KeyboardInterrupt as usual), and outside it is left as it was."""
+    import signal
+    llm = LLM(qwen3_dir, tensor_parallel_size=2, **OPTIONS)
+    try:
+        workers = llm.executor.workers
+        assert signal.set_wakeup_fd(-1) == -1
+        with pytest.raises(KeyboardInterrupt):
+            with workers.stepping():
+                assert workers.busy == 1
+                fd = signal.set_wakeup_fd(-1)
+                signal.set_wakeup_fd(fd)
+                assert fd == workers._signals_w
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(1)
+        assert workers.busy == 0 and signal.set_wakeup_fd(-1) == -1
+        assert workers.error is None
+        assert tokens(llm) == tokens(llm)   # still usable: the interrupt came between steps' work
     finally:
         llm.shutdown()

@@ -61,8 +61,9 @@ class Executor:
         step = self.runner.step_input(batch)
         self.in_step = True
         try:
-            self.workers.run_step(step)   # ranks 1..N-1 run the same step (they only skip sampling)
-            pending = self.runner.launch(batch, step)
+            with self.workers.stepping():
+                self.workers.run_step(step)   # ranks 1..N-1 run the same step (they only skip sampling)
+                pending = self.runner.launch(batch, step)
         except BrokenLogitsError:
             self.in_step = False   # every rank finished the step: still in step
             raise
@@ -76,7 +77,8 @@ class Executor:
         """Wait for a launched step's tokens. Under tensor parallelism the wait polls, checking the
         workers: a step whose peer died or stopped would otherwise never complete."""
         if self.workers is not None:
-            self.workers.wait_until(pending.ready)
+            with self.workers.stepping():
+                self.workers.wait_until(pending.ready)
         return pending.result()
 
     def shutdown(self):

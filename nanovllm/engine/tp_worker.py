@@ -11,15 +11,23 @@ model step, ("exit", None) ends the loop. A worker that fails writes its traceba
 pipe and exits. Rank 0 never waits without a way out: every wait (a full pipe, a gloo collective,
 a CUDA event of a step under NCCL) is a loop of short waits that calls TPWorkers.check, which
 raises WorkerError when a worker has exited or has stopped answering (its heartbeat counter no
-longer moves), and lets Ctrl-C through."""
+longer moves), and lets Ctrl-C through.
+
+Under NCCL rank 0's thread can also be stuck where it cannot look: in a driver call (a kernel's
+first launch loads its module) queued behind an all-reduce that spins for a lost peer. A watch
+thread covers that: while a step runs it fails the group when a worker exits, stops answering, or
+Ctrl-C goes unanswered for INTERRUPT_GRACE_S; failing aborts the communicator, which ends the
+spinning kernel and frees rank 0's thread."""
 import atexit
 import os
+import select
 import signal
 import subprocess
 import sys
 import threading
 import time
 import weakref
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -28,7 +36,7 @@ import nanovllm
 from nanovllm.config import Config
 from nanovllm.utils import command_pipe
 from nanovllm.utils.distributed import (STARTUP_TIMEOUT, TPGroup, abort_tp_group, destroy_tp_group,
-                                        init_tp_group, master_store)
+                                        init_tp_group, master_store, reset_captured_graphs)
 from nanovllm.utils.heartbeat import Heartbeats
 
 # A worker whose heartbeat has not moved for this long is reported as not answering. Its
@@ -38,7 +46,8 @@ from nanovllm.utils.heartbeat import Heartbeats
 WORKER_TIMEOUT_S = 15.0
 HEARTBEAT_S = 0.25
 CHECK_EVERY_S = 0.01    # while rank 0 polls a CUDA event, how often it checks the workers
-WATCH_EVERY_S = 0.1     # how often the watch thread looks for workers that exited
+WATCH_EVERY_S = 0.1     # how often the watch thread looks at the workers
+INTERRUPT_GRACE_S = 1.0  # after Ctrl-C in a step, how long rank 0's thread has to leave it by itself
 JOIN_TIMEOUT_S = 5.0    # how long a worker told to exit may take before it is killed (it takes ~0.1 s)
 _WORKER_MAIN = "from nanovllm.engine.worker_main import main; main()"
 TRACEBACK_BYTES = 32_000   # a worker's report fits in a pipe's buffer, so writing it never blocks
@@ -98,6 +107,8 @@ class TPWorkers:
         self.closed = False
         self._watched_at = time.monotonic()
         self._fail_lock = threading.Lock()
+        self.busy = 0   # > 0 while rank 0's thread runs or waits on a step (see stepping)
+        self._signals_w = -1   # the watch thread's signal pipe (see stepping)
         atexit.register(self.shutdown)   # unregistered once everything is released
         try:
             for rank in range(1, size):
@@ -107,7 +118,12 @@ class TPWorkers:
         except BaseException:
             self.shutdown(graceful=False)
             raise
-        threading.Thread(target=_watch_exits, args=(weakref.ref(self),), name="tp-watch-exits",
+        # Signals caught during a step are written to this pipe (signal.set_wakeup_fd) for the watch
+        # thread, which closes the read end when it ends.
+        signals_r, self._signals_w = os.pipe()
+        for fd in (signals_r, self._signals_w):
+            os.set_blocking(fd, False)
+        threading.Thread(target=_watch, args=(weakref.ref(self), signals_r), name="tp-watch",
                          daemon=True).start()
 
     def _start(self, config: Config, rank: int):
@@ -144,6 +160,54 @@ class TPWorkers:
 
     # ---- watching -------------------------------------------------------------------------
 
+    @contextmanager
+    def stepping(self):
+        """Around rank 0's part of a step (launching it, waiting for it): the watch thread then
+        counts a quiet worker's heartbeat as a fault, and hears Ctrl-C. Python runs signal
+        handlers only between bytecodes, so Ctrl-C during a stuck driver call would wait for that
+        call; with the wakeup fd the signal also reaches the watch thread (the main thread only,
+        and only when nothing else uses the fd, such as an asyncio loop)."""
+        wakeup = False
+        if threading.current_thread() is threading.main_thread():
+            previous = signal.set_wakeup_fd(self._signals_w, warn_on_full_buffer=False)
+            wakeup = previous == -1
+            if not wakeup:
+                signal.set_wakeup_fd(previous)   # someone else's (an asyncio loop): theirs stays
+        self.busy += 1
+        try:
+            yield
+        finally:
+            self.busy -= 1
+            if wakeup:
+                signal.set_wakeup_fd(-1)
+
+    def _watch_once(self, seen: dict, interrupted: bool):
+        """One look of the watch thread. seen: its memory between looks (a worker's last heartbeat
+        count and when it moved, when Ctrl-C came); interrupted: a SIGINT arrived since the last look.
+        Raises WorkerError (having aborted the group) when it finds a fault."""
+        for w in self.workers:
+            code = w.proc.poll()
+            if code is not None and not self.closed:
+                self._fail(self._exit_error(w, code), reset_graphs=False)
+        if not self.busy:   # between steps: rank 0's thread is free to look for itself
+            seen.clear()
+            return
+        now = time.monotonic()
+        for w in self.workers:
+            beat = self.beats.count(w.rank)
+            last = seen.get(w.rank)
+            if last is None or last[0] != beat:
+                seen[w.rank] = (beat, now)
+            elif beat and now - last[1] > self.timeout_s:
+                self._fail(self._quiet_error(w, now - last[1]), reset_graphs=False)
+        if interrupted:
+            seen.setdefault("interrupted", now)
+        if "interrupted" in seen and now - seen["interrupted"] > INTERRUPT_GRACE_S:
+            self._fail(WorkerError(
+                "a step was interrupted (Ctrl-C) while rank 0 was blocked in it, waiting for a "
+                "tensor-parallel worker: the ranks are out of step and their group was aborted"),
+                reset_graphs=False)
+
     def check(self):
         """Raise WorkerError if a worker has exited (with its traceback when it wrote one) or its
         heartbeat has not moved for timeout_s while rank 0 was watching."""
@@ -164,23 +228,26 @@ class TPWorkers:
             if beat != w.beat or not watching:
                 w.beat, w.beat_seen = beat, now
             elif beat and now - w.beat_seen > self.timeout_s:
-                self._fail(WorkerError(
-                    f"tensor-parallel worker rank {w.rank} (pid {w.proc.pid}) has not answered for "
-                    f"{now - w.beat_seen:.1f} s: it is stopped (SIGSTOP, a debugger) or frozen"))
+                self._fail(self._quiet_error(w, now - w.beat_seen))
+
+    def _quiet_error(self, w: "_Worker", seconds: float) -> WorkerError:
+        return WorkerError(f"tensor-parallel worker rank {w.rank} (pid {w.proc.pid}) has not answered "
+                           f"for {seconds:.1f} s: it is stopped (SIGSTOP, a debugger) or frozen")
 
     def _exit_error(self, w: "_Worker", code: int) -> WorkerError:
         how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
         return WorkerError(f"tensor-parallel worker rank {w.rank} (pid {w.proc.pid}) {how}:\n"
                            f"{w.traceback() or 'no traceback (killed or crashed)'}")
 
-    def _fail(self, error: WorkerError):
+    def _fail(self, error: WorkerError, reset_graphs: bool = True):
         """The group cannot go on: abort the communicator (an NCCL kernel waiting for a dead peer
         would spin forever and hold rank 0's stream), kill the workers, raise. The first error
-        wins (rank 0's thread and the watch thread may both find one)."""
+        wins (rank 0's thread and the watch thread may both find one). reset_graphs=False: the
+        caller is not rank 0's thread, which may be launching the graphs."""
         with self._fail_lock:
             if self.error is None:
                 self.error = error
-                abort_tp_group(self.group)
+                abort_tp_group(self.group, reset_graphs)
                 for w in self.workers:
                     if w.proc.poll() is None:
                         w.proc.kill()
@@ -211,6 +278,7 @@ class TPWorkers:
                 self.check()
                 next_check = time.monotonic() + CHECK_EVERY_S
             time.sleep(0)   # yields, like CUDA's own spin-wait, without adding a sleep's latency
+        self.check()   # an aborted group's kernels end too: their step is garbage, not done
 
     # ---- commands -------------------------------------------------------------------------
 
@@ -239,6 +307,10 @@ class TPWorkers:
             data = command_pipe.encode(("exit", None))
             for w in self.workers:
                 command_pipe.send(w.commands, data, self.check)
+            if self.device.type == "cuda":
+                # Rank 0 lets go of its side while the workers end: a process's exit waits for
+                # its NCCL peers' side of their shared memory, so waiting first costs seconds.
+                self._release_group()
             deadline = time.monotonic() + JOIN_TIMEOUT_S
             for w in self.workers:
                 while w.proc.poll() is None and time.monotonic() < deadline:
@@ -247,49 +319,64 @@ class TPWorkers:
         except WorkerError:
             pass   # one failed or stopped: _release kills the rest
 
+    def _release_group(self):
+        """Drop rank 0's side of the group. The workers end without a collective teardown (see
+        worker_main): NCCL's would wait for peers that are gone or going, so rank 0 aborts its side
+        (after releasing the graphs that captured it, when nothing can be running); gloo's closes."""
+        if self.group is None:
+            return
+        group, self.group = self.group, None
+        clean = self.error is None and all(w.proc.returncode in (None, 0) for w in self.workers)
+        if not clean or self.device.type == "cuda":
+            if clean:
+                reset_captured_graphs(group)
+            abort_tp_group(group)
+        destroy_tp_group(group)
+
     def _release(self):
         """Kill what is still running, close the pipes and the group. Each step is quick and safe
         to repeat."""
-        clean = self.error is None
         for w in self.workers:
             if w.proc.poll() is None:
-                clean = False
                 w.proc.kill()
             w.proc.wait()
             w.close()
-        if self.group is not None:
-            group, self.group = self.group, None
-            # The workers have ended without a collective teardown (see worker_main). NCCL's
-            # would wait for peers that are gone, so rank 0 aborts its side (gloo's just closes).
-            if not clean or any(w.proc.returncode != 0 for w in self.workers) or self.device.type == "cuda":
-                abort_tp_group(group)
-            destroy_tp_group(group)
+        self._release_group()
         if self.beats is not None:
             self.beats.close()
             self.beats = None
+        if self._signals_w != -1:
+            os.close(self._signals_w)   # (the read end is the watch thread's to close)
+            self._signals_w = -1
         self.store = None
         atexit.unregister(self.shutdown)
 
 
-def _watch_exits(ref: "weakref.ref[TPWorkers]"):
-    """Rank 0's second pair of eyes: a worker that exits while not told to is a fault even when
-    rank 0's thread cannot look, stuck in a driver call (under NCCL a kernel's first launch loads
-    its module, which waits behind an all-reduce spinning for the lost peer). Failing here aborts the
-    group, which ends that all-reduce; rank 0's thread then returns and its next check raises."""
-    while True:
-        time.sleep(WATCH_EVERY_S)
-        workers = ref()
-        if workers is None or workers.closed or workers.error is not None:
-            return
-        for w in workers.workers:
-            code = w.proc.poll()
-            if code is not None and not workers.closed:
-                try:
-                    workers._fail(workers._exit_error(w, code))
-                except WorkerError:
-                    pass   # recorded: rank 0's next check raises it
+def _watch(ref: "weakref.ref[TPWorkers]", signals: int):
+    """Rank 0's second pair of eyes (see the module's docstring): looks at the workers every
+    WATCH_EVERY_S, and at once when a signal arrives, until the workers are closed or failed."""
+    seen = {}
+    try:
+        while True:
+            select.select([signals], [], [], WATCH_EVERY_S)
+            try:
+                interrupted = signal.SIGINT in os.read(signals, 512)
+            except BlockingIOError:
+                interrupted = False
+            workers = ref()
+            if workers is None or workers.closed or workers.error is not None:
                 return
-        del workers
+            try:
+                workers._watch_once(seen, interrupted)
+            except WorkerError:
+                return   # recorded, and the group aborted: rank 0's next check raises it
+            except ValueError:
+                if workers.closed:
+                    return   # shut down while looking (the heartbeat map was closed)
+                raise
+            del workers
+    finally:
+        os.close(signals)
 
 
 def _worker_env() -> dict[str, str]:

@@ -23,6 +23,7 @@ import torch.distributed as dist
 STARTUP_TIMEOUT = datetime.timedelta(minutes=10)   # loading a large shard can take minutes
 WAIT_SLICE = datetime.timedelta(milliseconds=100)  # a watched wait calls watch() this often
 ABORT_TIMEOUT_S = 10.0   # the longest abort_tp_group waits for the backend's abort
+GRAPH_GRACE_S = 0.5      # how long an abort may run before the graphs holding the communicator go
 
 logger = logging.getLogger(__name__)
 
@@ -72,25 +73,36 @@ def init_tp_group(store: dist.TCPStore, rank: int, size: int, device: torch.devi
     return TPGroup(rank, size, backend, store, watch=watch)
 
 
-def abort_tp_group(group: TPGroup | None):
+def abort_tp_group(group: TPGroup | None, reset_graphs: bool = True):
     """Abandon the group's collectives at once (a peer died or stopped): NCCL kernels waiting for
     the peer exit instead of spinning forever. Later collectives in the group fail or are garbage;
-    the engine runs none."""
+    the engine runs none.
+
+    The abort goes first, on a thread of its own: it raises NCCL's abort flag, which ends kernels
+    spinning for the lost peer, also those inside a replaying CUDA graph. NCCL then may wait for
+    the graphs that captured the communicator to be released before its abort returns (on the
+    H200 it did), so those are reset once the kernels had GRAPH_GRACE_S to exit; resetting them
+    first could wait on a graph whose kernel never ends. reset_graphs=False (the watch thread,
+    while rank 0's thread may still launch them) leaves the graphs to destroy_tp_group."""
     if group is None or group.aborted:
         return
     group.aborted = True
-    _reset_graphs(group)   # a captured graph still holding the communicator makes abort hang
-    # Bounded: should the backend's abort block (on a dead peer), the fault is still reported
-    # at once, and the communicator is left to the process's end.
     aborting = threading.Thread(target=group.backend.abort, name="tp-group-abort", daemon=True)
     aborting.start()
-    aborting.join(ABORT_TIMEOUT_S)
+    start = time.monotonic()
+    if reset_graphs and group.graphs:
+        aborting.join(GRAPH_GRACE_S)
+        reset_captured_graphs(group)
+    # Bounded: should the backend's abort block (on a dead peer), the fault is still reported
+    # at once, and the communicator is left to the process's end.
+    aborting.join(max(0.0, ABORT_TIMEOUT_S - (time.monotonic() - start)))
     if aborting.is_alive():
         logger.warning("aborting the tensor-parallel group did not finish within %.0f s; left to the "
                        "process's end", ABORT_TIMEOUT_S)
 
 
-def _reset_graphs(group: TPGroup):
+def reset_captured_graphs(group: TPGroup):
+    """Release the CUDA graphs that captured the group's collectives (their kernels must not be running)."""
     for graph in group.graphs:
         graph.reset()
     group.graphs.clear()
@@ -102,7 +114,7 @@ def destroy_tp_group(group: TPGroup | None):
     aborted group has nothing left to shut down."""
     if group is None:
         return
-    _reset_graphs(group)
+    reset_captured_graphs(group)
     if not group.aborted and hasattr(group.backend, "shutdown"):
         group.backend.shutdown()
 
