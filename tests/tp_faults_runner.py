@@ -57,10 +57,12 @@ def _run(model: str, device: str, scenarios: list[str], scenario_s: float, deadl
         while True:
             ready, _, _ = select.select([proc.stdout], [], [], max(0.0, until - time.monotonic()))
             if not ready:   # where is it stuck? every process of the group prints its stacks, then dies
+                states = _thread_states(proc.pid)
                 os.killpg(proc.pid, signal.SIGUSR1)
                 time.sleep(2)
                 os.killpg(proc.pid, signal.SIGKILL)
-                how = f"killed after {scenario_s} s on it (or at the deadline); its stacks are below"
+                how = (f"killed after {scenario_s} s on it (or at the deadline); its threads' states "
+                       f"(D: in the kernel, where no signal is handled):\n{states}\nits stacks are below")
                 break
             chunk = os.read(proc.stdout.fileno(), 65536)
             if not chunk:
@@ -73,6 +75,16 @@ def _run(model: str, device: str, scenarios: list[str], scenario_s: float, deadl
         proc.stdout.close()
         err.seek(0)
         return out.decode(errors="replace"), err.read().decode(errors="replace"), how
+
+
+def _thread_states(sid: int) -> str:
+    """ps's view of every thread of the session (the scenario process and its workers): each one's
+    state and the kernel function it waits in."""
+    try:
+        return subprocess.run(["ps", "-L", "--sid", str(sid), "-o", "pid,tid,stat,wchan:32,comm"],
+                              capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"(ps failed: {e})"
 
 
 def assert_no_leftovers(record: dict, exited: bool = False):
