@@ -65,8 +65,8 @@ def test_two_tp2_engines_and_clean_shutdown(qwen3_dir, model_8_heads):
     for e in engines:   # with CUDA graphs; took ~11 s when the workers shut their NCCL side down
         start = time.monotonic()
         e.shutdown()
-        assert time.monotonic() - start < 5
-        assert [w.proc.returncode for w in e.executor.workers.workers] == [0]   # exited, not killed
+        seconds, codes = time.monotonic() - start, [w.proc.returncode for w in e.executor.workers.workers]
+        assert seconds < 5 and codes == [0], (seconds, codes)   # exited (not killed), within seconds
     assert not any(os.path.exists(f"/proc/{pid}") for pid in pids)
 
 
@@ -106,7 +106,9 @@ def test_nccl_ctrl_c_in_a_step_interrupts(faults):
     r = faults("interrupt_in_step")   # rank 0 waits on a step a stopped worker never joins
     assert r["first"]["error"] == "KeyboardInterrupt" and r["first"]["seconds"] < 5, r["first"]
     if r["in_step"]:
-        assert r["later"]["error"] == "RuntimeError" and "out of step" in r["later"]["message"]
+        # RuntimeError, or WorkerError (one) when the watch thread aborted the group stuck in the step
+        later = r["later"]
+        assert later["error"] in ("RuntimeError", "WorkerError") and "out of step" in later["message"], later
     assert_no_leftovers(r)
 
 

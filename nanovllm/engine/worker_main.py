@@ -17,7 +17,7 @@ from nanovllm.config import Config
 from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.tp_worker import HEARTBEAT_S, TRACEBACK_BYTES, use_cuda
 from nanovllm.utils import command_pipe
-from nanovllm.utils.distributed import init_tp_group, worker_store
+from nanovllm.utils.distributed import abort_tp_group, init_tp_group, reset_captured_graphs, worker_store
 from nanovllm.utils.heartbeat import Heartbeats
 
 
@@ -77,6 +77,11 @@ def _serve(config: Config, rank: int, port: int, commands: int, check_parent):
     while True:
         command, step = command_pipe.receive(commands, check_parent)
         if command == "exit":
+            # Let go of this rank's side first, as rank 0 does (nothing runs between steps): a
+            # process that ends holding a communicator and the graphs that captured it can take
+            # seconds in the driver's teardown.
+            reset_captured_graphs(group)
+            abort_tp_group(group)
             return
         if runner.forward_step(step) is not None:
             runner.share_sampled(sum(step.samples))   # rank 0's sampled tokens, for later steps
