@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The GPU check, in one device call (at most 10 minutes): the whole pytest suite, then bench.py at
 # temperature 0.6 and greedy on GPU 0. The suite runs as three pytest processes at once: the
-# tensor-parallel GPU tests (tests/test_tp_gpu.py: TP=2 with 2 or more GPUs, skipped with one), the
-# other test files that use CUDA (they skip without it), and all the rest with CUDA hidden, as CI
-# runs them. Prints a short table that names every failed test (and, for a stage cut off at its
+# tensor-parallel GPU tests (tests/test_tp_gpu.py and the TP=2 lifecycle test: TP=2 with 2 or more
+# GPUs, skipped with one), the other test files that use CUDA (they skip without it) with one GPU
+# visible, as on the one-GPU machine, and all the rest with CUDA hidden, as CI runs them. Prints a short table that names every failed test (and, for a stage cut off at its
 # limit, the test it was in); the full logs (`pytest -v`: one line per test as it ends) and
 # bench.py's JSON records go to $OUT (default /tmp/out).
 #
@@ -63,8 +63,9 @@ suite() {  # label, then what to run; writes tests_LABEL.{log,xml,rc,s}
     "${per_test[@]}" "${ignore[@]}" --junitxml "$OUT/tests_$label.xml" "$@" > "$OUT/tests_$label.log" 2>&1
   echo $? > "$OUT/tests_$label.rc"; echo $(( SECONDS - start )) > "$OUT/tests_$label.s"
 }
-suite tp tests/test_tp_gpu.py &
-suite gpu $gpu_files &
+# The other CUDA files see one GPU, as on the one-GPU machine; their two-GPU test runs with TP's.
+suite tp tests/test_tp_gpu.py tests/test_gpu_lifecycle.py::test_tp2_shutdown_frees_the_gpu_and_engines_start_again &
+CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} suite gpu $gpu_files &
 CUDA_VISIBLE_DEVICES= suite cpu "${cpu_ignore[@]}" tests
 wait
 
