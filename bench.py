@@ -1,7 +1,8 @@
 """Throughput on nano-vllm's workload: 256 sequences, prompts of 100-1024 random tokens, 100-1024
 output tokens each (133,966 in all), temperature 0.6, ignore_eos. With no checkpoint at hand it runs
 the Qwen3-0.6B architecture (configs/qwen3-0.6b) with dummy weights. The figure is also given as a
-fraction of the workload's physical limit on H200s; docs/benchmarks.md says how that is computed.
+fraction of the workload's physical limit on this GPU's measured copy bandwidth and bf16 peak
+(nanovllm/utils/roofline.py; docs/benchmarks.md).
 --structured-json also runs the workload with every request constrained by one JSON schema.
 --workload long: 256 prompts of 4,000-8,000 random tokens, 64 output tokens each (prefill-bound);
 --ttft-32k also times the first token of one 32,768-token prompt; --attention-backend picks the
@@ -15,9 +16,8 @@ from random import randint, seed
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.sampling_params import StructuredOutputsParams
+from nanovllm.utils import roofline
 
-H200_COPY_BYTES_PER_S = 4.3e12   # a device-to-device copy (read + write), measured
-H200_BF16_FLOP_PER_S = 770e12    # dense bf16 tensor-core peak
 DEFAULT_MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "qwen3-0.6b")
 # --structured-json's schema: a record whose long text field (minLength) keeps a dummy-weight model
 # inside the grammar up to max_tokens, so the constrained run computes the same tokens as the free one.
@@ -55,50 +55,19 @@ def time_to_first_token(llm, repeats: int = 3) -> float:
     return sorted(times[1:])[repeats // 2]
 
 
-def h200_limit(config: dict, prompt_lens: list[int], output_lens: list[int], tp: int = 1,
-               kv_bytes: int = 2) -> float:
-    """Output tokens/s no engine can exceed on `tp` H200s for this workload (docs/benchmarks.md):
-    prefill at the bf16 peak, then one decode step per output token that costs the larger of reading
-    all weights and every live sequence's K/V at copy bandwidth, and its FLOPs at the bf16 peak.
-    Mixture-of-experts layers (Qwen3-MoE) count, in a step's reads, only the experts its batch touches."""
-    hidden, layers = config["hidden_size"], config["num_hidden_layers"]
-    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
-    head_dim = config.get("head_dim") or hidden // heads
-    experts, top_k, sparse_layers, expert = moe_shapes(config)
-    body = (layers * (hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden)   # qkv, o
-            + (layers - sparse_layers) * 3 * hidden * config["intermediate_size"]            # gate_up, down
-            + sparse_layers * experts * hidden)                                               # routers
-    active = body + sparse_layers * top_k * expert   # weights one token computes with
-    lm_head = config["vocab_size"] * hidden
-    kv_bytes_per_token = 2 * layers * kv_heads * head_dim * kv_bytes
-    attn_flops_per_key = 4 * layers * heads * head_dim       # q.k and p.v, per query and key
-    # Prefill: every prompt token through the layers, causal attention, the LM head once per prompt.
-    prefill_flops = (2 * active * sum(prompt_lens) + 2 * lm_head * len(prompt_lens)
-                     + sum(attn_flops_per_key * n * n / 2 for n in prompt_lens))
-    seconds = prefill_flops / H200_BF16_FLOP_PER_S
-    for step in range(max(output_lens)):
-        contexts = [n + step for n, out in zip(prompt_lens, output_lens) if step < out]
-        # B tokens each routed to top_k of E experts touch E * (1 - (1 - top_k / E) ** B) of them on
-        # average (uniform routing, as dummy weights give): all 128 of Qwen3-30B-A3B at B = 256
-        touched = experts * (1 - (1 - top_k / experts) ** len(contexts)) if experts else 0
-        weight_bytes = 2 * (body + lm_head + sparse_layers * touched * expert)   # bf16
-        reads = weight_bytes + kv_bytes_per_token * sum(contexts)
-        flops = 2 * (active + lm_head) * len(contexts) + attn_flops_per_key * sum(contexts)
-        seconds += max(reads / H200_COPY_BYTES_PER_S, flops / H200_BF16_FLOP_PER_S)
-    return sum(output_lens) / (seconds / tp)   # tensor parallelism splits both evenly
-
-
-def moe_shapes(config: dict) -> tuple[int, int, int, int]:
-    """(experts, top_k, layers with experts, weights of one expert) of a Qwen3-MoE config, zeros for
-    a dense one. A layer has experts unless it is in mlp_only_layers, and then only every
-    decoder_sparse_step-th (transformers' rule)."""
-    experts = config.get("num_experts") or config.get("num_local_experts") or 0
-    if not experts:
-        return 0, 0, 0, 0
-    step, dense = config.get("decoder_sparse_step") or 1, config.get("mlp_only_layers") or []
-    sparse = sum(i not in dense and (i + 1) % step == 0 for i in range(config["num_hidden_layers"]))
-    expert = 3 * config["hidden_size"] * config["moe_intermediate_size"]   # gate, up, down
-    return experts, config["num_experts_per_tok"], sparse, expert
+def workload_limits(args, prompts, params, gpu: roofline.DeviceLimits):
+    """(limit at `gpu`'s figures, limit at the documented H200 figures) in output tokens/s for the model
+    folder's config.json and bench's parallelism and KV dtype; (None, None) without a config.json."""
+    prompt_lens, output_lens = [len(p) for p in prompts], [sp.max_tokens for sp in params]
+    config_path = os.path.join(args.model, "config.json")
+    if not os.path.isfile(config_path):
+        return None, None
+    with open(config_path) as f:
+        config = json.load(f)
+    shape = dict(tp=args.tensor_parallel_size, dp=args.data_parallel_size,
+                 kv_bytes=1 if args.kv_cache_dtype != "auto" else 2)
+    return (roofline.workload_limit(config, prompt_lens, output_lens, gpu, **shape),
+            roofline.workload_limit(config, prompt_lens, output_lens, roofline.H200, **shape))
 
 
 def prefix_cache_workload(num_seqs: int, prefix_len: int, seed_: int):
@@ -193,12 +162,9 @@ def main():
     llm.generate([[1, 2, 3]] * args.data_parallel_size, SamplingParams(max_tokens=8), use_tqdm=False)
     seconds = timed_generate(llm, prompts, params)
     tokens = sum(sp.max_tokens for sp in params)
-    config_path = os.path.join(args.model, "config.json")
-    limit = None
-    if os.path.isfile(config_path) and args.data_parallel_size == 1:
-        with open(config_path) as f:
-            limit = h200_limit(json.load(f), [len(p) for p in prompts], [sp.max_tokens for sp in params],
-                               args.tensor_parallel_size, kv_bytes=1 if args.kv_cache_dtype != "auto" else 2)
+    # This GPU's figures, measured after the run, in the memory the engine leaves free.
+    gpu = roofline.device_limits()
+    limit, documented = workload_limits(args, prompts, params, gpu)
     runner = getattr(llm, "model_runner", None)   # a data-parallel LLM's runners live in its replicas
     backend = runner.attention_backend.name if runner else args.attention_backend
     prompt_tokens = sum(map(len, prompts))
@@ -212,16 +178,24 @@ def main():
                   startup_s=round(startup, 2),
                   output_tokens=tokens, seconds=round(seconds, 3), tokens_per_s=round(tokens / seconds, 1),
                   h200_limit_tokens_per_s=round(limit) if limit else None,
-                  fraction_of_h200_limit=round(tokens / seconds / limit, 3) if limit else None)
+                  fraction_of_h200_limit=round(tokens / seconds / limit, 3) if limit else None,
+                  copy_bytes_per_s=gpu.copy_bytes_per_s, bf16_flop_per_s=gpu.bf16_flop_per_s,
+                  limit_figures=gpu.source,
+                  documented_h200_limit_tokens_per_s=round(documented) if limit else None)
     record["startup_phases_s"] = {k: round(v, 2) for k, v in runner.startup_seconds.items()} if runner else {}
     fraction = record["fraction_of_h200_limit"]
-    of_limit = f" ({fraction:.1%} of the H200 limit, {limit:,.0f})" if limit else ""
+    of_limit = f" ({fraction:.1%} of the limit, {limit:,.0f})" if limit else ""
     if record["kv_cache_tokens"] is not None:   # (a data-parallel LLM's caches are in its replicas)
         of_limit += f", KV cache {args.kv_cache_dtype} {record['kv_cache_tokens']:,} tokens"
     of_limit += f", {args.data_parallel_size} data-parallel replicas" if args.data_parallel_size > 1 else ""
     phases = ", ".join(f"{k} {v}s" for k, v in record["startup_phases_s"].items())
     print(f"Total: {tokens} tok, Time: {seconds:.2f}s, Throughput: {tokens / seconds:.2f} tok/s{of_limit}, "
           f"start-up {startup:.1f}s" + (f" ({phases})" if phases else ""))
+    if limit:
+        print(f"Limit: {limit:,.0f} output tok/s on {args.data_parallel_size * args.tensor_parallel_size} "
+              f"GPU(s) at copy {gpu.copy_bytes_per_s / 1e12:.2f} TB/s, bf16 {gpu.bf16_flop_per_s / 1e12:.0f} "
+              f"TFLOP/s ({gpu.source}); at the documented H200 figures {documented:,.0f} "
+              f"({tokens / seconds / documented:.1%} of it)")
     print(f"Workload {args.workload}, attention {backend}: {prompt_tokens} prompt + {tokens} output tok, "
           f"{(prompt_tokens + tokens) / seconds:.0f} tok/s prompt and output together")
     if args.ttft_32k:

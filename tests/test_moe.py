@@ -161,10 +161,10 @@ def test_tp2_matches_transformers_and_tp1(moe_dir):
         oracle.assert_greedy(prompt, ids)
 
 
-# ---- bench.py's limit -----------------------------------------------------------------------------
+# ---- the workload's limit (nanovllm/utils/roofline.py) ------------------------------------------
 
-def test_h200_limit_reads_only_the_touched_experts():
-    import bench
+def test_limit_reads_only_the_touched_experts():
+    from nanovllm.utils.roofline import H200, workload_limit
     # one sequence: each decode step touches exactly top_k experts of each MoE layer
     config = dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
                   head_dim=16, intermediate_size=128, vocab_size=1000, num_experts=8, num_experts_per_tok=2,
@@ -174,22 +174,21 @@ def test_h200_limit_reads_only_the_touched_experts():
     active, lm_head = body + 2 * 2 * expert, 1000 * 64
     kv_per_token = 3 * 2 * 2 * 16 * 2
     reads = sum(2 * (body + lm_head + 2 * 2 * expert) + kv_per_token * (1 + step) for step in range(1000))
-    prefill = (2 * active + 2 * lm_head + 4 * 3 * 4 * 16 / 2) / bench.H200_BF16_FLOP_PER_S
-    expected = 1000 / (reads / bench.H200_COPY_BYTES_PER_S + prefill)
-    assert bench.h200_limit(config, [1], [1000]) == pytest.approx(expected, rel=1e-9)
+    prefill = (2 * active + 2 * lm_head + 4 * 3 * 4 * 16 / 2) / H200.bf16_flop_per_s
+    expected = 1000 / (reads / H200.copy_bytes_per_s + prefill)
+    assert workload_limit(config, [1], [1000]) == pytest.approx(expected, rel=1e-9)
 
 
-def test_h200_limit_of_qwen3_30b_a3b():
+def test_limit_of_qwen3_30b_a3b():
     """docs/moe.md's figures: at batch 256 every step reads all 128 experts of all 48 layers."""
     import json
 
-    import bench
+    from nanovllm.utils.roofline import default_workload_lens, workload_limit
     with open(os.path.join(os.path.dirname(__file__), "..", "configs", "qwen3-30b-a3b", "config.json")) as f:
         config = json.load(f)
-    prompts, params = bench.workload(256, 1024, 1024, 0.6)
-    lens, outs = [len(p) for p in prompts], [p.max_tokens for p in params]
-    assert bench.h200_limit(config, lens, outs) == pytest.approx(7_673, rel=0.002)
-    assert bench.h200_limit(config, lens, outs, tp=2) == pytest.approx(15_346, rel=0.002)
+    lens, outs = default_workload_lens()
+    assert workload_limit(config, lens, outs) == pytest.approx(7_673, rel=0.002)
+    assert workload_limit(config, lens, outs, tp=2) == pytest.approx(15_346, rel=0.002)
 
 
 # ---- the loader --------------------------------------------------------------------------------

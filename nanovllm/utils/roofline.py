@@ -1,0 +1,258 @@
+"""The roofline of an offline generation workload: the output tokens/s no engine can exceed on given
+GPUs, computed from the model's Hugging Face config (dense Qwen3/Llama/Qwen2, or Qwen3-MoE), the
+workload's prompt and output lengths, the tensor- and data-parallel sizes, the KV cache dtype, and
+two figures of the GPU: its copy bandwidth and its bf16 peak, measured once per process on CUDA.
+
+The model of time. A GPU moves memory at most at `copy_bytes_per_s` (bytes/s: the bytes read plus
+the bytes written by a large device-to-device copy; a read-only stream is assumed no faster) and
+computes at most at `bf16_flop_per_s` (FLOP/s: a large bf16 GEMM). Without a GPU the documented H200
+figures stand in: 4.3e12 bytes/s (measured) and 770e12 FLOP/s (dense bf16 tensor cores, measured).
+Weights are bf16 (2 bytes); K/V take `kv_bytes` bytes per value (2 for bf16, 1 for FP8).
+
+- Prefill (seconds = FLOPs / bf16_flop_per_s): every prompt token through every layer, 2 FLOPs per
+  weight it computes with (for a MoE layer the router and its top_k experts), causal attention at
+  4 x layers x heads x head_dim FLOPs per query-key pair (n^2 / 2 pairs for an n-token prompt), and
+  the LM head once per prompt. Its weight reads and K/V writes are not counted (compute-bound).
+- Decode: one step per output position; a step's batch is every sequence still generating (all
+  sequences run from the start: the workload fits max_num_seqs and the KV cache), each with a context
+  of its prompt plus the tokens it generated so far. Seconds per step = max(bytes / copy, FLOPs /
+  peak), where bytes = all weights once (the LM head included; a MoE layer only the experts its batch
+  touches, E x (1 - (1 - top_k / E)^B) of E under uniform routing, as dummy weights give) + every
+  context token's K and V of every layer; FLOPs = 2 per active weight per sequence + the attention
+  FLOPs per key of every context.
+- Tensor parallelism over N GPUs: the weights (column/row-parallel linears, the vocab-parallel LM
+  head, every expert's slice), the K/V heads (num_key_value_heads is divisible by N, so none is
+  replicated) and the FLOPs all split N ways, so a GPU's time is 1/N of one GPU's. The all-reduces
+  are not charged: the limit assumes they overlap the GEMMs. (Two per layer of B x hidden bf16 values:
+  for the Qwen3-8B shapes at B = 256, 72 x 2 MiB per step, about 0.34 ms at NVLink's 450 GB/s each
+  way, against 3.8 ms for the workload's average decode step at TP=2.)
+- Data parallelism: D replicas of N GPUs each get the requests DataParallelLLM assigns them; the
+  limit is all output tokens over the slowest replica's time.
+- Not counted: embedding lookups, norms, rotary, sampling, activations' traffic between kernels,
+  writing new K/V, kernel launches, the host.
+
+The limit is the workload's output tokens over the sum of those seconds. `python -m
+nanovllm.utils.roofline MODEL_FOLDER [--tp N]` prints this GPU's figures and the limit of bench.py's
+default workload."""
+import functools
+import random
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+WEIGHT_BYTES = 2   # bf16
+
+
+@dataclass(frozen=True)
+class DeviceLimits:
+    copy_bytes_per_s: float   # bytes read + written per second by a device-to-device copy
+    bf16_flop_per_s: float    # dense bf16 matmul FLOP/s
+    source: str               # where the figures come from, for the printout
+
+
+H200 = DeviceLimits(4.3e12, 770e12, "documented H200 figures")
+
+
+def _median_seconds(fn, device: torch.device, repeats: int, warmup: int = 3) -> float:
+    """Median wall time of fn() on `device`: CUDA events around each call on CUDA, after warm-up."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        for _ in range(repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+    else:
+        for _ in range(repeats):
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def measure_copy_bandwidth(device="cuda", nbytes: int = 1 << 30, repeats: int = 10) -> float:
+    """Bytes/s (read + written) of copying `nbytes` from one buffer of `device` to another, median of
+    `repeats`. 1 GiB is far past the H200's 60 MiB L2, so this is HBM's bandwidth."""
+    device = torch.device(device)
+    with torch.device(device):
+        src = torch.empty(nbytes, dtype=torch.uint8)
+        dst = torch.empty_like(src)
+        return 2 * nbytes / _median_seconds(lambda: dst.copy_(src), device, repeats)
+
+
+def measure_bf16_peak(device="cuda", n: int = 8192, repeats: int = 10) -> float:
+    """FLOP/s of an n x n by n x n bf16 matmul on `device` (random values: zeros draw less power and
+    run faster than real weights), median of `repeats`."""
+    device = torch.device(device)
+    with torch.device(device):
+        a, b = torch.randn(n, n, dtype=torch.bfloat16), torch.randn(n, n, dtype=torch.bfloat16)
+        out = torch.empty(n, n, dtype=torch.bfloat16)
+        return 2 * n ** 3 / _median_seconds(lambda: torch.matmul(a, b, out=out), device, repeats)
+
+
+@functools.cache
+def device_limits(device: str | None = None) -> DeviceLimits:
+    """This GPU's figures, measured once per process (CUDA, the current GPU by default); the
+    documented H200 figures when there is no GPU. The buffers fit in what the engine leaves free
+    (1 - gpu_memory_utilization), so it may run beside an engine."""
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type != "cuda":
+        return DeviceLimits(H200.copy_bytes_per_s, H200.bf16_flop_per_s,
+                            f"no GPU ({device.type}): {H200.source}")
+    free = torch.cuda.mem_get_info(device)[0]
+    nbytes = min(1 << 30, free // 4)
+    n = 8192 if free > 4 * 3 * 8192 ** 2 * 2 else 4096
+    limits = DeviceLimits(measure_copy_bandwidth(device, nbytes), measure_bf16_peak(device, n),
+                          f"measured on {torch.cuda.get_device_name(device)}")
+    torch.cuda.empty_cache()   # the engine may count reserved memory as its own; give it back
+    return limits
+
+
+@dataclass(frozen=True)
+class ModelShapes:
+    """What the roofline needs of a decoder, in parameters (weights) and per-token sizes."""
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    body_params: int      # weights every token computes with: attention, dense MLPs, routers
+    lm_head_params: int
+    sparse_layers: int    # layers with experts (0 for a dense model)
+    experts: int
+    top_k: int
+    expert_params: int    # gate, up and down of one expert
+
+    @classmethod
+    def from_config(cls, config: dict) -> "ModelShapes":
+        """Dense Qwen3/Llama/Qwen2 or Qwen3-MoE from the HF config.json (as a dict)."""
+        experts = config.get("num_experts") or config.get("num_local_experts") or 0
+        need = ["hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"]
+        need += ["moe_intermediate_size", "num_experts_per_tok"] if experts else ["intermediate_size"]
+        missing = [k for k in need if k not in config]
+        if missing:
+            raise ValueError(f"the model config lacks {', '.join(missing)}: pass a decoder's config.json")
+        hidden, layers = config["hidden_size"], config["num_hidden_layers"]
+        heads = config["num_attention_heads"]
+        kv_heads = config.get("num_key_value_heads") or heads
+        head_dim = config.get("head_dim") or hidden // heads
+        sparse = _sparse_layers(config) if experts else 0
+        expert = 3 * hidden * config["moe_intermediate_size"] if experts else 0
+        attention = hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden   # qkv, o
+        dense_mlp = 3 * hidden * config["intermediate_size"] if layers > sparse else 0        # gate_up, down
+        body = layers * attention + (layers - sparse) * dense_mlp + sparse * experts * hidden  # + routers
+        return cls(layers, heads, kv_heads, head_dim, body, config["vocab_size"] * hidden, sparse, experts,
+                   config["num_experts_per_tok"] if experts else 0, expert)
+
+    @property
+    def active_params(self) -> int:
+        """Weights one token computes with, LM head aside."""
+        return self.body_params + self.sparse_layers * self.top_k * self.expert_params
+
+    @property
+    def kv_values_per_token(self) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim
+
+    @property
+    def attention_flops_per_key(self) -> int:
+        return 4 * self.layers * self.heads * self.head_dim   # q.k and p.v, per query and key
+
+    def params_read(self, batch: int) -> float:
+        """Weights a decode step of `batch` sequences reads: all but the experts its batch misses."""
+        touched = self.experts * (1 - (1 - self.top_k / self.experts) ** batch) if self.experts else 0
+        return self.body_params + self.lm_head_params + self.sparse_layers * touched * self.expert_params
+
+
+def _sparse_layers(config: dict) -> int:
+    """Layers with experts: those not in mlp_only_layers, and of them every decoder_sparse_step-th
+    (transformers' rule)."""
+    step, dense = config.get("decoder_sparse_step") or 1, config.get("mlp_only_layers") or []
+    return sum(i not in dense and (i + 1) % step == 0 for i in range(config["num_hidden_layers"]))
+
+
+def prefill_seconds(shapes: ModelShapes, prompt_lens: list[int], gpu: DeviceLimits) -> float:
+    flops = (2 * shapes.active_params * sum(prompt_lens) + 2 * shapes.lm_head_params * len(prompt_lens)
+             + sum(shapes.attention_flops_per_key * n * n / 2 for n in prompt_lens))
+    return flops / gpu.bf16_flop_per_s
+
+
+def decode_seconds(shapes: ModelShapes, prompt_lens: list[int], output_lens: list[int], gpu: DeviceLimits,
+                   kv_bytes: float) -> float:
+    seconds = 0.0
+    for step in range(max(output_lens, default=0)):
+        contexts = [n + step for n, out in zip(prompt_lens, output_lens) if step < out]
+        reads = (WEIGHT_BYTES * shapes.params_read(len(contexts))
+                 + shapes.kv_values_per_token * kv_bytes * sum(contexts))
+        flops = (2 * (shapes.active_params + shapes.lm_head_params) * len(contexts)
+                 + shapes.attention_flops_per_key * sum(contexts))
+        seconds += max(reads / gpu.copy_bytes_per_s, flops / gpu.bf16_flop_per_s)
+    return seconds
+
+
+def workload_limit(config: dict, prompt_lens: list[int], output_lens: list[int], gpu: DeviceLimits = H200,
+                   tp: int = 1, kv_bytes: float = 2, dp: int = 1) -> float:
+    """Output tokens/s no engine can exceed on dp replicas of tp GPUs each with `gpu`'s figures, for
+    prompts of prompt_lens tokens that each generate output_lens tokens (the module's docstring says
+    what is counted)."""
+    for name, value in (("tp", tp), ("dp", dp)):
+        if type(value) is not int or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if kv_bytes <= 0:
+        raise ValueError(f"kv_bytes (bytes per K/V value: 2 for bf16, 1 for fp8) must be positive, "
+                         f"got {kv_bytes}")
+    if len(prompt_lens) != len(output_lens) or not prompt_lens:
+        raise ValueError("prompt_lens and output_lens must be non-empty lists of one length")
+    shapes = ModelShapes.from_config(config)
+    shares = [list(range(len(prompt_lens)))] if dp == 1 else _replica_shares(prompt_lens, output_lens, dp)
+    slowest = max(prefill_seconds(shapes, [prompt_lens[i] for i in share], gpu)
+                  + decode_seconds(shapes, [prompt_lens[i] for i in share], [output_lens[i] for i in share],
+                                   gpu, kv_bytes)
+                  for share in shares if share)
+    return sum(output_lens) / (slowest / tp)
+
+
+def _replica_shares(prompt_lens: list[int], output_lens: list[int], dp: int) -> list[list[int]]:
+    from nanovllm.distributed.data_parallel import assign_by_cost   # (the engine's own split; no Ray needed)
+    return assign_by_cost([n + out for n, out in zip(prompt_lens, output_lens)], dp)
+
+
+def default_workload_lens(num_seqs: int = 256, max_input_len: int = 1024,
+                          max_output_len: int = 1024) -> tuple[list[int], list[int]]:
+    """bench.py's default workload's prompt and output lengths: the same draws from seed 0."""
+    rng = random.Random(0)
+    prompt_lens = [len([rng.randint(0, 10000) for _ in range(rng.randint(100, max_input_len))])
+                   for _ in range(num_seqs)]
+    return prompt_lens, [rng.randint(100, max_output_len) for _ in range(num_seqs)]
+
+
+def main():
+    import argparse
+    import json
+    import os
+    p = argparse.ArgumentParser(description="This GPU's copy bandwidth and bf16 peak, and the limit of "
+                                            "bench.py's default workload for each model folder given.")
+    p.add_argument("model", nargs="*", help="model folders with a config.json")
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--kv-bytes", type=float, default=2, help="bytes per K/V value: 2 bf16, 1 fp8")
+    args = p.parse_args()
+    gpu = device_limits()
+    print(f"copy {gpu.copy_bytes_per_s / 1e12:.2f} TB/s, bf16 {gpu.bf16_flop_per_s / 1e12:.0f} TFLOP/s "
+          f"({gpu.source})")
+    prompt_lens, output_lens = default_workload_lens()
+    for model in args.model:
+        with open(os.path.join(model, "config.json")) as f:
+            config = json.load(f)
+        limit = workload_limit(config, prompt_lens, output_lens, gpu, args.tp, args.kv_bytes)
+        documented = workload_limit(config, prompt_lens, output_lens, H200, args.tp, args.kv_bytes)
+        print(f"{model} tp={args.tp} kv_bytes={args.kv_bytes:g}: limit {limit:,.0f} output tok/s "
+              f"({documented:,.0f} at the documented H200 figures)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,161 @@
+"""The roofline (nanovllm/utils/roofline.py) behind bench.py's fraction of the limit: the figures
+docs/benchmarks.md quotes, the two regimes of a decode step (weights and K/V at copy bandwidth, or
+FLOPs at the bf16 peak), how tensor and data parallelism, the KV dtype and experts scale it, and the
+measurements of the GPU's figures."""
+import json
+import math
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import bench
+from nanovllm.utils import roofline
+from nanovllm.utils.roofline import H200, ModelShapes, workload_limit
+
+CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+# hidden 64, 2 layers, 4 heads of 16, 2 KV heads, intermediate 128, vocab 1000
+TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, intermediate_size=128, vocab_size=1000)
+TINY_PARAMS = 2 * (64 * (4 + 2 * 2) * 16 + 4 * 16 * 64 + 3 * 64 * 128) + 1000 * 64
+TINY_MOE = dict(TINY, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
+
+
+def config_of(model: str) -> dict:
+    with open(os.path.join(CONFIGS, model, "config.json")) as f:
+        return json.load(f)
+
+
+def test_default_workload_lengths_are_bench_s():
+    prompts, params = bench.workload(256, 1024, 1024, 0.6)
+    assert roofline.default_workload_lens() == ([len(p) for p in prompts], [p.max_tokens for p in params])
+
+
+@pytest.mark.parametrize("model,tp,kv_bytes,expected", [
+    ("qwen3-0.6b", 1, 2, 36_329), ("qwen3-0.6b", 1, 1, 64_569),
+    ("qwen3-8b", 1, 2, 12_923), ("qwen3-8b", 2, 2, 25_846)])
+def test_limits_of_the_default_workload(model, tp, kv_bytes, expected):
+    """benchmarks/RESULTS.md's and docs/benchmarks.md's figures, at the documented H200 figures."""
+    prompt_lens, output_lens = roofline.default_workload_lens()
+    assert round(workload_limit(config_of(model), prompt_lens, output_lens, H200, tp, kv_bytes)) == expected
+
+
+def test_one_sequence_is_bound_by_reading_the_weights():
+    # One token of prompt, 1000 output tokens: each step reads the bf16 weights and <= 1000 tokens of
+    # K/V (2 layers x K, V x 2 heads x 16 x 2 bytes = 256 bytes each), far below the FLOP time.
+    kv_per_token = 2 * 2 * 2 * 16 * 2
+    reads = sum(2 * TINY_PARAMS + kv_per_token * (1 + step) for step in range(1000))
+    prefill = (2 * (TINY_PARAMS - 64_000) + 2 * 64_000 + 4 * 2 * 4 * 16 / 2) / H200.bf16_flop_per_s
+    expected = 1000 / (reads / H200.copy_bytes_per_s + prefill)
+    assert workload_limit(TINY, [1], [1000]) == pytest.approx(expected, rel=1e-9)
+    slow_memory = roofline.DeviceLimits(H200.copy_bytes_per_s / 2, H200.bf16_flop_per_s, "test")
+    assert workload_limit(TINY, [1], [1000], slow_memory) == pytest.approx(
+        1000 / (2 * reads / H200.copy_bytes_per_s + prefill), rel=1e-9)
+
+
+def test_a_large_batch_is_bound_by_flops():
+    # 100,000 sequences of one prompt token and one output token: a step's FLOPs (2 per weight per
+    # sequence) take longer than reading the weights once.
+    decode_flops = 2 * TINY_PARAMS * 100_000 + 4 * 2 * 4 * 16 * 100_000
+    prefill_flops = 2 * TINY_PARAMS * 100_000 + 4 * 2 * 4 * 16 / 2 * 100_000
+    expected = 100_000 / ((decode_flops + prefill_flops) / H200.bf16_flop_per_s)
+    assert workload_limit(TINY, [1] * 100_000, [1] * 100_000) == pytest.approx(expected, rel=1e-9)
+
+
+@pytest.mark.parametrize("model", ["qwen3-0.6b", "qwen3-8b", "qwen3-30b-a3b"])
+def test_tensor_parallelism_divides_every_gpu_s_time(model):
+    # Weights, K/V heads and FLOPs all split N ways; the all-reduces are not charged (the docstring).
+    prompt_lens, output_lens = [300, 900, 120], [200, 50, 400]
+    one = workload_limit(config_of(model), prompt_lens, output_lens)
+    for tp in (2, 4, 8):
+        assert workload_limit(config_of(model), prompt_lens, output_lens, tp=tp) == pytest.approx(tp * one)
+
+
+def test_fp8_kv_halves_the_kv_term():
+    # Reads-bound steps (4 sequences of 1000-token contexts): a step is weights + K/V at copy bandwidth.
+    shapes = ModelShapes.from_config(TINY)
+    prompt_lens, output_lens = [1000] * 4, [10] * 4
+    weights = 10 * 2 * shapes.params_read(4) / H200.copy_bytes_per_s
+    bf16 = roofline.decode_seconds(shapes, prompt_lens, output_lens, H200, kv_bytes=2)
+    fp8 = roofline.decode_seconds(shapes, prompt_lens, output_lens, H200, kv_bytes=1)
+    assert bf16 - weights == pytest.approx(2 * (fp8 - weights), rel=1e-9)
+    assert fp8 - weights == pytest.approx(sum(4 * (1000 + s) for s in range(10)) * 2 * 2 * 2 * 16
+                                          / H200.copy_bytes_per_s, rel=1e-9)
+
+
+def test_moe_counts_active_experts_only():
+    shapes, expert = ModelShapes.from_config(TINY_MOE), 3 * 64 * 32
+    attention, routers = 2 * (64 * (4 + 2 * 2) * 16 + 4 * 16 * 64), 2 * 8 * 64
+    assert shapes.body_params == attention + routers    # no dense MLP: both layers have experts
+    assert shapes.active_params == attention + routers + 2 * 2 * expert          # top 2 of 8
+    assert shapes.params_read(1) == pytest.approx(shapes.active_params + 64_000)  # one token: its 2
+    assert shapes.params_read(10_000) == pytest.approx(attention + routers + 2 * 8 * expert + 64_000)
+    # Prefill computes with the top_k experts: 64 experts instead of 8 add only router FLOPs.
+    wide = ModelShapes.from_config(dict(TINY_MOE, num_experts=64))
+    extra = roofline.prefill_seconds(wide, [500], H200) - roofline.prefill_seconds(shapes, [500], H200)
+    assert extra == pytest.approx(2 * 500 * 2 * (64 - 8) * 64 / H200.bf16_flop_per_s, rel=1e-9)
+
+
+def test_data_parallel_replicas_take_their_share():
+    # Two equal halves: each replica runs half the sequences, both at once.
+    prompt_lens, output_lens = [500] * 8, [100] * 8
+    half = workload_limit(TINY, prompt_lens[:4], output_lens[:4])
+    assert workload_limit(TINY, prompt_lens, output_lens, dp=2) == pytest.approx(2 * half)
+    assert workload_limit(TINY, prompt_lens, output_lens, dp=2, tp=2) == pytest.approx(4 * half)
+    # More replicas than requests: the idle ones change nothing.
+    assert workload_limit(TINY, [500], [100], dp=3) == pytest.approx(workload_limit(TINY, [500], [100]))
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(tp=0), "tp must be a positive integer"), (dict(dp=1.5), "dp must be a positive integer"),
+    (dict(kv_bytes=0), "kv_bytes"), (dict(output_lens=[1, 2]), "one length")])
+def test_bad_arguments_say_what_to_change(kwargs, match):
+    args = dict(config=TINY, prompt_lens=[10], output_lens=[10]) | kwargs
+    with pytest.raises(ValueError, match=match):
+        workload_limit(**args)
+
+
+def test_a_config_without_the_shapes_is_refused():
+    with pytest.raises(ValueError, match="intermediate_size"):
+        ModelShapes.from_config({k: v for k, v in TINY.items() if k != "intermediate_size"})
+    with pytest.raises(ValueError, match="moe_intermediate_size"):
+        ModelShapes.from_config({k: v for k, v in TINY_MOE.items() if k != "moe_intermediate_size"})
+
+
+def test_measurements_run_on_cpu():
+    copy = roofline.measure_copy_bandwidth("cpu", nbytes=1 << 20, repeats=3)
+    peak = roofline.measure_bf16_peak("cpu", n=64, repeats=3)
+    assert math.isfinite(copy) and copy > 1e6 and math.isfinite(peak) and peak > 1e5
+    cpu = roofline.device_limits("cpu")   # no GPU: the documented figures, and it says so
+    assert (cpu.copy_bytes_per_s, cpu.bf16_flop_per_s) == (4.3e12, 770e12) and "no GPU" in cpu.source
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_measured_gpu_figures_are_plausible_and_measured_once():
+    gpu = roofline.device_limits()
+    assert 1e11 < gpu.copy_bytes_per_s < 2e13 and 1e13 < gpu.bf16_flop_per_s < 1e16
+    assert "measured on" in gpu.source and roofline.device_limits() is gpu
+
+
+def test_bench_limits_follow_its_options():
+    prompts, params = bench.workload(8, 1024, 1024, 0.6)
+    lens, outs = [len(p) for p in prompts], [p.max_tokens for p in params]
+    args = SimpleNamespace(model=os.path.join(CONFIGS, "qwen3-8b"), tensor_parallel_size=2,
+                           data_parallel_size=1, kv_cache_dtype="fp8")
+    fast = roofline.DeviceLimits(8e12, 1e15, "test")
+    limit, documented = bench.workload_limits(args, prompts, params, fast)
+    assert limit == pytest.approx(workload_limit(config_of("qwen3-8b"), lens, outs, fast, 2, 1))
+    assert documented == pytest.approx(workload_limit(config_of("qwen3-8b"), lens, outs, H200, 2, 1))
+    no_config = SimpleNamespace(model="no/such/folder")
+    assert bench.workload_limits(no_config, prompts, params, fast) == (None, None)
+
+
+def test_long_workload_is_prefill_heavy_and_leaves_the_default_alone():
+    prompts, params = bench.long_workload(256, 0.6)
+    lens = [len(p) for p in prompts]
+    assert len(prompts) == 256 and min(lens) >= 4000 and max(lens) <= 8000
+    assert {p.max_tokens for p in params} == {64} and all(p.ignore_eos for p in params)
+    assert bench.long_workload(256, 0.6)[0] == prompts   # seeded
+    _, default_params = bench.workload(256, 1024, 1024, 0.6)
+    assert sum(p.max_tokens for p in default_params) == 133_966   # nano-vllm's workload, unchanged
