@@ -194,8 +194,9 @@ def main():
     if limit:
         print(f"Limit: {limit:,.0f} output tok/s on {args.data_parallel_size * args.tensor_parallel_size} "
               f"GPU(s) at copy {gpu.copy_bytes_per_s / 1e12:.2f} TB/s, bf16 {gpu.bf16_flop_per_s / 1e12:.0f} "
-              f"TFLOP/s ({gpu.source}); at the documented H200 figures {documented:,.0f} "
-              f"({tokens / seconds / documented:.1%} of it)")
+              f"TFLOP/s ({gpu.source})" + ("" if documented == limit else
+                                           f"; at the documented H200 figures {documented:,.0f} "
+                                           f"({tokens / seconds / documented:.1%} of it)"))
     print(f"Workload {args.workload}, attention {backend}: {prompt_tokens} prompt + {tokens} output tok, "
           f"{(prompt_tokens + tokens) / seconds:.0f} tok/s prompt and output together")
     if args.ttft_32k:

@@ -4,7 +4,7 @@
 #                                   Qwen3-30B-A3B shapes with dummy weights, a quick tile sweep of the kernels
 #   bash benchmarks/moe_gpu.sh tp   two H200s: bench.py at TP=2, then one rank's shard (inter 384) timed
 #   bash benchmarks/moe_gpu.sh profile   one H200: benchmarks/profile_bench.py on the 30B-A3B shapes (about 5 minutes)
-# Ends with a table: tokens/s against the workload's limit (bench.py's h200_limit, docs/moe.md).
+# Ends with a table: tokens/s against the workload's limit (nanovllm/utils/roofline.py, docs/moe.md).
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name --format=csv,noheader | sort | uniq -c

@@ -32,8 +32,8 @@ Weights are bf16 (2 bytes); K/V take `kv_bytes` bytes per value (2 for bf16, 1 f
   writing new K/V, kernel launches, the host.
 
 The limit is the workload's output tokens over the sum of those seconds. `python -m
-nanovllm.utils.roofline MODEL_FOLDER [--tp N]` prints this GPU's figures and the limit of bench.py's
-default workload."""
+nanovllm.utils.roofline MODEL_FOLDER... [--tp N...]` prints this GPU's figures and the limits of
+bench.py's default workload."""
 import functools
 import random
 import statistics
@@ -238,7 +238,7 @@ def main():
     p = argparse.ArgumentParser(description="This GPU's copy bandwidth and bf16 peak, and the limit of "
                                             "bench.py's default workload for each model folder given.")
     p.add_argument("model", nargs="*", help="model folders with a config.json")
-    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--tp", type=int, nargs="+", default=[1], help="tensor-parallel sizes")
     p.add_argument("--kv-bytes", type=float, default=2, help="bytes per K/V value: 2 bf16, 1 fp8")
     args = p.parse_args()
     gpu = device_limits()
@@ -248,11 +248,11 @@ def main():
     for model in args.model:
         with open(os.path.join(model, "config.json")) as f:
             config = json.load(f)
-        limit = workload_limit(config, prompt_lens, output_lens, gpu, args.tp, args.kv_bytes)
-        documented = workload_limit(config, prompt_lens, output_lens, H200, args.tp, args.kv_bytes)
-        print(f"{model} tp={args.tp} kv_bytes={args.kv_bytes:g}: limit {limit:,.0f} output tok/s "
-              f"({documented:,.0f} at the documented H200 figures)")
-
+        for tp in args.tp:
+            limit = workload_limit(config, prompt_lens, output_lens, gpu, tp, args.kv_bytes)
+            documented = workload_limit(config, prompt_lens, output_lens, H200, tp, args.kv_bytes)
+            print(f"{model} tp={tp} kv_bytes={args.kv_bytes:g}: limit {limit:,.0f} output tok/s "
+                  f"({documented:,.0f} at the documented H200 figures)")
 
 if __name__ == "__main__":
     main()
