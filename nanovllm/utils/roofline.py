@@ -61,14 +61,15 @@ def _median_seconds(fn, device: torch.device, repeats: int, warmup: int = 3) -> 
         fn()
     times = []
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        for _ in range(repeats):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
+        with torch.cuda.device(device):   # the events go on this device's current stream
+            torch.cuda.synchronize()
+            for _ in range(repeats):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end) / 1e3)
     else:
         for _ in range(repeats):
             t = time.perf_counter()
@@ -79,7 +80,7 @@ def _median_seconds(fn, device: torch.device, repeats: int, warmup: int = 3) -> 
 
 def measure_copy_bandwidth(device="cuda", nbytes: int = 1 << 30, repeats: int = 10) -> float:
     """Bytes/s (read + written) of copying `nbytes` from one buffer of `device` to another, median of
-    `repeats`. 1 GiB is far past the H200's 60 MiB L2, so this is HBM's bandwidth."""
+    `repeats`. 1 GiB is far past a GPU's L2 cache (50 MB on an H200), so this is HBM's bandwidth."""
     device = torch.device(device)
     with torch.device(device):
         src = torch.empty(nbytes, dtype=torch.uint8)
