@@ -102,8 +102,9 @@ class Hooks:
     def check_all_ran(self, labels: list[str]):
         idle = [label for label in labels if not self.calls[label]]
         if idle:
-            raise HookPointMissing(f"never called during the run: {', '.join(idle)}; the engine no longer "
-                                   "takes this path, so update the hook points in benchmarks/profile_bench.py")
+            raise HookPointMissing(f"never called during the run: {', '.join(idle)}; the engine no "
+                                   "longer takes this path, so update the hook points in "
+                                   "benchmarks/profile_bench.py")
 
 
 @contextmanager
