@@ -18,9 +18,10 @@
 #   GPU call 1:  bash benchmarks/fp8_gpu.sh half1            # carry [".whl-gguf/part1"]
 #   GPU call 2:  bash benchmarks/fp8_gpu.sh half2 [WHAT...]  # carry [".whl-gguf/part2"]
 #   later calls on the same warm machine: bash benchmarks/fp8_gpu.sh run WHAT...
-# WHAT: accuracy (greedy tokens far from transformers' fp32 argmax, bf16 vs FP8 cache, on SmolLM2),
-# profile (benchmarks/profile_bench.py --kv-cache-dtype fp8), startup (Triton compiles of start-up,
-# bf16 and FP8, each with an empty and then a warm Triton cache); default: all three. Logs in $OUT.
+# WHAT: profile (benchmarks/profile_bench.py --kv-cache-dtype fp8, about 1 minute), accuracy (greedy
+# tokens far from transformers' fp32 argmax, bf16 vs FP8 cache, on SmolLM2; about 2 minutes with the
+# conversion), startup (Triton compiles of start-up, FP8 and bf16, each with an empty and then a warm
+# Triton cache; about 1 minute); default: all three, in that order. Logs in $OUT.
 # ACCURACY_ARGS: more fp8_accuracy.py arguments (a quick try: "--num-prompts 2 --max-tokens 8").
 
 full() {   # (the whole FP8 run described first; its body is not indented, for the heredocs)
@@ -134,7 +135,7 @@ print('gguf and accelerate import; accelerate', accelerate.__version__, 'transfo
 
 run() {
     local what=("$@")
-    ((${#what[@]})) || what=(accuracy profile startup)
+    ((${#what[@]})) || what=(profile accuracy startup)
     for w in "${what[@]}"; do
         case $w in
         accuracy)   # converts the GGUF beside itself once (CPU, about 30 s), then 3 engines + fp32 transformers
@@ -144,7 +145,8 @@ run() {
         profile)
             timeout 150 python benchmarks/profile_bench.py --kv-cache-dtype fp8 --out "$OUT/profile_fp8.txt" \
                 > "$OUT/profile_fp8.log" 2>&1
-            echo "profile: exit $?"; grep -v -i warn "$OUT/profile_fp8.log" | head -40 ;;
+            echo "profile: exit $?"
+            if [[ -s $OUT/profile_fp8.txt ]]; then cat "$OUT/profile_fp8.txt"; else tail -25 "$OUT/profile_fp8.log"; fi ;;
         startup)   # an empty Triton cache each (a fresh machine's first process), then the same one warm
             for dtype in fp8 auto; do
                 rm -rf "/tmp/triton-$dtype"
@@ -156,7 +158,7 @@ run() {
                     grep -v -i warn "$OUT/startup_${dtype}_$pass.log" | if [[ $pass == cold ]]; then cat; else head -1; fi
                 done
             done ;;
-        *) echo "unknown WHAT $w: use accuracy, profile, startup" >&2; return 2 ;;
+        *) echo "unknown WHAT $w: use profile, accuracy, startup" >&2; return 2 ;;
         esac
     done
 }
@@ -169,7 +171,8 @@ case $stage in
 full) full ;;
 prepare) prepare ;;
 half1) half1 ;;
-half2) install && run "$@" ;;
+half2) install || echo "the GGUF or its wheels are not ready: the accuracy run will fail"
+       export PYTHONPATH=".:$SITE"; run "$@" ;;
 run) export PYTHONPATH=".:$SITE"; run "$@" ;;
-*) echo "usage: $0 [full] | prepare | half1 | half2 [accuracy profile startup] | run WHAT..." >&2; exit 2 ;;
+*) echo "usage: $0 [full] | prepare | half1 | half2 [profile accuracy startup] | run WHAT..." >&2; exit 2 ;;
 esac
