@@ -32,16 +32,12 @@ CONFIGS = {"auto (model dtype)": dict(kv_cache_dtype="auto"),
 
 def convert_gguf(path: str) -> str:
     """A Hugging Face folder converted from a GGUF file by the demo model's conversion, made once
-    beside the file."""
+    beside the file (the file's name without .gguf)."""
     from pathlib import Path
 
-    from nanovllm.utils.default_model import _convert
+    from nanovllm.utils.default_model import default_model_path
     src = Path(path).resolve()
-    out = src.with_suffix("")
-    if not (out / "config.json").is_file():
-        out.mkdir(exist_ok=True)
-        _convert(src, out)
-    return str(out)
+    return default_model_path(cache=src.with_suffix(""), gguf_file=src)
 
 
 def chat_prompts(tokenizer) -> list[list[int]]:

@@ -10,8 +10,21 @@
 #    accelerate installed; skipped without either)
 # 5. the GPU kernel tests and the FP8 engine tests (on GPU 1 alongside 1-4 when two GPUs are visible)
 # and a summary table at the end.
-export PYTHONPATH=. PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+#
+# SmolLM2 (the demo model) on the GPU machine, which has no network and takes at most 64 MiB per
+# call: its GGUF (98 MB) and the wheels that convert it (gguf, accelerate and those of their
+# dependencies the machine lacks) travel in two halves over two calls on a warm machine.
+#   here, once:  bash benchmarks/fp8_gpu.sh prepare          # .whl-gguf/part1 and part2, < 60 MiB each
+#   GPU call 1:  bash benchmarks/fp8_gpu.sh half1            # carry [".whl-gguf/part1"]
+#   GPU call 2:  bash benchmarks/fp8_gpu.sh half2 [WHAT...]  # carry [".whl-gguf/part2"]
+#   later calls on the same warm machine: bash benchmarks/fp8_gpu.sh run WHAT...
+# WHAT: profile (benchmarks/profile_bench.py --kv-cache-dtype fp8, about 1 minute), accuracy (greedy
+# tokens far from transformers' fp32 argmax, bf16 vs FP8 cache, on SmolLM2; about 2 minutes with the
+# conversion), startup (Triton compiles of start-up, FP8 and bf16, each with an empty and then a warm
+# Triton cache; about 1 minute); default: all three, in that order. Logs in $OUT.
+# ACCURACY_ARGS: more fp8_accuracy.py arguments (a quick try: "--num-prompts 2 --max-tokens 8").
+
+full() {   # (the whole FP8 run described first; its body is not indented, for the heredocs)
 nvidia-smi --query-gpu=name --format=csv,noheader | sort | uniq -c
 git log --oneline -1 2>/dev/null
 run_tests() { timeout 280 python -m pytest -q -p no:cacheprovider "$@" > "$OUT/fp8_tests.log" 2>&1; }
@@ -79,3 +92,87 @@ try:
 except (OSError, ValueError, KeyError):
     print("no kernel figures")
 PY
+}
+
+PARTS=/tmp/ggufparts
+SITE=/tmp/site-gguf
+GGUF_NAME=SmolLM2-135M-Instruct.Q4_1.gguf
+WHEELS=(gguf==0.19.0 accelerate==1.15.0 psutil requests charset-normalizer idna urllib3 certifi pyyaml tqdm
+        packaging)
+
+prepare() {   # here, with a network: the wheels for the GPU machine's Python 3.12, and the GGUF in halves
+    local gguf
+    gguf=$(python3 -c "from nanovllm.utils.default_model import gguf_path; print(gguf_path())")
+    mkdir -p .whl-gguf/all
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+        -d .whl-gguf/all "${WHEELS[@]}"
+    rm -rf .whl-gguf/part1 .whl-gguf/part2
+    mkdir -p .whl-gguf/part1 .whl-gguf/part2
+    split -n 2 "$gguf" .whl-gguf/part1/gguf.part-
+    mv .whl-gguf/part1/gguf.part-ab .whl-gguf/part2/
+    (cd "$(dirname "$gguf")" && sha256sum "$GGUF_NAME") > .whl-gguf/part2/gguf.sha256
+    cp .whl-gguf/all/*.whl .whl-gguf/part2/
+    du -sh .whl-gguf/part1 .whl-gguf/part2
+}
+
+half1() {
+    mkdir -p "$PARTS"
+    cp .whl-gguf/part1/* "$PARTS"/
+    ls -la "$PARTS"
+    echo "half1 done: now call half2 with carry [\".whl-gguf/part2\"] on this warm machine"
+}
+
+install() {   # join the GGUF, check it, and install what this Python lacks of the wheels into $SITE
+    cp .whl-gguf/part2/* "$PARTS"/
+    cat "$PARTS"/gguf.part-aa "$PARTS"/gguf.part-ab > "$PARTS/$GGUF_NAME"
+    (cd "$PARTS" && sha256sum -c gguf.sha256) || return 1
+    python benchmarks/install_wheels.py "$PARTS" "$SITE" gguf accelerate || return 1
+    export PYTHONPATH=".:$SITE"
+    python -c "import gguf, accelerate, transformers
+print('gguf and accelerate import; accelerate', accelerate.__version__, 'transformers', transformers.__version__)"
+}
+
+run() {
+    local what=("$@")
+    ((${#what[@]})) || what=(profile accuracy startup)
+    for w in "${what[@]}"; do
+        case $w in
+        accuracy)   # converts the GGUF beside itself once (CPU, about 30 s), then 3 engines + fp32 transformers
+            timeout 240 python benchmarks/fp8_accuracy.py --gguf "$PARTS/$GGUF_NAME" \
+                --json "$OUT/fp8_accuracy.json" $ACCURACY_ARGS > "$OUT/fp8_accuracy.log" 2>&1
+            echo "accuracy: exit $?"; grep -v -i warn "$OUT/fp8_accuracy.log" | tail -6 ;;
+        profile)
+            timeout 150 python benchmarks/profile_bench.py --kv-cache-dtype fp8 --out "$OUT/profile_fp8.txt" \
+                > "$OUT/profile_fp8.log" 2>&1
+            echo "profile: exit $?"
+            if [[ -s $OUT/profile_fp8.txt ]]; then cat "$OUT/profile_fp8.txt"; else tail -25 "$OUT/profile_fp8.log"; fi ;;
+        startup)   # an empty Triton cache each (a fresh machine's first process), then the same one warm
+            for dtype in fp8 auto; do
+                rm -rf "/tmp/triton-$dtype"
+                for pass in cold warm; do
+                    timeout 90 python benchmarks/startup_compiles.py --kv-cache-dtype $dtype \
+                        --triton-cache "/tmp/triton-$dtype" --json "$OUT/startup_${dtype}_$pass.json" \
+                        > "$OUT/startup_${dtype}_$pass.log" 2>&1
+                    echo "startup $dtype $pass: exit $?"
+                    grep -v -i warn "$OUT/startup_${dtype}_$pass.log" | if [[ $pass == cold ]]; then cat; else head -1; fi
+                done
+            done ;;
+        *) echo "unknown WHAT $w: use profile, accuracy, startup" >&2; return 2 ;;
+        esac
+    done
+}
+
+export PYTHONPATH=. PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+stage=${1:-full}
+shift || true
+case $stage in
+full) full ;;
+prepare) prepare ;;
+half1) half1 ;;
+half2) install || echo "the GGUF or its wheels are not ready: the accuracy run will fail"
+       export PYTHONPATH=".:$SITE"; run "$@" ;;
+run) export PYTHONPATH=".:$SITE"; run "$@" ;;
+*) echo "usage: $0 [full] | prepare | half1 | half2 [profile accuracy startup] | run WHAT..." >&2; exit 2 ;;
+esac

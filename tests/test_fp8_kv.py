@@ -66,6 +66,10 @@ def test_fp8_greedy_tokens_are_close_to_transformers(qwen3_dir, oracle):
     llm = LLM(qwen3_dir, device="cpu", kvcache_block_size=16, num_kvcache_blocks=128, kv_cache_dtype="fp8",
               max_num_batched_tokens=128)
     assert torch.equal(llm.model_runner.kv_scales, torch.ones(2, 2, 1))   # 1.0 unless computed
+    # Every layer's scales 16-byte aligned: Triton compiles one variant of each FP8 kernel, not two.
+    for layer in llm.model_runner.attention_layers:
+        assert layer.k_scale.shape == layer.v_scale.shape == (1,)
+        assert layer.k_scale.data_ptr() % 16 == layer.v_scale.data_ptr() % 16 == 0
     prefix = random_prompts(1, [64], seed=2)[0]
     runs = [random_prompts(5, [1, 17, 64, 150, 300], seed=1),                      # 300 > 128: chunked
             [prefix + tail for tail in random_prompts(3, [5, 20, 33], seed=3)] + [prefix]]

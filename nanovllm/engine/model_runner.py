@@ -188,8 +188,12 @@ class ModelRunner:
         for i, layer in enumerate(self.attention_layers):
             layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
         if self.kv_cache_dtype == torch.float8_e4m3fn:
-            # kv_scales: [2 (k, v), num_layers, 1] fp32, read by the kernels on the device
-            self.kv_scales = torch.ones(2, len(self.attention_layers), 1, device=self.device)
+            # kv_scales: [2 (k, v), num_layers, 1] fp32, read by the kernels on the device: the first
+            # column of 16-byte rows, so every layer's scale is 16-byte aligned. Triton specialises
+            # pointers on that; packed scales gave each FP8 kernel two variants to compile at
+            # start-up (layers 0, 4, 8, ... aligned, the others not).
+            rows = torch.ones(2, len(self.attention_layers), 4, device=self.device)
+            self.kv_scales = rows[:, :, :1]
             for i, layer in enumerate(self.attention_layers):
                 layer.k_scale, layer.v_scale = self.kv_scales[0, i], self.kv_scales[1, i]
                 layer.calculate_kv_scales = self.config.calculate_kv_scales

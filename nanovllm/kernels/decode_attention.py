@@ -199,18 +199,20 @@ def _decode_split_kernel(
         tl.store(part_lse_ptr + row, lse, mask=mask_g)
 
 
-@triton.jit
+# num_splits is not specialised on: the split count changes with the batch size, and one compiled
+# variant per power of two (BLOCK_S) serves every count up to it (fewer compiles at graph capture).
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_reduce_kernel(part_out_ptr, part_lse_ptr, out_ptr, stride_ob, stride_oh, num_heads,
-                          NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
-                          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+                          num_splits, BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr,
+                          BLOCK_D: tl.constexpr):
     # One program per (sequence, query head): a log-sum-exp weighted mean of the split outputs.
     seq = tl.program_id(0)
     head = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
-    mask_s = offs_s < NUM_SPLITS
+    mask_s = offs_s < num_splits
     mask_d = offs_d < HEAD_DIM
-    row = (seq * num_heads + head) * NUM_SPLITS
+    row = (seq * num_heads + head) * num_splits
     lse = tl.load(part_lse_ptr + row + offs_s, mask=mask_s, other=float("-inf"))
     w = tl.exp2(lse - tl.max(lse, 0))
     w = w / tl.sum(w, 0)
@@ -335,7 +337,7 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     )
     if not direct:
         _decode_reduce_kernel[(batch, num_heads)](
-            part_out, part_lse, out, out.stride(0), out.stride(1), num_heads,
-            NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits),
+            part_out, part_lse, out, out.stride(0), out.stride(1), num_heads, num_splits,
+            BLOCK_S=triton.next_power_of_2(num_splits),
             HEAD_DIM=head_dim, BLOCK_D=block_d, num_warps=4)
     return out

