@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The GPU check, in one device call (at most 10 minutes): the whole pytest suite, then bench.py at
-# temperature 0.6 and greedy on GPU 0. The suite runs as three pytest processes at once: the
+# temperature 0.6 and greedy on GPU 0. The suite runs as four pytest processes at once: the
 # tensor-parallel GPU tests (tests/test_tp_gpu.py and the TP=2 lifecycle test: TP=2 with 2 or more
 # GPUs, skipped with one), the other test files that use CUDA (they skip without it) with one GPU
-# visible, as on the one-GPU machine, and all the rest with CUDA hidden, as CI runs them. Prints a short table that names every failed test (and, for a stage cut off at its
+# visible, as on the one-GPU machine, and all the rest with CUDA hidden, as CI runs them (two
+# processes, half the files each). Prints a short table that names every failed test (and, for a stage cut off at its
 # limit, the test it was in); the full logs (`pytest -v`: one line per test as it ends) and
 # bench.py's JSON records go to $OUT (default /tmp/out).
 #
@@ -42,7 +43,7 @@ ignore=()
 for module in hypothesis; do
   if ! python -c "import $module" 2>/dev/null; then
     for f in $(grep -l -E "^(from|import) $module" tests/*.py); do
-      ignore+=(--ignore "$f"); echo "not run: $f (needs $module, not installed)"
+      ignore+=("$f"); echo "not run: $f (needs $module, not installed)"
     done
   fi
 done
@@ -52,21 +53,32 @@ per_test=()
 python -c "import pytest_timeout" 2>/dev/null && per_test=(--timeout 240)
 [[ $num_gpus -ge 2 ]] && echo "tensor-parallel GPU tests: TP=2 runs" || echo "tensor-parallel GPU tests: skipped (one GPU)"
 
-gpu_files=$(grep -l -E "cuda.is_available|device_count" tests/test_*.py | grep -v test_tp_gpu.py)
-cpu_ignore=(--ignore tests/test_tp_gpu.py); for f in $gpu_files; do cpu_ignore+=(--ignore "$f"); done
+skip() { for f in "${ignore[@]}"; do [[ $1 == "$f" ]] && return 0; done; return 1; }
+gpu_files=() cpu_files=()
+for f in tests/test_*.py; do
+  skip "$f" && continue
+  if grep -q -E "cuda.is_available|device_count" "$f"; then
+    [[ $f == tests/test_tp_gpu.py ]] || gpu_files+=("$f")
+  else
+    cpu_files+=("$f")
+  fi
+done
+# The CUDA-hidden files in two halves, two processes: the interpreter tests are the long pole.
+cpu_half1=("${cpu_files[@]:0:${#cpu_files[@]}/2}") cpu_half2=("${cpu_files[@]:${#cpu_files[@]}/2}")
 pytest_s=$(( BUDGET - bench_runs * BENCH_S - 10 ))
 start=$SECONDS
 suite() {  # label, then what to run; writes tests_LABEL.{log,xml,rc,s}
   local label=$1; shift
   # At the limit: SIGINT first, so pytest stops the test it is in and still writes its report.
   timeout -s INT -k 20 $pytest_s python -m pytest -v -p no:cacheprovider -rfE --durations=10 \
-    "${per_test[@]}" "${ignore[@]}" --junitxml "$OUT/tests_$label.xml" "$@" > "$OUT/tests_$label.log" 2>&1
+    "${per_test[@]}" --junitxml "$OUT/tests_$label.xml" "$@" > "$OUT/tests_$label.log" 2>&1
   echo $? > "$OUT/tests_$label.rc"; echo $(( SECONDS - start )) > "$OUT/tests_$label.s"
 }
 # The other CUDA files see one GPU, as on the one-GPU machine; their two-GPU test runs with TP's.
 suite tp tests/test_tp_gpu.py tests/test_gpu_lifecycle.py::test_tp2_shutdown_frees_the_gpu_and_engines_start_again &
-CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} suite gpu $gpu_files &
-CUDA_VISIBLE_DEVICES= suite cpu "${cpu_ignore[@]}" tests
+CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} suite gpu "${gpu_files[@]}" &
+CUDA_VISIBLE_DEVICES= suite cpu1 "${cpu_half1[@]}" &
+CUDA_VISIBLE_DEVICES= suite cpu2 "${cpu_half2[@]}"
 wait
 
 for label in t06 greedy; do
@@ -120,7 +132,7 @@ def from_log(path):
 print(f"\n{'check':36s} result")
 ok, failures = True, []
 for label, name in (("tp", "pytest, tests/test_tp_gpu.py"), ("gpu", "pytest, other CUDA test files"),
-                    ("cpu", "pytest, the rest (CUDA hidden)")):
+                    ("cpu1", "pytest, the rest (CUDA hidden), 1/2"), ("cpu2", "pytest, the rest (CUDA hidden), 2/2")):
     rc = int(open(os.path.join(out, f"tests_{label}.rc")).read())
     seconds = open(os.path.join(out, f"tests_{label}.s")).read().strip()
     ok = ok and rc == 0
