@@ -70,6 +70,40 @@ def workload_limits(args, prompts, params, gpu: roofline.DeviceLimits):
             roofline.workload_limit(config, prompt_lens, output_lens, roofline.H200, **shape))
 
 
+def data_parallel_replicas(job, prompts, params, args, gpu: roofline.DeviceLimits) -> dict:
+    """Where a data-parallel run's time went (job: the DataParallelLLM's last_job): each replica's
+    share, the seconds inside its engine and, when the model folder has a config.json, its limit (its
+    own prompts and outputs alone; the job's limit is the slowest replica's, as workload_limit's dp)."""
+    config_path = os.path.join(args.model, "config.json")
+    config = None
+    if os.path.isfile(config_path):
+        with open(config_path) as f:
+            config = json.load(f)
+    kv_bytes = 1 if args.kv_cache_dtype != "auto" else 2
+    rows = []
+    for r, share in sorted(job.shares.items()):
+        prompt_lens, output_lens = [len(prompts[i]) for i in share], [params[i].max_tokens for i in share]
+        row = dict(replica=r, prompts=len(share), prompt_tokens=sum(prompt_lens),
+                   output_tokens=sum(output_lens), engine_s=round(job.engine_s[r], 3),
+                   done_s=round(job.done_s[r], 3))
+        if config and share:
+            row["limit_s"] = round(sum(output_lens) / roofline.workload_limit(
+                config, prompt_lens, output_lens, gpu, tp=args.tensor_parallel_size, kv_bytes=kv_bytes), 3)
+        rows.append(row)
+    return dict(replicas=rows, wall_s=round(job.wall_s, 3), split_s=round(job.split_s, 4),
+                driver_overhead_s=round(job.overhead_s, 3))
+
+
+def print_data_parallel(replicas: dict, seconds: float):
+    for row in replicas["replicas"]:
+        of_limit = f", limit {row['limit_s']:.2f}s" if "limit_s" in row else ""
+        print(f"  replica {row['replica']}: {row['prompts']} prompts, {row['prompt_tokens']} prompt + "
+              f"{row['output_tokens']} output tok, engine {row['engine_s']:.2f}s{of_limit}, "
+              f"outputs at {row['done_s']:.2f}s")
+    print(f"  driver: {seconds:.2f}s in all, {replicas['driver_overhead_s']:.3f}s beyond the slowest "
+          f"engine (splitting {replicas['split_s']:.3f}s)")
+
+
 def prefix_cache_workload(num_seqs: int, prefix_len: int, seed_: int):
     """num_seqs prompts sharing a prefix_len-token system prompt, each with 32 tokens of its own."""
     seed(seed_)
@@ -182,7 +216,8 @@ def main():
                   copy_bytes_per_s=gpu.copy_bytes_per_s, bf16_flop_per_s=gpu.bf16_flop_per_s,
                   limit_figures=gpu.source,
                   documented_h200_limit_tokens_per_s=round(documented) if limit else None)
-    record["startup_phases_s"] = {k: round(v, 2) for k, v in runner.startup_seconds.items()} if runner else {}
+    startup_phases = runner.startup_seconds if runner else llm.startup_seconds   # DP: the driver's view
+    record["startup_phases_s"] = {k: round(v, 2) for k, v in startup_phases.items()}
     fraction = record["fraction_of_h200_limit"]
     of_limit = f" ({fraction:.1%} of the limit, {limit:,.0f})" if limit else ""
     if record["kv_cache_tokens"] is not None:   # (a data-parallel LLM's caches are in its replicas)
@@ -199,6 +234,9 @@ def main():
                                            f"({tokens / seconds / documented:.1%} of it)"))
     print(f"Workload {args.workload}, attention {backend}: {prompt_tokens} prompt + {tokens} output tok, "
           f"{(prompt_tokens + tokens) / seconds:.0f} tok/s prompt and output together")
+    if args.data_parallel_size > 1:
+        record["data_parallel"] = data_parallel_replicas(llm.last_job, prompts, params, args, gpu)
+        print_data_parallel(record["data_parallel"], seconds)
     if args.ttft_32k:
         ttft = time_to_first_token(llm)
         record["ttft_32k_s"] = round(ttft, 4)

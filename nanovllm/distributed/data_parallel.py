@@ -1,11 +1,12 @@
 """Data parallelism on Ray: N engine replicas, each a Ray actor holding its tensor-parallel GPUs on
-one node (a placement group per replica). A job's prompts are balanced over the replicas by token
-count and its outputs returned in prompt order; a replica that dies has its unfinished prompts re-run
-on the live ones."""
+one node (a placement group per replica). A job's prompts are balanced over the replicas by the
+tokens they will compute and read, and its outputs returned in prompt order; a replica that dies has its
+unfinished prompts re-run on the live ones."""
 import heapq
 import inspect
 import os
 import re
+import time
 from collections import deque
 from dataclasses import dataclass, fields
 
@@ -26,13 +27,19 @@ class _Replica:
     """One engine in a Ray actor process (made a remote class when Ray is imported)."""
 
     def __init__(self, model: str, options: dict):
+        t = time.perf_counter()
         self.llm = LLM(model, **options)
+        self.engine_startup_s = time.perf_counter() - t
 
-    def pid(self) -> int:
-        return os.getpid()
+    def ready(self) -> tuple[int, float]:
+        """(process id, seconds the engine took to start)"""
+        return os.getpid(), self.engine_startup_s
 
-    def generate(self, prompts: list, params: list[SamplingParams]) -> list[RequestOutput]:
-        return self.llm.generate(prompts, params, use_tqdm=False)
+    def generate(self, prompts: list, params: list[SamplingParams]) -> tuple[list[RequestOutput], float]:
+        """The outputs, and the seconds the engine's generate took (to tell the driver's overhead apart)."""
+        t = time.perf_counter()
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        return outputs, time.perf_counter() - t
 
     def shutdown(self):
         self.llm.shutdown()
@@ -41,7 +48,22 @@ class _Replica:
 @dataclass
 class _Chunk:
     indices: list[int]     # the job's prompt indices, ascending
-    cost: int              # estimated tokens (prompt + output, times n)
+    cost: int              # estimated work (see DataParallelLLM._cost)
+
+
+@dataclass
+class JobTiming:
+    """Where the last generate's wall time went, as the driver saw it (keys are replica numbers)."""
+    wall_s: float                     # the driver's generate call, end to end
+    split_s: float                    # estimating the prompts' costs and splitting them
+    shares: dict[int, list[int]]      # the job's prompt indices each replica returned outputs for
+    engine_s: dict[int, float]        # seconds inside each replica's engine (its generate calls, summed)
+    done_s: dict[int, float]          # from the job's start until the driver held the replica's last outputs
+
+    @property
+    def overhead_s(self) -> float:
+        """Wall time beyond the slowest replica's engine: splitting, Ray calls, moving prompts and outputs."""
+        return self.wall_s - max(self.engine_s.values(), default=0.0)
 
 
 class DataParallelLLM:
@@ -55,9 +77,12 @@ class DataParallelLLM:
         check_data_parallel_size(data_parallel_size)
         _check_option_names(options)
         ray = import_ray()
+        started = time.perf_counter()
         self.model = resolve_model(model)   # on the driver: a hub id is downloaded here (and on each node)
         self.tokenizer = load_tokenizer(self.model)
+        self.startup_seconds: dict[str, float] = {}   # phase -> seconds, for logs and bench.py
         self._owns_ray = init_ray()
+        self.startup_seconds["ray_init"] = time.perf_counter() - started
         tp = options.get("tensor_parallel_size", 1)
         bundle = _replica_bundle(ray, tp, options.get("device", "auto"))
         _check_cluster_fits(ray, bundle, data_parallel_size)
@@ -66,12 +91,18 @@ class DataParallelLLM:
         self.replicas = [self._start_replica(ray, pg, bundle, options) for pg in self.placement_groups]
         self.live = list(range(data_parallel_size))
         try:
-            self.replica_pids = ray.get([r.pid.remote() for r in self.replicas])   # waits for start-up
+            ready = ray.get([r.ready.remote() for r in self.replicas])   # the replicas start in parallel
         except BaseException:
             self.shutdown()
             raise
+        self.replica_pids = [pid for pid, _ in ready]
+        # replicas: placing and starting all of them (a Ray worker process each, importing nanovllm,
+        # then its engine); engine: the slowest replica's engine start-up alone
+        self.startup_seconds["replicas"] = time.perf_counter() - started - self.startup_seconds["ray_init"]
+        self.startup_seconds["engine"] = max(s for _, s in ready)
         self.completed_requests = 0   # of the running job; another thread may read it
         self.rerun_requests = 0       # prompts re-run because their replica died (all jobs)
+        self.last_job: JobTiming | None = None
 
     def _start_replica(self, ray, pg, bundle: dict, options: dict):
         try:
@@ -97,31 +128,39 @@ class DataParallelLLM:
                  use_tqdm: bool = True) -> list[RequestOutput]:
         if not self.live:
             raise RuntimeError("every data-parallel replica has died (or was shut down); start a new LLM")
+        started = time.perf_counter()
         prompts = _as_prompt_list(prompts)
         params = _params_list(sampling_params, len(prompts))
         costs = [self._cost(p, sp) for p, sp in zip(prompts, params)]
         queues = {r: deque(self._chunks(share, costs))
                   for r, share in zip(self.live, assign_by_cost(costs, len(self.live)))}
-        outputs = self._run(queues, prompts, params, _progress(len(prompts), use_tqdm))
+        timing = JobTiming(0.0, time.perf_counter() - started, {r: [] for r in queues},
+                           {r: 0.0 for r in queues}, {r: 0.0 for r in queues})
+        outputs = self._run(queues, prompts, params, _progress(len(prompts), use_tqdm), timing, started)
         for i, out in enumerate(outputs):
             out.request_id = str(i)   # replicas number their requests independently
+        timing.wall_s = time.perf_counter() - started
+        self.last_job = timing
         return outputs
 
     def _cost(self, prompt, params: SamplingParams) -> int:
-        """Tokens the request will compute, as far as known beforehand."""
+        """The work a request will cost, as far as known beforehand (max_tokens outputs), in tokens:
+        see request_cost. It counts the K/V each decode step reads, most of a step's time: balancing
+        prompt + output tokens instead left one replica 4% more to read on bench.py's workload."""
         prompt = _unwrap_prompt_dict(prompt, "")
         if isinstance(prompt, str):
             n = len(self.tokenizer.encode(prompt)) if self.tokenizer else len(prompt.split())
         else:
             n = len(prompt) if isinstance(prompt, (list, tuple)) else 1
-        return (n + (params.max_tokens or n)) * params.n
+        return request_cost(n, params.max_tokens or n) * params.n
 
     def _chunks(self, indices: list[int], costs: list[int]) -> list[_Chunk]:
         size = self.requests_per_call
         return [_Chunk(part, sum(costs[i] for i in part))
                 for part in (indices[k:k + size] for k in range(0, len(indices), size))]
 
-    def _run(self, queues: dict[int, deque], prompts: list, params: list, bar) -> list[RequestOutput]:
+    def _run(self, queues: dict[int, deque], prompts: list, params: list, bar, timing: JobTiming,
+             started: float) -> list[RequestOutput]:
         """Keep CALLS_IN_FLIGHT chunks on each live replica until every chunk has its outputs."""
         ray = import_ray()
         outputs: list[RequestOutput | None] = [None] * len(prompts)
@@ -140,7 +179,7 @@ class DataParallelLLM:
                 [ref], _ = ray.wait(list(in_flight), num_returns=1)
                 r, chunk = in_flight.pop(ref)
                 try:
-                    results = ray.get(ref)
+                    results, engine_s = ray.get(ref)
                 except ray.exceptions.RayActorError as e:
                     self._replica_died(r, chunk, queues, e)
                     continue
@@ -148,6 +187,9 @@ class DataParallelLLM:
                     raise _with_job_indices(e, chunk.indices) from e
                 for i, out in zip(chunk.indices, results):
                     outputs[i] = out
+                timing.shares.setdefault(r, []).extend(chunk.indices)
+                timing.engine_s[r] = timing.engine_s.get(r, 0.0) + engine_s
+                timing.done_s[r] = time.perf_counter() - started
                 self.completed_requests += len(chunk.indices)
                 bar.update(len(chunk.indices))
         finally:
@@ -192,6 +234,12 @@ class DataParallelLLM:
 def check_data_parallel_size(value):
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"data_parallel_size must be an integer >= 1, got {value!r}")
+
+
+def request_cost(prompt_tokens: int, max_tokens: int) -> int:
+    """A request's prompt tokens (its prefill) plus, for each output token, the context computing it
+    reads: the prompt and the output tokens before it."""
+    return prompt_tokens + max_tokens * prompt_tokens + max_tokens * (max_tokens - 1) // 2
 
 
 def assign_by_cost(costs: list[int], n: int) -> list[list[int]]:

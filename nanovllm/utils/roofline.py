@@ -219,8 +219,9 @@ def workload_limit(config: dict, prompt_lens: list[int], output_lens: list[int],
 
 
 def _replica_shares(prompt_lens: list[int], output_lens: list[int], dp: int) -> list[list[int]]:
-    from nanovllm.distributed.data_parallel import assign_by_cost   # (the engine's own split; no Ray needed)
-    return assign_by_cost([n + out for n, out in zip(prompt_lens, output_lens)], dp)
+    # the engine's own split (no Ray needed)
+    from nanovllm.distributed.data_parallel import assign_by_cost, request_cost
+    return assign_by_cost([request_cost(n, out) for n, out in zip(prompt_lens, output_lens)], dp)
 
 
 def default_workload_lens(num_seqs: int = 256, max_input_len: int = 1024,
