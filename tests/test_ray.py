@@ -13,7 +13,7 @@ import pytest
 
 from conftest import REPO, random_prompts, tokens
 from nanovllm import LLM, SamplingParams
-from nanovllm.distributed.data_parallel import assign_by_cost
+from nanovllm.distributed.data_parallel import JobTiming, assign_by_cost, request_cost
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 ENGINE = dict(device="cpu", enforce_eager=True, kvcache_block_size=16, num_kvcache_blocks=64,
@@ -30,6 +30,47 @@ def test_assign_by_cost_balances_and_keeps_every_index():
     loads = [sum(costs[i] for i in s) for s in shares]
     assert max(loads) - min(loads) <= 10, loads
     assert assign_by_cost([5], 2) == [[0], []]
+
+
+def test_the_split_balances_the_decode_steps_reads():
+    """bench.py's workload: balancing prompt + max_tokens leaves one replica 5% more K/V to read
+    (each output token reads its prompt and the outputs before it); request_cost, under 1%."""
+    import bench
+    prompts, params = bench.workload(256, 1024, 1024, 0.6)
+    lens = [(len(p), sp.max_tokens) for p, sp in zip(prompts, params)]
+
+    def reads(share):
+        return sum(o * p + o * (o - 1) // 2 for p, o in (lens[i] for i in share))
+
+    def imbalance(costs):
+        a, b = (reads(s) for s in assign_by_cost(costs, 2))
+        return max(a, b) / min(a, b) - 1
+
+    assert imbalance([p + o for p, o in lens]) > 0.04
+    assert imbalance([request_cost(p, o) for p, o in lens]) < 0.01
+    assert request_cost(10, 1) == 20 and request_cost(10, 3) == 10 + 30 + 3
+
+
+def test_bench_reports_each_replicas_share_time_and_limit(tmp_path):
+    import bench
+    config = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=16, intermediate_size=128, vocab_size=1000)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    prompts = [[1] * 100, [1] * 10, [1] * 50]
+    params = [SamplingParams(max_tokens=n) for n in (20, 500, 30)]
+    job = JobTiming(wall_s=2.0, split_s=0.01, shares={0: [1], 1: [0, 2]}, engine_s={0: 1.5, 1: 1.2},
+                    done_s={0: 1.9, 1: 1.3})
+    dp = bench.data_parallel_replicas(job, prompts, params, str(tmp_path / "config.json"), 1, 2)
+    assert job.overhead_s == pytest.approx(0.5)
+    assert dp["driver_overhead_s"] == 0.5
+    assert [(r["prompts"], r["prompt_tokens"], r["output_tokens"]) for r in dp["replicas"]] == [
+        (1, 10, 500), (2, 150, 50)]
+    slow = 500 / bench.h200_limit(config, [10], [500])   # replica 0's limit: 500 steps of its one sequence
+    assert dp["replicas"][0]["limit_s"] == round(slow, 3)
+    assert dp["limit_tokens_per_s"] == round(550 / slow)
+    assert dp["one_replica_limit_tokens_per_s"] == round(bench.h200_limit(config, [100, 10, 50], [20, 500, 30]))
+    assert bench.data_parallel_replicas(job, prompts, params, str(tmp_path / "none.json"), 1, 2)[
+        "limit_tokens_per_s"] is None
 
 
 def test_bad_data_parallel_size_is_a_value_error(qwen3_dir):
@@ -79,6 +120,13 @@ def test_two_replicas_give_one_engines_tokens_in_order(dp_llm, reference):
     assert tokens(outs) == expected
     assert [o.prompt_token_ids for o in outs] == prompts
     assert dp_llm.rerun_requests == 0 and len(dp_llm.live) == 2
+    job = dp_llm.last_job   # where the time went: both replicas worked, inside the driver's wall time
+    assert sorted(i for share in job.shares.values() for i in share) == list(range(len(prompts)))
+    assert all(job.shares[r] for r in (0, 1))
+    assert all(0 < job.engine_s[r] <= job.done_s[r] <= job.wall_s for r in (0, 1))
+    assert 0 <= job.overhead_s < job.wall_s
+    assert set(dp_llm.startup_seconds) == {"ray_init", "replicas", "engine"}
+    assert 0 < dp_llm.startup_seconds["engine"] < dp_llm.startup_seconds["replicas"]
 
 
 def test_strings_chat_and_errors(dp_llm, qwen3_dir):

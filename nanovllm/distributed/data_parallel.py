@@ -146,7 +146,7 @@ class DataParallelLLM:
     def _cost(self, prompt, params: SamplingParams) -> int:
         """The work a request will cost, as far as known beforehand (max_tokens outputs), in tokens:
         see request_cost. It counts the K/V each decode step reads, most of a step's time: balancing
-        prompt + output tokens instead left one replica 4% more to read on bench.py's workload."""
+        prompt + output tokens instead left one replica 5% more to read on bench.py's workload."""
         prompt = _unwrap_prompt_dict(prompt, "")
         if isinstance(prompt, str):
             n = len(self.tokenizer.encode(prompt)) if self.tokenizer else len(prompt.split())
