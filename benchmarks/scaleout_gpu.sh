@@ -62,6 +62,9 @@ elif [[ $STAGE == ray ]]; then
   install .whl-ray ray
   CUDA_VISIBLE_DEVICES=0 bench dp1 90
   bench dp2 180 --data-parallel-size 2
+  grep -E "^  (replica|driver)" "$OUT/bench_dp2.log" | sed "s/^/[dp2] /"   # each replica's share and time
+  # each replica's share on one engine in-process: against the replicas' engine seconds, Ray's cost
+  CUDA_VISIBLE_DEVICES=0 timeout -k 10 100 python benchmarks/dp_share.py 2>&1 | grep -E "^(replica|dp_share)"
   CUDA_VISIBLE_DEVICES= tests ray 180 tests/test_ray.py
   python -m ray.scripts.scripts stop --force > /dev/null 2>&1   # any Ray process a timeout left behind
 else
@@ -101,5 +104,13 @@ elif stage == "ray":
     row("bench.py, one engine on GPU 0", f"{one['tokens_per_s']:,.0f} tok/s" if one else "FAILED")
     row("bench.py --data-parallel-size 2", f"{two['tokens_per_s']:,.0f} tok/s" if two else "FAILED",
         f"{two['tokens_per_s'] / one['tokens_per_s']:.2f}x one engine (goal >= 1.9x); start-up "
-        f"{two['startup_s']} s" if one and two else "")
+        f"{two['startup_s']} s {two['startup_phases_s']}" if one and two else "")
+    if two and two.get("data_parallel"):
+        dp = two["data_parallel"]
+        row("  of the two replicas' H200 limit", f"{two['fraction_of_h200_limit'] or 0:.1%}",
+            f"limit {dp['limit_tokens_per_s']:,} tok/s; one engine: {one['fraction_of_h200_limit'] or 0:.1%} "
+            f"of {one['h200_limit_tokens_per_s']:,}" if one else "")
+        row("  replicas' engine seconds", " / ".join(f"{r['engine_s']:.2f}" for r in dp["replicas"]),
+            f"limits {' / '.join(str(r.get('limit_s')) for r in dp['replicas'])} s; driver beyond the "
+            f"slowest engine {dp['driver_overhead_s']:.3f} s")
 EOF

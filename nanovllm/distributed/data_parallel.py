@@ -77,10 +77,10 @@ class DataParallelLLM:
         check_data_parallel_size(data_parallel_size)
         _check_option_names(options)
         ray = import_ray()
-        started = time.perf_counter()
         self.model = resolve_model(model)   # on the driver: a hub id is downloaded here (and on each node)
         self.tokenizer = load_tokenizer(self.model)
         self.startup_seconds: dict[str, float] = {}   # phase -> seconds, for logs and bench.py
+        started = time.perf_counter()
         self._owns_ray = init_ray()
         self.startup_seconds["ray_init"] = time.perf_counter() - started
         tp = options.get("tensor_parallel_size", 1)
