@@ -16,6 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import bench  # noqa: E402
 from nanovllm import LLM, SamplingParams  # noqa: E402
 from nanovllm.distributed.data_parallel import assign_by_cost, request_cost  # noqa: E402
+from nanovllm.utils import roofline  # noqa: E402
 
 
 def main():
@@ -37,7 +38,7 @@ def main():
     for r, share in enumerate(shares):
         prompt_lens, output_lens = [len(prompts[i]) for i in share], [params[i].max_tokens for i in share]
         seconds = bench.timed_generate(llm, [prompts[i] for i in share], [params[i] for i in share])
-        limit_s = sum(output_lens) / bench.h200_limit(config, prompt_lens, output_lens)
+        limit_s = sum(output_lens) / roofline.workload_limit(config, prompt_lens, output_lens)   # H200
         print(f"replica {r}'s share on one engine: {len(share)} prompts, {sum(prompt_lens)} prompt + "
               f"{sum(output_lens)} output tok, {max(output_lens)} decode steps, {seconds:.2f}s "
               f"({sum(output_lens) / seconds:,.0f} tok/s, limit {limit_s:.2f}s: {limit_s / seconds:.1%})")

@@ -107,9 +107,9 @@ elif stage == "ray":
         f"{two['startup_s']} s {two['startup_phases_s']}" if one and two else "")
     if two and two.get("data_parallel"):
         dp = two["data_parallel"]
-        row("  of the two replicas' H200 limit", f"{two['fraction_of_h200_limit'] or 0:.1%}",
-            f"limit {dp['limit_tokens_per_s']:,} tok/s; one engine: {one['fraction_of_h200_limit'] or 0:.1%} "
-            f"of {one['h200_limit_tokens_per_s']:,}" if one else "")
+        row("  of the two replicas' limit", f"{two['fraction_of_h200_limit'] or 0:.1%}",
+            f"limit {two['h200_limit_tokens_per_s'] or 0:,} tok/s; one engine: "
+            f"{one['fraction_of_h200_limit'] or 0:.1%} of {one['h200_limit_tokens_per_s'] or 0:,}" if one else "")
         row("  replicas' engine seconds", " / ".join(f"{r['engine_s']:.2f}" for r in dp["replicas"]),
             f"limits {' / '.join(str(r.get('limit_s')) for r in dp['replicas'])} s; driver beyond the "
             f"slowest engine {dp['driver_overhead_s']:.3f} s")

@@ -52,25 +52,28 @@ def test_the_split_balances_the_decode_steps_reads():
 
 
 def test_bench_reports_each_replicas_share_time_and_limit(tmp_path):
+    import argparse
+
     import bench
+    from nanovllm.utils import roofline
     config = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                   head_dim=16, intermediate_size=128, vocab_size=1000)
     (tmp_path / "config.json").write_text(json.dumps(config))
+    args = argparse.Namespace(model=str(tmp_path), tensor_parallel_size=1, kv_cache_dtype="auto")
     prompts = [[1] * 100, [1] * 10, [1] * 50]
     params = [SamplingParams(max_tokens=n) for n in (20, 500, 30)]
     job = JobTiming(wall_s=2.0, split_s=0.01, shares={0: [1], 1: [0, 2]}, engine_s={0: 1.5, 1: 1.2},
                     done_s={0: 1.9, 1: 1.3})
-    dp = bench.data_parallel_replicas(job, prompts, params, str(tmp_path / "config.json"), 1, 2)
+    dp = bench.data_parallel_replicas(job, prompts, params, args, roofline.H200)
     assert job.overhead_s == pytest.approx(0.5)
     assert dp["driver_overhead_s"] == 0.5
     assert [(r["prompts"], r["prompt_tokens"], r["output_tokens"]) for r in dp["replicas"]] == [
         (1, 10, 500), (2, 150, 50)]
-    slow = 500 / bench.h200_limit(config, [10], [500])   # replica 0's limit: 500 steps of its one sequence
+    slow = 500 / roofline.workload_limit(config, [10], [500])   # replica 0: 500 steps of its one sequence
     assert dp["replicas"][0]["limit_s"] == round(slow, 3)
-    assert dp["limit_tokens_per_s"] == round(550 / slow)
-    assert dp["one_replica_limit_tokens_per_s"] == round(bench.h200_limit(config, [100, 10, 50], [20, 500, 30]))
-    assert bench.data_parallel_replicas(job, prompts, params, str(tmp_path / "none.json"), 1, 2)[
-        "limit_tokens_per_s"] is None
+    args.model = str(tmp_path / "elsewhere")   # no config.json: no limits
+    rows = bench.data_parallel_replicas(job, prompts, params, args, roofline.H200)["replicas"]
+    assert "limit_s" not in rows[0]
 
 
 def test_bad_data_parallel_size_is_a_value_error(qwen3_dir):
