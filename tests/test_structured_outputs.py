@@ -15,6 +15,7 @@ from nanovllm import SamplingParams
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.sampler import Sampler, apply_bitmask
 from nanovllm.sampling_params import GuidedDecodingParams, StructuredOutputsParams
+from nanovllm.structured.grammars import GrammarVocab
 
 
 # ---- parameters (no xgrammar needed) ----------------------------------------------------------
@@ -70,6 +71,9 @@ def pack_bitmask(allowed: torch.Tensor) -> torch.Tensor:
 class FakeGrammar:
     """Stands in for a GrammarState in the sampler (its fill is patched)."""
 
+    def __init__(self, vocab_size: int = 70):
+        self.vocab = GrammarVocab(vocab_size, (), frozenset())
+
 
 @pytest.mark.parametrize("knobs", [dict(), dict(top_k=5), dict(top_p=0.5), dict(min_p=0.2),
                                    dict(top_k=50, top_p=0.9, min_p=0.05, presence_penalty=1.0)])
@@ -109,6 +113,42 @@ def test_apply_bitmask_forbids_ids_past_the_tokenizer():
     out = apply_bitmask(logits.clone(), pack_bitmask(allowed))
     assert torch.isinf(out[0]).sum() == 36 and torch.isfinite(out[0, [0, 31, 32, 39]]).all()
     assert torch.isfinite(out[1]).all()
+
+
+def test_a_tokenizer_wide_bitmask_is_widened_to_the_logits():
+    """Filled as wide as the tokenizer (40 ids), widened to the model's 100 logits: constrained rows
+    forbid every id past the tokenizer, except the EOS id past it (97) where the grammar may stop
+    (its own stop token, 3, is allowed); the free row allows everything."""
+    from nanovllm.structured.grammars import widen_bitmask
+    vocab = GrammarVocab(40, (3,), frozenset({97}))
+    narrow = torch.zeros(3, 64, dtype=torch.bool)
+    narrow[0] = True                        # free
+    narrow[1, [3, 5, 39, 45, 63]] = True    # may stop; 45 and 63 are junk past the tokenizer
+    narrow[2, [5, 6]] = True                # may not stop
+    wide = widen_bitmask(pack_bitmask(narrow), torch.tensor([1, 2]), vocab, 100)
+    bits = ((wide.unsqueeze(-1) >> torch.arange(32)) & 1).flatten(1)[:, :100].bool()
+    assert bits[0].all()
+    assert bits[1].nonzero().flatten().tolist() == [3, 5, 39, 97]
+    assert bits[2].nonzero().flatten().tolist() == [5, 6]
+
+
+def test_xgrammar_sees_only_the_tokenizer_s_ids():
+    """A model wider than its tokenizer (Qwen3's 151,936 logits, SmolLM2's 49,152 tokens in the GPU
+    bench): xgrammar is given the tokenizer's width, since it would check every id past it as a
+    special token on each fill and accept (~100x slower); a model config's EOS past it maps to the
+    tokenizer's stop token, so it still ends a grammar."""
+    pytest.importorskip("xgrammar")
+    from conftest import EOS, _tokenizer
+    from nanovllm.structured.grammars import GrammarCompiler, GrammarState
+    compiler = GrammarCompiler(_tokenizer(), 151936, {EOS, 151645})
+    assert compiler.vocab == GrammarVocab(512, (EOS,), frozenset({151645}))
+    state = GrammarState(compiler.compile(StructuredOutputsParams(choice=["w5w6"])))
+    for t in (5, 6, 151645):
+        state.accept(t)
+    assert state.is_terminated and not state.rejected
+    state = GrammarState(compiler.compile(StructuredOutputsParams(choice=["w5w6"])))
+    state.accept(151000)   # past the tokenizer, not an EOS: never allowed
+    assert state.rejected
 
 
 def test_missing_xgrammar_names_the_extra(monkeypatch):
@@ -333,6 +373,72 @@ def test_a_model_vocabulary_wider_than_the_tokenizer_s_is_masked_past_it(tmp_pat
         assert c.finish_reason == "stop", c
         assert c.text in choice.choice if i % 2 == 0 else re.fullmatch(regex.regex, c.text), c.text
     assert sum(t >= tokenizer_size for t in outs[8].outputs[0].token_ids) >= 4   # free: past it
+
+
+@needs_model
+def test_async_scheduling_runs_constrained_steps_ahead_with_the_same_tokens(tmp_path, monkeypatch):
+    """With async scheduling the next constrained step is launched before the step in flight is
+    applied (its grammar work then overlaps the forward pass): the tokens equal those of applying
+    each step at once, in a batch where grammars end at different steps (choice, regex), free rows
+    and n = 2 mix in, at temperature 1 (seeded) and 0."""
+    from conftest import make_model
+    from nanovllm import LLM
+    from nanovllm.engine.executor import Executor
+    from nanovllm.utils.default_model import default_model_path
+    path = make_model(str(tmp_path / "wide"), "qwen3", tokenizer=False, vocab_size=151936,
+                      eos_token_id=151645, tie_word_embeddings=True, num_hidden_layers=1)
+    choice = StructuredOutputsParams(choice=["yes", "no", "maybe not"])
+    regex = StructuredOutputsParams(regex=r"[a-z]{2,12}( [a-z]{2,12}){3,6}\.")
+    params = [SamplingParams(temperature=(1.0, 0.0)[i % 2], seed=i, max_tokens=24, n=1 + (i % 3 == 0),
+                             structured_outputs=(choice, regex, None)[i % 3]) for i in range(9)]
+    prompts = [[5 + i, 6, 7] for i in range(9)]
+    ran_ahead = []
+    launch = Executor.launch
+    monkeypatch.setattr(Executor, "launch", lambda self, batch, before_sampling=None: (
+        ran_ahead.append(before_sampling is not None), launch(self, batch, before_sampling))[1])
+    outs = {}
+    for async_scheduling in (True, False):
+        llm = LLM(path, tokenizer=default_model_path(), device="cpu", enforce_eager=True,
+                  kvcache_block_size=16, num_kvcache_blocks=64, async_scheduling=async_scheduling)
+        outs[async_scheduling] = [[(c.token_ids, c.finish_reason) for c in o.outputs]
+                                  for o in llm.generate(prompts, params, use_tqdm=False)]
+        if async_scheduling:
+            assert sum(ran_ahead) >= 5, ran_ahead
+        ran_ahead.clear()
+    assert outs[True] == outs[False]
+    lengths = {len(ids) for o, p in zip(outs[True], params) if p.structured_outputs for ids, _ in o}
+    assert len(lengths) > 2, lengths   # the grammars ended at different steps
+
+
+def test_the_bench_schema_s_grammar_cost_does_not_grow_with_the_output():
+    """bench.py --structured-json's schema: accepting 4 more characters costs about as much 2,600
+    characters into the output as 200 in. (One string of minLength 8192 did not: xgrammar's matcher
+    pays for a long counted repetition in proportion to the characters so far, which stalled the
+    H200 bench; the check is shown to catch it.)"""
+    pytest.importorskip("xgrammar")
+    import time
+
+    from bench import STRUCTURED_SCHEMA
+    from conftest import _tokenizer
+    from nanovllm.structured.grammars import GrammarCompiler, import_xgrammar
+    compiler = GrammarCompiler(_tokenizer(), 512, {1})
+
+    def growth(schema: dict, text: str) -> float:
+        # The median time to accept a 4-character piece near the end over that near the start.
+        grammar = compiler.compile(StructuredOutputsParams(json=schema))
+        matcher = import_xgrammar().GrammarMatcher(grammar.compiled)
+        seconds = []
+        for k in range(0, len(text), 4):
+            start = time.perf_counter()
+            assert matcher.accept_string(text[k:k + 4])
+            seconds.append(time.perf_counter() - start)
+        early, late = sorted(seconds[10:110]), sorted(seconds[-100:])
+        return late[50] / early[50]
+
+    words = ", ".join(f'"{i:04d} sixteen cha"' for i in range(150))   # strings of 16 characters
+    assert growth(STRUCTURED_SCHEMA, '{"id": 7, "text": [' + words) < 2
+    long_string = {"type": "object", "properties": {"text": {"type": "string", "minLength": 8192}}}
+    assert growth(long_string, '{"text": "' + "abcd" * 700) > 4
 
 
 # ---- on the GPU: Qwen3-0.6B's shapes with dummy weights and a tokenizer that fits them ------------

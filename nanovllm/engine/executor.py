@@ -1,6 +1,8 @@
 """The Executor runs each step on every tensor-parallel rank: it sends the step to the workers
 (ranks 1..N-1), then has rank 0's ModelRunner, in this process, run it and sample. The runner so
 knows nothing of the workers, and the engine nothing of the ranks."""
+from collections.abc import Callable
+
 from nanovllm.config import Config
 from nanovllm.engine.model_runner import BrokenLogitsError, ModelRunner
 from nanovllm.engine.sampled_tokens import PendingSample, SampledTokens
@@ -50,20 +52,22 @@ class Executor:
             return "a step was interrupted while the tensor-parallel ranks ran it, so they are out of step"
         return None
 
-    def launch(self, batch: ScheduledBatch) -> PendingSample:
-        """Run the batch's step on every rank; return rank 0's PendingSample (see ModelRunner.launch)."""
+    def launch(self, batch: ScheduledBatch,
+               before_sampling: Callable[[], None] | None = None) -> PendingSample:
+        """Run the batch's step on every rank; return rank 0's PendingSample (see ModelRunner.launch,
+        also for before_sampling, which runs on rank 0 only)."""
         if self.broken:
             if not self.closed and self.workers.error is not None:
                 raise self.workers.error
             raise RuntimeError(f"{self.broken}: shut this engine down and create a new one")
         if self.workers is None:
-            return self.runner.launch(batch)
+            return self.runner.launch(batch, before_sampling=before_sampling)
         step = self.runner.step_input(batch)
         self.in_step = True
         try:
             with self.workers.stepping():
                 self.workers.run_step(step)   # ranks 1..N-1 run the same step (they only skip sampling)
-                pending = self.runner.launch(batch, step)
+                pending = self.runner.launch(batch, step, before_sampling)
         except BrokenLogitsError:
             self.in_step = False   # every rank finished the step: still in step
             raise

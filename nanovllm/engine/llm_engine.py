@@ -265,32 +265,40 @@ class LLMEngine:
     def _step(self) -> tuple[list[Sequence], ScheduledBatch]:
         finished = []
         if self._in_flight and not self._can_run_ahead(self._in_flight[0]):
-            finished += self._apply(*self._in_flight)
-            self._in_flight = None
+            finished += self._apply_in_flight()
         batch = self.scheduler.schedule()
         launched = None
         if batch.seqs:
-            # (Cut short under TP after the workers got the step, it leaves the executor out of
-            # step, and every later call is refused.)
-            launched = batch, self.executor.launch(batch)
+            # A grammar's next bitmask needs the token sampled by the batch in flight: that batch is
+            # applied once this one's forward pass is queued, before its sampling is prepared, so the
+            # host's grammar work overlaps the forward pass. (Cut short under TP after the workers
+            # got the step, a launch leaves the executor out of step: every later call is refused.)
+            before_sampling = None
+            if self._in_flight and any(seq.grammar is not None for seq in batch.sampling_seqs):
+                before_sampling = lambda: finished.extend(self._apply_in_flight())   # noqa: E731
+            launched = batch, self.executor.launch(batch, before_sampling)
             self.scheduler.advance(batch)
         else:
             finished += batch.finished   # sequences ended while scheduling, with nothing to run
-        if self._in_flight:
-            finished += self._apply(*self._in_flight)
+        finished += self._apply_in_flight()
         self._in_flight = launched
         if launched and not self.config.async_scheduling:
-            finished += self._apply(*launched)
-            self._in_flight = None
+            finished += self._apply_in_flight()
         return finished, batch
 
     def _can_run_ahead(self, batch: ScheduledBatch) -> bool:
         """May the next batch be launched before this one's tokens are on the host? Not with
         penalties or bad_words: their token counts and bans are built on the host from the known
-        tokens; nor with a grammar: its next token bitmask needs the token just sampled. (Without
-        async_scheduling nothing is left in flight to ask about.)"""
-        return not any(seq.sampling_params.has_penalties or seq.bad_words_ids or seq.grammar is not None
-                       for seq in batch.sampling_seqs)
+        tokens. (A grammar's bitmask may wait for the tokens after the forward pass: see _step.
+        Without async_scheduling nothing is left in flight to ask about.)"""
+        return not any(seq.sampling_params.has_penalties or seq.bad_words_ids for seq in batch.sampling_seqs)
+
+    def _apply_in_flight(self) -> list[Sequence]:
+        """Apply the batch in flight, if any; return the sequences that finished."""
+        if self._in_flight is None:
+            return []
+        in_flight, self._in_flight = self._in_flight, None
+        return self._apply(*in_flight)
 
     def _apply(self, batch: ScheduledBatch, pending: PendingSample) -> list[Sequence]:
         """Wait for a launched batch's tokens and apply them; return the sequences that finished."""
@@ -301,10 +309,7 @@ class LLMEngine:
 
     def _drain(self):
         """Apply the batch still in flight, if any (results for finished sequences are dropped)."""
-        if self._in_flight:
-            batch, pending = self._in_flight
-            self._in_flight = None
-            self._apply(batch, pending)
+        self._apply_in_flight()
 
     @serialised
     def is_finished(self) -> bool:

@@ -3,6 +3,7 @@ a ScheduledBatch into sampled token ids."""
 import logging
 import os
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 
 import torch
@@ -271,12 +272,15 @@ class ModelRunner:
     # ---- running --------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def launch(self, batch: ScheduledBatch, step: StepInput | None = None) -> PendingSample:
+    def launch(self, batch: ScheduledBatch, step: StepInput | None = None,
+               before_sampling: Callable[[], None] | None = None) -> PendingSample:
         """Queue the batch's model step and sampling on the device and return at once; the
         PendingSample's result() waits for one sampled token (and its logprobs when the sequence
         asked) per sequence that reached its end. The sampled tokens also stay on the device, where
         the next step reads the inputs of sequences whose token is still pending. step: the
-        batch's StepInput when the caller built it already (to send it to the other ranks)."""
+        batch's StepInput when the caller built it already (to send it to the other ranks).
+        before_sampling: called once the forward pass is queued, before sampling is prepared (the
+        engine applies the previous step's tokens there, which a grammar's bitmask needs)."""
         if not batch.seqs:
             return PendingSample(None, None)
         step = step or self.step_input(batch)
@@ -291,6 +295,8 @@ class ModelRunner:
         if logits.size(0):   # else a prefill step that only computed prompt logprobs: nothing sampled
             if not self.logits_checked:
                 self.check_first_logits(logits)
+            if before_sampling is not None:
+                before_sampling()
             # Built while the device runs the forward pass just queued: the host's share of sampling
             # (a grammar's token bitmasks, penalty counts) overlaps it.
             sampling = self.sampler.prepare(batch.sampling_seqs)

@@ -137,8 +137,11 @@ class Scheduler:
     def advance(self, batch: ScheduledBatch):
         """Right after the batch is launched: its tokens are computed (in stream order) and each
         sequence that samples has one pending token, so the next batch can be scheduled before
-        this one's tokens reach the host."""
+        this one's tokens reach the host. A sequence that the batch before finished meanwhile
+        (applied while this batch was launched) is left as it is."""
         for seq, n, samples in zip(batch.seqs, batch.num_new_tokens, batch.samples):
+            if seq.is_finished:
+                continue
             seq.num_computed_tokens += n
             seq.num_pending += samples
             self.block_manager.register_computed(seq)   # prompts share its blocks from the next step on

@@ -82,8 +82,11 @@ class Sampler:
         asked = [vocab if p.logprobs == -1 else p.logprobs for p in params if p.logprobs is not None]
         penalized = any(p.has_penalties for p in params)
         all_greedy = all(p.greedy for p in params)
-        grammar_rows = [(row, seq.grammar) for row, seq in enumerate(seqs) if seq.grammar is not None]
-        # A grammar's mask needs the sequence's previous token (the engine waits for constrained steps).
+        # A finished sequence's row (ended by the step applied just before; its token is dropped)
+        # needs no mask, and its matcher may be terminated.
+        grammar_rows = [(row, seq.grammar) for row, seq in enumerate(seqs)
+                        if seq.grammar is not None and not seq.is_finished]
+        # A grammar's mask needs the sequence's previous token (the engine applies it first).
         assert all(seqs[row].num_pending == 0 for row, _ in grammar_rows)
         if all_greedy and not banned and not asked and not penalized and not constrained and not grammar_rows:
             return None
@@ -122,13 +125,16 @@ class Sampler:
 
     def _bitmask(self, n: int, grammar_rows: list) -> torch.Tensor:
         """The step's token bitmask: each constrained row's grammar fills its row (the grammar has
-        seen every token of its sequence: the engine does not run ahead of constrained steps)."""
-        from nanovllm.structured.grammars import fill_bitmask   # xgrammar: only with a grammar
+        seen every token of its sequence: the engine applies the previous step first)."""
+        from nanovllm.structured.grammars import fill_bitmask, widen_bitmask   # xgrammar: only with a grammar
         rows, grammars = zip(*grammar_rows)
-        host = torch.full((n, (self.vocab_size + 31) // 32), -1, dtype=torch.int32,
+        vocab = grammars[0].vocab   # one engine, one tokenizer
+        # Filled as wide as the tokenizer, and widened to the logits on the device.
+        host = torch.full((n, (vocab.size + 31) // 32), -1, dtype=torch.int32,
                           pin_memory=self.device.type == "cuda")
         fill_bitmask(host, list(rows), list(grammars))
-        return host.to(self.device, non_blocking=True)
+        return widen_bitmask(host.to(self.device, non_blocking=True), self._tensor(list(rows), torch.int64),
+                             vocab, self.vocab_size)
 
     def _prepare_draw(self, t: SamplingTensors, seqs: list[Sequence], fused: bool):
         """Truncation knobs and seeds; the fused kernel's row seeds when temperature is the only knob."""

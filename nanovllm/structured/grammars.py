@@ -3,9 +3,12 @@ its spec) when a request is validated, before anything is queued, so the step lo
 bitmasks; GrammarState is one sequence's matcher, advanced by the tokens appended to it."""
 import json
 import logging
+import os
 import threading
 from collections import OrderedDict
+from dataclasses import dataclass
 from functools import cache
+from typing import NamedTuple
 
 import torch
 
@@ -24,6 +27,24 @@ def import_xgrammar():
     return xgrammar
 
 
+@dataclass(frozen=True)
+class GrammarVocab:
+    """The token ids a grammar speaks: the tokenizer's [0, size), which may be narrower than the model's
+    logits (ids past it are never allowed). xgrammar gets only these: given the model's width, it
+    treats every id past the tokenizer as a special token and checks them all on each bitmask fill
+    and each accepted token (SmolLM2's 49,152 tokens on Qwen3's 151,936 logits: ~100x slower).
+    EOS ids past the tokenizer (a model config's) stand for one of xgrammar's stop tokens."""
+    size: int
+    stop_token_ids: tuple[int, ...]     # xgrammar's, all below size
+    outside_stops: frozenset[int]       # EOS ids at or past size
+
+
+class Grammar(NamedTuple):
+    """A compiled constraint and the vocabulary it was compiled for."""
+    compiled: object                    # xgrammar.CompiledGrammar
+    vocab: GrammarVocab
+
+
 class GrammarCompiler:
     """tokenizer: the model's Hugging Face tokenizer; vocab_size: the width of the model's logits
     (it may exceed the tokenizer's: the extra ids are never allowed); stop_token_ids: the tokens that
@@ -31,13 +52,17 @@ class GrammarCompiler:
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: set[int]):
         xgr = import_xgrammar()
-        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
-                                                  stop_token_ids=sorted(stop_token_ids))
+        size = min(vocab_size, max(tokenizer.get_vocab().values()) + 1)
+        inside = sorted(t for t in stop_token_ids if t < size)
+        # No EOS inside the tokenizer: xgrammar finds the tokenizer's own.
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=size, stop_token_ids=inside or None)
+        self.vocab = GrammarVocab(size, tuple(info.stop_token_ids),
+                                  frozenset(t for t in stop_token_ids if t >= size))
         self._compiler = xgr.GrammarCompiler(info, cache_enabled=False)   # the cache is ours, by spec
-        self._cache: OrderedDict[tuple, object] = OrderedDict()
+        self._cache: OrderedDict[tuple, Grammar] = OrderedDict()
         self._lock = threading.Lock()   # compile may be called from several threads (a server)
 
-    def compile(self, params: StructuredOutputsParams):
+    def compile(self, params: StructuredOutputsParams) -> Grammar:
         """The compiled grammar of params (cached by params.key()); ValueError if it is invalid."""
         key = params.key()
         with self._lock:
@@ -45,7 +70,8 @@ class GrammarCompiler:
                 self._cache.move_to_end(key)
                 return self._cache[key]
         try:
-            compiled = self._compile(params)   # outside the lock: another spec need not wait
+            compiled = Grammar(self._compile(params), self.vocab)   # outside the lock: another spec
+                                                                   # need not wait
         except (RuntimeError, ValueError, TypeError) as e:   # xgrammar: a bad schema, regex, grammar
             raise ValueError(f"invalid structured_outputs.{params.kind}: {str(e).strip()}") from None
         with self._lock:
@@ -79,12 +105,17 @@ class GrammarState:
     """One sequence's place in its grammar. It follows the sequence's accepted output tokens and
     nothing else, so a preempted and recomputed sequence resumes exactly where it was."""
 
-    def __init__(self, compiled):
-        self.matcher = import_xgrammar().GrammarMatcher(compiled)
+    def __init__(self, grammar: Grammar):
+        self.matcher = import_xgrammar().GrammarMatcher(grammar.compiled)
+        self.vocab = grammar.vocab
         self.rejected = False   # a token the grammar did not allow was appended (see StopChecker)
 
     def accept(self, token_id: int):
-        if not self.rejected and not self.matcher.accept_token(token_id):
+        if token_id in self.vocab.outside_stops:
+            token_id = self.vocab.stop_token_ids[0]
+        if self.rejected:
+            return
+        if token_id >= self.vocab.size or not self.matcher.accept_token(token_id):
             logger.warning("token %d is not allowed by the sequence's grammar; the sequence ends", token_id)
             self.rejected = True
 
@@ -95,12 +126,43 @@ class GrammarState:
 
 
 @cache
-def _batch_matcher():
+def _batch_matcher(threads: int):
     # Fills many rows on several threads (xgrammar's own pool).
-    return import_xgrammar().BatchGrammarMatcher()
+    return import_xgrammar().BatchGrammarMatcher(threads)
+
+
+def fill_threads() -> int:
+    """Threads for the bitmask fill: the CPUs this process may use, less one for the main thread
+    (xgrammar's own default, half of std::thread::hardware_concurrency, counts the whole host's
+    CPUs, even in a container limited to a few)."""
+    return max(1, min(len(os.sched_getaffinity(0)) - 1, 32))
 
 
 def fill_bitmask(bitmask: torch.Tensor, rows: list[int], grammars: list[GrammarState]):
-    """Write each grammar's allowed next tokens into its row of bitmask ([n, ceil(vocab / 32)] int32
-    on the host; bit j of word w allows token 32 * w + j); other rows are left as they are."""
-    _batch_matcher().batch_fill_next_token_bitmask([g.matcher for g in grammars], bitmask, rows)
+    """Write each grammar's allowed next tokens into its row of bitmask ([n, ceil(vocab.size / 32)]
+    int32 on the host; bit j of word w allows token 32 * w + j); other rows are left as they are."""
+    _batch_matcher(fill_threads()).batch_fill_next_token_bitmask([g.matcher for g in grammars], bitmask, rows)
+
+
+def widen_bitmask(bitmask: torch.Tensor, rows: torch.Tensor, vocab: GrammarVocab,
+                  model_vocab_size: int) -> torch.Tensor:
+    """The tokenizer-wide bitmask ([n, ceil(vocab.size / 32)] int32) as wide as the model's logits
+    ([n, ceil(model_vocab_size / 32)]): in the constrained rows (rows: their indices, int64, on the
+    bitmask's device) ids past the tokenizer are forbidden, but an EOS id past it is allowed wherever
+    the grammar allows its own stop token. Other rows stay all ones."""
+    if vocab.size == model_vocab_size:
+        return bitmask
+    n, width = bitmask.shape
+    full = -(-model_vocab_size // 32)
+    out = torch.full((n, full), -1, dtype=torch.int32, device=bitmask.device)
+    out[:, :width] = bitmask
+    past = torch.zeros(len(rows), full - width + 1, dtype=torch.int32, device=bitmask.device)
+    past[:, 0] = bitmask[rows, width - 1] & ((1 << (vocab.size % 32)) - 1 if vocab.size % 32 else -1)
+    if vocab.outside_stops:
+        stop = torch.zeros(len(rows), dtype=torch.int32, device=bitmask.device)
+        for t in vocab.stop_token_ids:
+            stop |= (bitmask[rows, t // 32] >> (t % 32)) & 1
+        for t in vocab.outside_stops:
+            past[:, t // 32 - width + 1] |= stop << (t % 32)
+    out[rows, width - 1:] = past
+    return out
