@@ -125,7 +125,7 @@ def test_a_tokenizer_wide_bitmask_is_widened_to_the_logits():
     narrow[0] = True                        # free
     narrow[1, [3, 5, 39, 45, 63]] = True    # may stop; 45 and 63 are junk past the tokenizer
     narrow[2, [5, 6]] = True                # may not stop
-    wide = widen_bitmask(pack_bitmask(narrow), torch.tensor([1, 2]), vocab, 100)
+    wide = widen_bitmask(pack_bitmask(narrow), torch.tensor([False, True, True]), vocab, 100)
     bits = ((wide.unsqueeze(-1) >> torch.arange(32)) & 1).flatten(1)[:, :100].bool()
     assert bits[0].all()
     assert bits[1].nonzero().flatten().tolist() == [3, 5, 39, 97]

@@ -133,7 +133,10 @@ class Sampler:
         host = torch.full((n, (vocab.size + 31) // 32), -1, dtype=torch.int32,
                           pin_memory=self.device.type == "cuda")
         fill_bitmask(host, list(rows), list(grammars))
-        return widen_bitmask(host.to(self.device, non_blocking=True), self._tensor(list(rows), torch.int64),
+        is_row = [False] * n
+        for row in rows:
+            is_row[row] = True
+        return widen_bitmask(host.to(self.device, non_blocking=True), self._tensor(is_row, torch.bool),
                              vocab, self.vocab_size)
 
     def _prepare_draw(self, t: SamplingTensors, seqs: list[Sequence], fused: bool):

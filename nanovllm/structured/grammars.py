@@ -144,25 +144,24 @@ def fill_bitmask(bitmask: torch.Tensor, rows: list[int], grammars: list[GrammarS
     _batch_matcher(fill_threads()).batch_fill_next_token_bitmask([g.matcher for g in grammars], bitmask, rows)
 
 
-def widen_bitmask(bitmask: torch.Tensor, rows: torch.Tensor, vocab: GrammarVocab,
+def widen_bitmask(bitmask: torch.Tensor, constrained: torch.Tensor, vocab: GrammarVocab,
                   model_vocab_size: int) -> torch.Tensor:
     """The tokenizer-wide bitmask ([n, ceil(vocab.size / 32)] int32) as wide as the model's logits
-    ([n, ceil(model_vocab_size / 32)]): in the constrained rows (rows: their indices, int64, on the
-    bitmask's device) ids past the tokenizer are forbidden, but an EOS id past it is allowed wherever
-    the grammar allows its own stop token. Other rows stay all ones."""
+    ([n, ceil(model_vocab_size / 32)]): in the constrained rows ([n] bool, on the bitmask's device)
+    ids past the tokenizer are forbidden, but an EOS id past it is allowed wherever the grammar
+    allows its own stop token. Other rows stay all ones."""
     if vocab.size == model_vocab_size:
         return bitmask
     n, width = bitmask.shape
-    full = -(-model_vocab_size // 32)
-    out = torch.full((n, full), -1, dtype=torch.int32, device=bitmask.device)
-    out[:, :width] = bitmask
-    past = torch.zeros(len(rows), full - width + 1, dtype=torch.int32, device=bitmask.device)
-    past[:, 0] = bitmask[rows, width - 1] & ((1 << (vocab.size % 32)) - 1 if vocab.size % 32 else -1)
+    free = torch.where(constrained, 0, -1).to(torch.int32)                       # [n]
+    out = torch.cat([bitmask, free.unsqueeze(1).expand(n, -(-model_vocab_size // 32) - width)], dim=1)
+    if vocab.size % 32:   # the tokenizer's last word: only its first vocab.size % 32 bits are ids
+        last = out[:, width - 1]
+        out[:, width - 1] = torch.where(constrained, last & ((1 << (vocab.size % 32)) - 1), last)
     if vocab.outside_stops:
-        stop = torch.zeros(len(rows), dtype=torch.int32, device=bitmask.device)
+        may_stop = torch.zeros(n, dtype=torch.int32, device=bitmask.device)
         for t in vocab.stop_token_ids:
-            stop |= (bitmask[rows, t // 32] >> (t % 32)) & 1
+            may_stop |= (out[:, t // 32] >> (t % 32)) & 1
         for t in vocab.outside_stops:
-            past[:, t // 32 - width + 1] |= stop << (t % 32)
-    out[rows, width - 1:] = past
+            out[:, t // 32] |= may_stop << (t % 32)
     return out
