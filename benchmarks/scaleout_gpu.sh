@@ -16,6 +16,7 @@
 #                                                 `bash benchmarks/moe_gpu.sh tp` (its own table)
 #
 #   bash benchmarks/scaleout_gpu.sh structured
+#   GPU=1 bash benchmarks/scaleout_gpu.sh structured   # the structured stage on GPU 1 of two
 #
 # The GPU machine has no package index. .whl-xgr (xgrammar, apache-tvm-ffi, pydantic; and
 # smollm2-tokenizer/, the demo model's tokenizer files) and .whl-ray (ray without its Java jars, and
@@ -53,7 +54,7 @@ start=$SECONDS
 if [[ $STAGE == structured ]]; then
   install .whl-xgr xgrammar
   export NANOVLLM_TOKENIZER=$PWD/.whl-xgr/smollm2-tokenizer
-  export CUDA_VISIBLE_DEVICES=0
+  export CUDA_VISIBLE_DEVICES=${GPU:-0}   # GPU=1: alongside another job on GPU 0
   bench default 90
   bench structured 240 --structured-json --tokenizer "$NANOVLLM_TOKENIZER"
   tests structured 120 tests/test_structured_outputs.py \
