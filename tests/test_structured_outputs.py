@@ -151,6 +151,34 @@ def test_xgrammar_sees_only_the_tokenizer_s_ids():
     assert state.rejected
 
 
+def test_the_fill_gives_the_same_masks_on_several_threads_and_a_bad_thread_count_is_refused(monkeypatch):
+    """NANOVLLM_GRAMMAR_THREADS: one thread by default; N threads fill the same bits; a value that is
+    not a positive integer is a ValueError when the grammar compiler is built (the first constrained
+    request), never inside a step."""
+    pytest.importorskip("xgrammar")
+    from conftest import EOS, _tokenizer
+    from nanovllm.structured.grammars import GrammarCompiler, GrammarState, fill_bitmask, fill_threads
+    assert fill_threads() == 1
+    compiler = GrammarCompiler(_tokenizer(), 512, {EOS})
+    grammar = compiler.compile(StructuredOutputsParams(regex="(w5|w6)+w7"))
+    states = [GrammarState(grammar) for _ in range(6)]
+    for i, state in enumerate(states):
+        for t in [5, 6][: i % 3]:
+            state.accept(t)
+    masks = []
+    for threads in ("1", "3"):
+        monkeypatch.setenv("NANOVLLM_GRAMMAR_THREADS", threads)
+        bitmask = torch.full((8, 16), -1, dtype=torch.int32)
+        fill_bitmask(bitmask, [0, 1, 2, 4, 5, 7], states)
+        masks.append(bitmask)
+    assert torch.equal(masks[0], masks[1])
+    assert (masks[0][3] == -1).all() and (masks[0][0] != -1).any()   # rows without a grammar stay open
+    for bad in ("0", "two", "-1"):
+        monkeypatch.setenv("NANOVLLM_GRAMMAR_THREADS", bad)
+        with pytest.raises(ValueError, match="NANOVLLM_GRAMMAR_THREADS"):
+            GrammarCompiler(_tokenizer(), 512, {EOS})
+
+
 def test_missing_xgrammar_names_the_extra(monkeypatch):
     from nanovllm.structured.grammars import import_xgrammar
     monkeypatch.setitem(sys.modules, "xgrammar", None)
