@@ -121,6 +121,11 @@ def test_a_config_without_the_shapes_is_refused():
         ModelShapes.from_config({k: v for k, v in TINY.items() if k != "intermediate_size"})
     with pytest.raises(ValueError, match="moe_intermediate_size"):
         ModelShapes.from_config({k: v for k, v in TINY_MOE.items() if k != "moe_intermediate_size"})
+    # An MoE model with a dense layer (mlp_only_layers) needs the dense MLP's size too.
+    no_dense_size = {k: v for k, v in TINY_MOE.items() if k != "intermediate_size"}
+    ModelShapes.from_config(no_dense_size)   # every layer sparse: not needed
+    with pytest.raises(ValueError, match="lacks intermediate_size .1 of its layers"):
+        ModelShapes.from_config(dict(no_dense_size, mlp_only_layers=[0]))
 
 
 def test_measurements_run_on_cpu():

@@ -144,6 +144,9 @@ class ModelShapes:
         kv_heads = config.get("num_key_value_heads") or heads
         head_dim = config.get("head_dim") or hidden // heads
         sparse = _sparse_layers(config) if experts else 0
+        if layers > sparse and "intermediate_size" not in config:   # an MoE model's dense layers
+            raise ValueError(f"the model config lacks intermediate_size ({layers - sparse} of its layers "
+                             "have a dense MLP): pass a decoder's config.json")
         expert = 3 * hidden * config["moe_intermediate_size"] if experts else 0
         attention = hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden   # qkv, o
         dense_mlp = 3 * hidden * config["intermediate_size"] if layers > sparse else 0        # gate_up, down
