@@ -2,7 +2,10 @@
 GPU time of each decode step (CUDA events around graph replay + logits + sampling), and a kernel
 breakdown of a few eager decode steps at batch 256 (torch.profiler). The host part also runs on
 CPU (tests/test_profile_bench.py runs it on a tiny model); the kernel breakdown needs CUDA.
-Usage: PYTHONPATH=. python benchmarks/profile_bench.py [--out FILE] [--kv-cache-dtype fp8]"""
+With --tensor-parallel-size N the profile is rank 0's (its host work, and its GPU's kernels,
+all-reduces included; the other ranks run the same kernels).
+Usage: PYTHONPATH=. python benchmarks/profile_bench.py [--out FILE] [--kv-cache-dtype fp8]
+       [--model configs/qwen3-8b] [--tensor-parallel-size 2]"""
 import argparse
 import gc
 import inspect
@@ -172,9 +175,11 @@ def host_profile(llm, lines: list[str], prompts, params):
                 device_step_s=[s.elapsed_time(e) / 1000 for s, e in device_steps])
 
 
-def kernel_profile(model, lines, steps=5, gpu_memory_utilization=0.4, kv_cache_dtype="auto"):
+def kernel_profile(model, lines, steps=5, gpu_memory_utilization=0.4, kv_cache_dtype="auto",
+                   tensor_parallel_size=1):
     llm = LLM(model, load_format="dummy", max_model_len=4096, enforce_eager=True,
-              gpu_memory_utilization=gpu_memory_utilization, kv_cache_dtype=kv_cache_dtype)
+              gpu_memory_utilization=gpu_memory_utilization, kv_cache_dtype=kv_cache_dtype,
+              tensor_parallel_size=tensor_parallel_size)
     prompts, _ = workload(256, 1024, 1024, 0.6)
     params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=steps + 3)
     runner = llm.model_runner
@@ -198,6 +203,7 @@ def kernel_profile(model, lines, steps=5, gpu_memory_utilization=0.4, kv_cache_d
         llm.step()
     kernel_table(prof, lines, f"kernels of {steps} eager decode steps at batch 256", steps)
     del runner
+    llm.shutdown()
 
 
 def kernel_table(prof, lines, title, steps):
@@ -219,11 +225,13 @@ def main():
                    help="of each engine (one at a time; a model over 0.4 of the GPU needs more)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
                    help="as bench.py's: fp8 profiles the engine over an e4m3 KV cache")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs per engine (rank 0 is profiled)")
     args = p.parse_args()
-    lines = [f"model {args.model}, KV cache {args.kv_cache_dtype}"]
+    lines = [f"model {args.model}, KV cache {args.kv_cache_dtype}, TP={args.tensor_parallel_size}"]
     if not args.skip_host:
         llm = LLM(args.model, load_format="dummy", max_model_len=4096,
-                  gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_dtype=args.kv_cache_dtype)
+                  gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_dtype=args.kv_cache_dtype,
+                  tensor_parallel_size=args.tensor_parallel_size)
         lines.append("start-up: " + ", ".join(f"{k} {v:.1f} s" for k, v in
                                               llm.model_runner.startup_seconds.items()))
         llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8), use_tqdm=False)
@@ -236,7 +244,7 @@ def main():
         lines.append("kernel breakdown skipped: it needs CUDA (torch.profiler's CUDA activity)")
     elif not args.skip_kernels:
         kernel_profile(args.model, lines, gpu_memory_utilization=args.gpu_memory_utilization,
-                       kv_cache_dtype=args.kv_cache_dtype)
+                       kv_cache_dtype=args.kv_cache_dtype, tensor_parallel_size=args.tensor_parallel_size)
     text = "\n".join(lines)
     print(text)
     if args.out:

@@ -4,8 +4,19 @@
 # Prints the measured copy bandwidth and bf16 peak with the limits they give (python -m
 # nanovllm.utils.roofline), the roofline tests, then bench.py (dummy weights) on the Qwen3-0.6B shapes
 # at TP=1 and the Qwen3-8B shapes at TP=1 and TP=2, and a table of tokens/s against each limit.
+#   bash benchmarks/roofline_gpu.sh profile   # instead: profile_bench.py for 0.6B TP=1, 8B TP=1 and
+#                                              # 8B TP=2 (about 4 minutes; profile_*.txt in $OUT)
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+if [[ ${1:-} == profile ]]; then
+  for run in "0.6b_tp1" "8b_tp1 --model configs/qwen3-8b" "8b_tp2 --model configs/qwen3-8b --tensor-parallel-size 2"; do
+    set -- $run
+    label=$1; shift
+    timeout 150 python benchmarks/profile_bench.py --out "$OUT/profile_$label.txt" "$@" > "$OUT/profile_$label.log" 2>&1
+    echo "[$label] exit $?: $(grep -E "^(whole run|decode steps)" "$OUT/profile_$label.txt" 2>/dev/null | tr '\n' ' ')"
+  done
+  exit 0
+fi
 nvidia-smi --query-gpu=name --format=csv,noheader | sort | uniq -c
 CUDA_VISIBLE_DEVICES=0 timeout 60 python -m nanovllm.utils.roofline configs/qwen3-0.6b configs/qwen3-8b --tp 1 2
 CUDA_VISIBLE_DEVICES=0 timeout 60 python -m pytest -q -p no:cacheprovider tests/test_roofline.py 2>&1 | tail -1

@@ -56,3 +56,17 @@ def test_a_hook_point_that_never_runs_is_named(llm, monkeypatch):
                         profile_bench.HOST_PHASES + [("scheduler", "reset", "scheduler.reset")])
     with pytest.raises(HookPointMissing, match=r"never called during the run: scheduler\.reset"):
         host_profile(llm, [], PROMPTS, params())
+
+
+def test_host_profile_of_a_tensor_parallel_engine(qwen3_dir):
+    """--tensor-parallel-size: rank 0's hooks run under TP=2 (gloo on CPU) as they do alone."""
+    llm = LLM(qwen3_dir, device="cpu", kvcache_block_size=16, num_kvcache_blocks=16, tensor_parallel_size=2)
+    try:
+        lines = []
+        figures = host_profile(llm, lines, PROMPTS, params())
+        assert figures["decode_steps"] == 5
+        text = "\n".join(lines)
+        for _, _, label in profile_bench.HOST_PHASES:
+            assert label in text
+    finally:
+        llm.shutdown()
