@@ -78,7 +78,8 @@ def test_next_step_is_launched_before_the_previous_tokens_are_read(qwen3_dir, mo
     llm = LLM(qwen3_dir, **OPTS)
     events = []
     real_launch, real_result = llm.model_runner.launch, PendingSample.result
-    monkeypatch.setattr(llm.model_runner, "launch", lambda b: events.append("launch") or real_launch(b))
+    monkeypatch.setattr(llm.model_runner, "launch",
+                        lambda b, **kwargs: events.append("launch") or real_launch(b, **kwargs))
     monkeypatch.setattr(PendingSample, "result", lambda self: events.append("result") or real_result(self))
     llm.generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False)
     # prefill + 4 decode steps, each result read only after the next launch; the last, drained.
@@ -114,8 +115,8 @@ def test_a_launched_prompt_is_shared_by_the_very_next_step(qwen3_dir):
     for run_ahead in (True, False):
         llm = LLM(qwen3_dir, async_scheduling=run_ahead, **{**OPTS, "max_num_batched_tokens": 40})
         counts, launch = [], llm.model_runner.launch
-        llm.model_runner.launch = lambda b, counts=counts, launch=launch: (
-            counts.extend(b.num_new_tokens if b.is_prefill else []), launch(b))[1]
+        llm.model_runner.launch = lambda b, counts=counts, launch=launch, **kwargs: (
+            counts.extend(b.num_new_tokens if b.is_prefill else []), launch(b, **kwargs))[1]
         llm.generate(prompts, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
         computed[run_ahead] = sum(counts)
     assert computed[True] == computed[False] == 40 + 3 * 8   # the first prompt whole, then the tails

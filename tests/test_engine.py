@@ -36,10 +36,10 @@ def test_shared_prefix_runs_twice_and_hits_cache(qwen3_dir, oracle):
     computed = []
     original_run = llm.model_runner.launch
 
-    def spy(batch):
+    def spy(batch, **kwargs):
         if batch.is_prefill:
             computed.extend(batch.num_new_tokens)
-        return original_run(batch)
+        return original_run(batch, **kwargs)
 
     llm.model_runner.launch = spy
     second = llm.generate(prompts, GREEDY, use_tqdm=False)
@@ -57,8 +57,8 @@ def test_prefix_caching_can_be_turned_off(qwen3_dir):
         llm = LLM(qwen3_dir, kvcache_block_size=16, num_kvcache_blocks=32, enable_prefix_caching=enabled)
         llm.generate(prompts[:1], GREEDY, use_tqdm=False)
         computed, original_run = [], llm.model_runner.launch
-        llm.model_runner.launch = lambda b, computed=computed, original_run=original_run: (
-            computed.extend(b.num_new_tokens if b.is_prefill else []), original_run(b))[1]
+        llm.model_runner.launch = lambda b, computed=computed, original_run=original_run, **kwargs: (
+            computed.extend(b.num_new_tokens if b.is_prefill else []), original_run(b, **kwargs))[1]
         runs[enabled] = (llm.generate(prompts[1:], GREEDY, use_tqdm=False)[0].outputs[0].token_ids,
                          sum(computed))
         assert bool(llm.scheduler.block_manager.hash_to_block_id) == enabled
@@ -88,7 +88,7 @@ def test_chunked_prefill_below_prompt_length(qwen3_dir, oracle):
     llm = LLM(qwen3_dir, kvcache_block_size=16, num_kvcache_blocks=64, max_num_batched_tokens=64)
     sizes = []
     original_run = llm.model_runner.launch
-    llm.model_runner.launch = lambda b: (sizes.append(b.num_tokens), original_run(b))[1]
+    llm.model_runner.launch = lambda b, **kwargs: (sizes.append(b.num_tokens), original_run(b, **kwargs))[1]
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert max(sizes) <= 64
     check(oracle, prompts, outs)

@@ -369,7 +369,8 @@ def test_sampling_params_changed_after_construction_are_checked(engine, referenc
     setattr(params, field, value)
     launched = []
     real = engine.model_runner.launch
-    monkeypatch.setattr(engine.model_runner, "launch", lambda batch: launched.append(batch) or real(batch))
+    monkeypatch.setattr(engine.model_runner, "launch",
+                        lambda batch, **kwargs: launched.append(batch) or real(batch, **kwargs))
     exc = TypeError if field == "stop" else ValueError
     with pytest.raises(exc, match=message):
         engine.generate(PROMPTS, params, use_tqdm=False)

@@ -75,10 +75,10 @@ def test_prefix_cache_hits_match_transformers(variant):
 def _record_prefill_tokens(llm) -> list[int]:
     computed, run = [], llm.model_runner.launch
 
-    def recording_run(batch):
+    def recording_run(batch, **kwargs):
         if batch.is_prefill:
             computed.extend(batch.num_new_tokens)
-        return run(batch)
+        return run(batch, **kwargs)
 
     llm.model_runner.launch = recording_run
     return computed

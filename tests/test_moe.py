@@ -120,10 +120,10 @@ def test_prefix_cache_is_hit(moe):
     llm.generate([shared], GREEDY, use_tqdm=False)   # fills and registers two full blocks
     computed, launch = [], llm.model_runner.launch
 
-    def recording(batch):
+    def recording(batch, **kwargs):
         if batch.is_prefill:
             computed.extend(batch.num_new_tokens)
-        return launch(batch)
+        return launch(batch, **kwargs)
     llm.model_runner.launch = recording
     prompts = [shared + [5, 6, 7], shared]
     for prompt, out in zip(prompts, llm.generate(prompts, GREEDY, use_tqdm=False)):

@@ -78,11 +78,11 @@ def test_failure_in_the_middle_of_generate_leaves_a_clean_engine(qwen3_dir, refe
     llm = LLM(qwen3_dir, **opts)
     real_run, calls = llm.model_runner.launch, []
 
-    def flaky_run(batch):
+    def flaky_run(batch, **kwargs):
         calls.append(batch)
         if len(calls) == fail_at:
             raise error("injected")
-        return real_run(batch)
+        return real_run(batch, **kwargs)
 
     monkeypatch.setattr(llm.model_runner, "launch", flaky_run)
     with pytest.raises(error, match="injected"):

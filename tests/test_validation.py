@@ -84,7 +84,8 @@ def test_bad_input_is_refused_and_the_engine_stays_usable(engine_and_reference, 
     llm, reference = engine_and_reference
     calls = []
     real_run = llm.model_runner.launch
-    monkeypatch.setattr(llm.model_runner, "launch", lambda batch: calls.append(batch) or real_run(batch))
+    monkeypatch.setattr(llm.model_runner, "launch",
+                        lambda batch, **kwargs: calls.append(batch) or real_run(batch, **kwargs))
     with pytest.raises(exc, match=message):
         llm.generate(prompts, params, use_tqdm=False)
     assert not calls, "a model step ran although the call was refused"

@@ -60,15 +60,14 @@ class Executor:
             if not self.closed and self.workers.error is not None:
                 raise self.workers.error
             raise RuntimeError(f"{self.broken}: shut this engine down and create a new one")
-        hook = {"before_sampling": before_sampling} if before_sampling else {}   # most steps have none
         if self.workers is None:
-            return self.runner.launch(batch, **hook)
+            return self.runner.launch(batch, before_sampling=before_sampling)
         step = self.runner.step_input(batch)
         self.in_step = True
         try:
             with self.workers.stepping():
                 self.workers.run_step(step)   # ranks 1..N-1 run the same step (they only skip sampling)
-                pending = self.runner.launch(batch, step, **hook)
+                pending = self.runner.launch(batch, step, before_sampling)
         except BrokenLogitsError:
             self.in_step = False   # every rank finished the step: still in step
             raise
