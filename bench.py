@@ -66,17 +66,28 @@ def time_to_first_token(llm, repeats: int = 3) -> float:
     return sorted(times[1:])[repeats // 2]
 
 
+def model_config(args) -> dict | None:
+    """The model folder's config.json, or None without one."""
+    path = os.path.join(args.model, "config.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def kv_bytes(args) -> int:
+    """Bytes of one cached K or V value: FP8 or the model's bf16."""
+    return 1 if args.kv_cache_dtype != "auto" else 2
+
+
 def workload_limits(args, prompts, params, gpu: roofline.DeviceLimits):
     """(limit at `gpu`'s figures, limit at the documented H200 figures) in output tokens/s for the model
     folder's config.json and bench's parallelism and KV dtype; (None, None) without a config.json."""
     prompt_lens, output_lens = [len(p) for p in prompts], [sp.max_tokens for sp in params]
-    config_path = os.path.join(args.model, "config.json")
-    if not os.path.isfile(config_path):
+    config = model_config(args)
+    if config is None:
         return None, None
-    with open(config_path) as f:
-        config = json.load(f)
-    shape = dict(tp=args.tensor_parallel_size, dp=args.data_parallel_size,
-                 kv_bytes=1 if args.kv_cache_dtype != "auto" else 2)
+    shape = dict(tp=args.tensor_parallel_size, dp=args.data_parallel_size, kv_bytes=kv_bytes(args))
     return (roofline.workload_limit(config, prompt_lens, output_lens, gpu, **shape),
             roofline.workload_limit(config, prompt_lens, output_lens, roofline.H200, **shape))
 
@@ -85,12 +96,7 @@ def data_parallel_replicas(job, prompts, params, args, gpu: roofline.DeviceLimit
     """Where a data-parallel run's time went (job: the DataParallelLLM's last_job): each replica's
     share, the seconds inside its engine and, when the model folder has a config.json, its limit (its
     own prompts and outputs alone; the job's limit is the slowest replica's, as workload_limit's dp)."""
-    config_path = os.path.join(args.model, "config.json")
-    config = None
-    if os.path.isfile(config_path):
-        with open(config_path) as f:
-            config = json.load(f)
-    kv_bytes = 1 if args.kv_cache_dtype != "auto" else 2
+    config, shape = model_config(args), dict(tp=args.tensor_parallel_size, kv_bytes=kv_bytes(args))
     rows = []
     for r, share in sorted(job.shares.items()):
         prompt_lens, output_lens = [len(prompts[i]) for i in share], [params[i].max_tokens for i in share]
@@ -99,7 +105,7 @@ def data_parallel_replicas(job, prompts, params, args, gpu: roofline.DeviceLimit
                    done_s=round(job.done_s[r], 3))
         if config and share:
             row["limit_s"] = round(sum(output_lens) / roofline.workload_limit(
-                config, prompt_lens, output_lens, gpu, tp=args.tensor_parallel_size, kv_bytes=kv_bytes), 3)
+                config, prompt_lens, output_lens, gpu, **shape), 3)
         rows.append(row)
     return dict(replicas=rows, wall_s=round(job.wall_s, 3), split_s=round(job.split_s, 4),
                 driver_overhead_s=round(job.overhead_s, 3))

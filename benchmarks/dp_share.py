@@ -7,7 +7,6 @@ share (half the batch for the same number of decode steps).
 """
 import argparse
 import glob
-import json
 import os
 import sys
 import time
@@ -33,8 +32,7 @@ def main():
     dummy = not glob.glob(os.path.join(args.model, "*.safetensors"))
     llm = LLM(args.model, max_model_len=4096, load_format="dummy" if dummy else "auto")   # as bench.py
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8), use_tqdm=False)
-    with open(os.path.join(args.model, "config.json")) as f:
-        config = json.load(f)
+    config = bench.model_config(args)
     for r, share in enumerate(shares):
         prompt_lens, output_lens = [len(prompts[i]) for i in share], [params[i].max_tokens for i in share]
         seconds = bench.timed_generate(llm, [prompts[i] for i in share], [params[i] for i in share])
