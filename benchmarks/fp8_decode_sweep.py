@@ -12,9 +12,15 @@ correct one the default (decode_attention.FP8_DECODE). About 3 minutes on one H2
 compiling.
 
     PYTHONPATH=. python benchmarks/fp8_decode_sweep.py [--json PATH] [--quick] [--only asm]
+
+--by-batch instead times bench.py's mixed contexts at each batch size its decode graphs replay
+(256 down to 8), for a few tile shapes x split counts, each call inside a CUDA graph (an eager call
+at a small batch would time its launch), FP8 and bf16, and prints the best per batch size against
+the default's: what a per-batch-size choice (graphs are captured per size) could gain.
 """
 import argparse
 import dataclasses
+import functools
 import json
 import statistics
 import time
@@ -166,13 +172,76 @@ def fastest(rows, names):
     return sorted(ranked, reverse=True)
 
 
+BY_BATCH = [256, 128, 64, 32, 16, 8]
+BY_BATCH_TILES = {"fp8": {"128x4 regs168": Fp8Decode(128, 4, max_registers=168), "64x4": Fp8Decode(64, 4),
+                          "64x2": Fp8Decode(64, 2), "256x8": Fp8Decode(256, 8)},
+                  "bf16": {"128x4": dict(BLOCK_N=128, NUM_WARPS=4), "64x4": dict(BLOCK_N=64, NUM_WARPS=4)}}
+BY_BATCH_SPLITS = [None, 1, 2, 4, 8, 16, 32]   # None: choose_num_splits (the default)
+
+
+def graph_ms(fn, calls=10):
+    """Median ms per call of `calls` calls recorded in one CUDA graph."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return median_ms(graph.replay, calls=1) / calls
+
+
+def by_batch(copy_bw, json_path=None):
+    rows = []
+    for batch in BY_BATCH:
+        case = make_case(("mixed", batch))
+        for kind, tiles in BY_BATCH_TILES.items():
+            k_cache, v_cache, scales = case.caches[kind]
+            results = []
+            for tile, config in tiles.items():
+                constants = dict(FP8_DECODE=config) if kind == "fp8" else config
+                saved = {k: getattr(decode_attention, k) for k in constants}
+                for k, value in constants.items():
+                    setattr(decode_attention, k, value)
+                try:
+                    for splits in BY_BATCH_SPLITS:
+                        call = functools.partial(paged_decode_attention_triton, case.q, k_cache, v_cache,
+                                                 case.tables, case.lens, SCALE, num_splits=splits, **scales)
+                        try:
+                            ref = case.refs[kind]
+                            err = ((call().float() - ref).abs().max() / ref.abs().max()).item()
+                            ms = graph_ms(call)
+                        except Exception as e:
+                            print(f"  b={batch} {kind} {tile} splits {splits}: {type(e).__name__}")
+                            continue
+                        of_copy = case.nbytes(kind) / (ms * 1e-3) / copy_bw
+                        results.append(dict(batch=batch, kind=kind, tile=tile, splits=splits, ms=ms,
+                                            of_copy=of_copy, ok=err <= MAX_REL_ERR))
+                finally:
+                    for k, value in saved.items():
+                        setattr(decode_attention, k, value)
+            rows += results
+            default = next(r for r in results if r["tile"] == next(iter(tiles)) and r["splits"] is None)
+            best = max((r for r in results if r["ok"]), key=lambda r: r["of_copy"])
+            print(f"b={batch:3d} {kind:4s} default {default['ms'] * 1e3:7.1f} us {default['of_copy']:6.1%}"
+                  f"   best {best['tile']:13s} splits {best['splits']!s:>4s} {best['ms'] * 1e3:7.1f} us "
+                  f"{best['of_copy']:6.1%}   ({default['ms'] / best['ms']:.2f}x)", flush=True)
+        case = None
+        torch.cuda.empty_cache()
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(dict(copy_bytes_per_s=copy_bw, by_batch=rows), f, indent=1)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--quick", action="store_true", help=f"only {QUICK} and the bf16 default")
     parser.add_argument("--only", help="only the FP8 variants whose names contain this (and bf16)")
+    parser.add_argument("--by-batch", action="store_true", help="tiles x splits per batch size, in graphs")
     args = parser.parse_args()
     t0 = time.perf_counter()
+    if args.by_batch:
+        return by_batch(copy_bandwidth(), args.json)
     fp8_names = QUICK if args.quick else list(FP8_VARIANTS)
     fp8_names = [name for name in fp8_names if args.only is None or args.only in name]
     bf16_variants = BF16_VARIANTS[:1] if args.quick else BF16_VARIANTS

@@ -1,0 +1,109 @@
+"""A decode step's GPU time by part, replaying the engine's own CUDA graphs (CUDA only).
+
+For each batch size: the graph's replay with every row padding (the layers' GEMMs, norms and small
+kernels, attention launched but with nothing to read: the step's cost besides the K/V reads), then
+with bench.py-like contexts (uniform 100-2048 tokens over arbitrary cache blocks, no K/V written),
+and the LM head on its own. Each is the median of 7 timings of 20 back-to-back replays (CUDA events,
+after a warm-up). A profile of 5 replays gives the kernels per step and the sum of their durations;
+replay minus that sum is the time between kernels (launch gaps and tails), per kernel.
+
+    PYTHONPATH=. python benchmarks/step_parts.py [--model M] [--kv-cache-dtype fp8] [--json PATH]
+
+NANOVLLM_PDL=0 runs it without programmatic dependent launch, to compare."""
+import argparse
+import functools
+import json
+import os
+import random
+import statistics
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench import DEFAULT_MODEL  # noqa: E402
+from nanovllm import LLM  # noqa: E402
+from nanovllm.engine.decode_graphs import PADDING, DecodeInputs  # noqa: E402
+
+BATCHES = [256, 128, 64, 32, 16, 8]
+
+
+def median_ms(fn, calls=20, timings=7) -> float:
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(timings):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    return statistics.median(times)
+
+
+def kernels_per_call(fn, calls=5) -> tuple[float, float]:
+    """(kernels per call, the sum of their durations in ms per call)."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+               and not e.name.startswith(("Memcpy", "Memset"))]
+    return len(kernels) / calls, sum(e.device_time for e in kernels) / calls / 1e3
+
+
+def fill(graphs, bs: int, contexts: list[int] | None, num_blocks: int):
+    """Set the static inputs of graph bs: padding rows, or sequences of the given contexts."""
+    inputs = DecodeInputs.view(graphs.inputs, bs, graphs.max_blocks)
+    for name, view in inputs._asdict().items():
+        view.fill_(PADDING[name])
+    if contexts:
+        rng = random.Random(1)
+        inputs.context_lens[:len(contexts)] = torch.tensor(contexts, dtype=torch.int32)
+        inputs.positions[:len(contexts)] = torch.tensor([c - 1 for c in contexts], dtype=torch.int32)
+        tables = [[rng.randrange(num_blocks) for _ in range(graphs.max_blocks)] for _ in contexts]
+        inputs.block_tables[:len(contexts)] = torch.tensor(tables, dtype=torch.int32)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--kv-cache-dtype", default="auto")
+    p.add_argument("--json")
+    args = p.parse_args()
+    llm = LLM(args.model, load_format="dummy", max_model_len=4096, gpu_memory_utilization=0.5,
+              kv_cache_dtype=args.kv_cache_dtype)
+    runner = llm.model_runner
+    graphs, num_blocks = runner.graphs, runner.kv_cache.shape[2]
+    pdl = os.environ.get("NANOVLLM_PDL", "1") != "0"
+    print(f"{args.model}, KV {args.kv_cache_dtype}, PDL {'on' if pdl else 'off'}")
+    print(f"{'batch':>5} {'part':>12} {'ms':>8} {'kernels':>8} {'kernel ms':>10} {'gap us/kernel':>14}")
+    rows = []
+    rng = random.Random(0)
+    for bs in BATCHES:
+        contexts = [rng.randint(100, 2048) for _ in range(bs)]
+        replay, hidden = graphs.replays[bs], graphs.outputs[:bs]
+        parts = {"padding": replay, "contexts": replay,
+                 "lm_head": functools.partial(runner.model.compute_logits, hidden)}
+        for part, fn in parts.items():
+            fill(graphs, bs, contexts if part == "contexts" else None, num_blocks)
+            with torch.inference_mode():
+                ms = median_ms(fn)
+                count, kernel_ms = kernels_per_call(fn)
+            gap = (ms - kernel_ms) * 1e3 / max(count, 1)
+            rows.append(dict(batch=bs, part=part, ms=ms, kernels=count, kernel_ms=kernel_ms, pdl=pdl))
+            print(f"{bs:5d} {part:>12} {ms:8.4f} {count:8.0f} {kernel_ms:10.4f} {gap:14.2f}", flush=True)
+    fill(graphs, graphs.sizes[-1], None, num_blocks)
+    llm.shutdown()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(model=args.model, kv_cache_dtype=args.kv_cache_dtype, pdl=pdl, rows=rows), f,
+                      indent=1)
+
+
+if __name__ == "__main__":
+    main()
