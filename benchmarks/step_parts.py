@@ -7,9 +7,7 @@ and the LM head on its own. Each is the median of 7 timings of 20 back-to-back r
 after a warm-up). A profile of 5 replays gives the kernels per step and the sum of their durations;
 replay minus that sum is the time between kernels (launch gaps and tails), per kernel.
 
-    PYTHONPATH=. python benchmarks/step_parts.py [--model M] [--kv-cache-dtype fp8] [--json PATH]
-
-NANOVLLM_PDL=0 runs it without programmatic dependent launch, to compare."""
+    PYTHONPATH=. python benchmarks/step_parts.py [--model M] [--kv-cache-dtype fp8] [--json PATH]"""
 import argparse
 import functools
 import json
@@ -69,6 +67,7 @@ def fill(graphs, bs: int, contexts: list[int] | None, num_blocks: int):
         inputs.block_tables[:len(contexts)] = torch.tensor(tables, dtype=torch.int32)
 
 
+@torch.inference_mode()   # the graphs' static inputs are inference tensors
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--model", default=DEFAULT_MODEL)
@@ -79,8 +78,7 @@ def main():
               kv_cache_dtype=args.kv_cache_dtype)
     runner = llm.model_runner
     graphs, num_blocks = runner.graphs, runner.kv_cache.shape[2]
-    pdl = os.environ.get("NANOVLLM_PDL", "1") != "0"
-    print(f"{args.model}, KV {args.kv_cache_dtype}, PDL {'on' if pdl else 'off'}")
+    print(f"{args.model}, KV {args.kv_cache_dtype}")
     print(f"{'batch':>5} {'part':>12} {'ms':>8} {'kernels':>8} {'kernel ms':>10} {'gap us/kernel':>14}")
     rows = []
     rng = random.Random(0)
@@ -91,17 +89,16 @@ def main():
                  "lm_head": functools.partial(runner.model.compute_logits, hidden)}
         for part, fn in parts.items():
             fill(graphs, bs, contexts if part == "contexts" else None, num_blocks)
-            with torch.inference_mode():
-                ms = median_ms(fn)
-                count, kernel_ms = kernels_per_call(fn)
+            ms = median_ms(fn)
+            count, kernel_ms = kernels_per_call(fn)
             gap = (ms - kernel_ms) * 1e3 / max(count, 1)
-            rows.append(dict(batch=bs, part=part, ms=ms, kernels=count, kernel_ms=kernel_ms, pdl=pdl))
+            rows.append(dict(batch=bs, part=part, ms=ms, kernels=count, kernel_ms=kernel_ms))
             print(f"{bs:5d} {part:>12} {ms:8.4f} {count:8.0f} {kernel_ms:10.4f} {gap:14.2f}", flush=True)
     fill(graphs, graphs.sizes[-1], None, num_blocks)
     llm.shutdown()
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(model=args.model, kv_cache_dtype=args.kv_cache_dtype, pdl=pdl, rows=rows), f,
+            json.dump(dict(model=args.model, kv_cache_dtype=args.kv_cache_dtype, rows=rows), f,
                       indent=1)
 
 

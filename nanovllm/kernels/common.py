@@ -1,22 +1,10 @@
-"""Helpers shared by the Triton kernels: the device's SM count (for sizing grids), the fp32 ->
-dtype rounding that reproduces eager torch's intermediate casts, and programmatic dependent launch.
-
-Programmatic dependent launch (PDL, sm_90 and later): a kernel launched with launch_pdl=True may be
-scheduled before the kernel ahead of it in the stream has finished, so its launch and set-up overlap
-that kernel's tail (inside a CUDA graph as well as eagerly). Such a kernel must call
-pdl_wait_and_release() before it reads anything an earlier kernel wrote or writes anything one may
-still read: griddepcontrol.wait returns once the kernel ahead has completed and its writes are
-visible, and as that kernel waited likewise, every earlier kernel has too. The same call lets the
-kernel after it be scheduled early. Kernels without it (cuBLAS, torch's) keep ordinary stream order.
-NANOVLLM_PDL=0 turns it off (every launch then orders as usual).
-"""
+"""Helpers shared by the Triton kernels: the device's SM count (for sizing grids) and the fp32 ->
+dtype rounding that reproduces eager torch's intermediate casts."""
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
 @functools.cache
@@ -26,28 +14,6 @@ def num_sms(device: torch.device) -> int:
         return 4
     index = device.index if device.index is not None else torch.cuda.current_device()
     return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-@functools.cache
-def _pdl_supported(index: int) -> bool:
-    return torch.cuda.get_device_capability(index)[0] >= 9
-
-
-def use_pdl(device: torch.device) -> bool:
-    """Launch the project's kernels on `device` with programmatic dependent launch: CUDA on sm_90+
-    unless NANOVLLM_PDL=0 (read at each launch, so a test can compare both in one process)."""
-    if device.type != "cuda" or os.environ.get("NANOVLLM_PDL", "1") == "0":
-        return False
-    return _pdl_supported(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@triton.jit
-def pdl_wait_and_release(PDL: tl.constexpr):
-    """With PDL (a launch_pdl=True launch): wait until the kernel ahead has completed, then let the
-    next kernel be scheduled. Without: nothing. Called before the kernel touches shared data."""
-    if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
 
 
 @triton.jit

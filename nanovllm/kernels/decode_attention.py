@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.common import num_sms, pdl_wait_and_release, use_pdl
+from nanovllm.kernels.common import num_sms
 
 # Log-sum-exp of an empty split. Finite so that merging all-empty splits (context_len 0) gives 0, not NaN.
 _EMPTY_LSE = tl.constexpr(-1.0e30)
@@ -123,9 +123,7 @@ def _decode_split_kernel(
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, DOT_FP32: tl.constexpr,
     PRECISION: tl.constexpr, FP8: tl.constexpr, FP8_DOT_DTYPE: tl.constexpr,
     V_CVT_ASM: tl.constexpr, MASK_LAST_TILE_ONLY: tl.constexpr, INTERPRETED: tl.constexpr,
-    PDL: tl.constexpr,
 ):
-    pdl_wait_and_release(PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -206,9 +204,8 @@ def _decode_split_kernel(
 @triton.jit(do_not_specialize=["num_splits"])
 def _decode_reduce_kernel(part_out_ptr, part_lse_ptr, out_ptr, stride_ob, stride_oh, num_heads,
                           num_splits, BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr,
-                          BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+                          BLOCK_D: tl.constexpr):
     # One program per (sequence, query head): a log-sum-exp weighted mean of the split outputs.
-    pdl_wait_and_release(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -317,7 +314,6 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
         part_out = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
     block_d = max(16, triton.next_power_of_2(head_dim))   # tl.dot needs K >= 16; masks cover the padding
-    pdl = use_pdl(q.device)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse,
         k_scale if fp8 else q, v_scale if fp8 else q, scale * 1.4426950408889634,
@@ -335,7 +331,7 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
         V_CVT_ASM=fp8_tiles and FP8_DECODE.v_convert == "asm" and not interpreted
         and block_n * block_d >= 4 * 32 * num_warps,
         MASK_LAST_TILE_ONLY=FP8_DECODE.mask_last_tile_only if fp8 else MASK_LAST_TILE_ONLY,
-        INTERPRETED=interpreted, PDL=pdl, launch_pdl=pdl,
+        INTERPRETED=interpreted,
         num_warps=num_warps, num_stages=FP8_DECODE.num_stages if fp8_tiles else NUM_STAGES,
         maxnreg=FP8_DECODE.max_registers if fp8_tiles else None,
     )
@@ -343,5 +339,5 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
         _decode_reduce_kernel[(batch, num_heads)](
             part_out, part_lse, out, out.stride(0), out.stride(1), num_heads, num_splits,
             BLOCK_S=triton.next_power_of_2(num_splits),
-            HEAD_DIM=head_dim, BLOCK_D=block_d, PDL=pdl, launch_pdl=pdl, num_warps=4)
+            HEAD_DIM=head_dim, BLOCK_D=block_d, num_warps=4)
     return out

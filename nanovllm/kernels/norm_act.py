@@ -17,15 +17,14 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from nanovllm.kernels.common import pdl_wait_and_release, rounded, use_pdl
+from nanovllm.kernels.common import rounded
 
 
 @triton.jit(do_not_specialize=["num_rows"])   # one compiled variant whatever the step's token count
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, num_rows, x_stride, res_stride, eps,
                      HIDDEN: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
-                     HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr):
+                     HAS_RESIDUAL: tl.constexpr):
     # A program normalises BLOCK_ROWS rows (several only when hidden is small) as one tile.
-    pdl_wait_and_release(PDL)
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)[:, None]
     cols = tl.arange(0, BLOCK_H)[None, :]
     mask = (rows < num_rows) & (cols < HIDDEN)
@@ -63,11 +62,10 @@ def _launch_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: tor
         r2 = _rows(residual) if residual is not None else x2
         block_h = triton.next_power_of_2(hidden)
         block_rows = max(1, 1024 // block_h)   # small hidden sizes: several rows per program
-        pdl = use_pdl(x.device)
         _rms_norm_kernel[(triton.cdiv(num_rows, block_rows),)](
             x2, r2, weight, out, res_out if residual is not None else out, num_rows, x2.stride(0),
             r2.stride(0), eps, HIDDEN=hidden, BLOCK_ROWS=block_rows, BLOCK_H=block_h,
-            HAS_RESIDUAL=residual is not None, PDL=pdl, launch_pdl=pdl,
+            HAS_RESIDUAL=residual is not None,
             # ~16 values a thread: 2 warps for hidden 1024, 8 for 4096 (a first guess, untimed)
             num_warps=min(16, max(1, block_rows * block_h // 512)), enable_fp_fusion=False)
     return out, res_out
@@ -88,9 +86,8 @@ def add_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor, weight: torch.T
 
 @triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, x_stride, D: tl.constexpr, BLOCK: tl.constexpr,
-                         LIBDEVICE_EXP: tl.constexpr, PDL: tl.constexpr):
+                         LIBDEVICE_EXP: tl.constexpr):
     # Grid (rows, column blocks): program (t, j) computes out[t, j * BLOCK:(j + 1) * BLOCK].
-    pdl_wait_and_release(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < D
@@ -112,8 +109,8 @@ def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
     x2 = _rows(x)
     out = torch.empty(*x.shape[:-1], d, dtype=x.dtype, device=x.device)
     if x2.shape[0] and d:
-        block, pdl = min(1024, triton.next_power_of_2(d)), use_pdl(x.device)
+        block = min(1024, triton.next_power_of_2(d))
         _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(d, block))](
-            x2, out, x2.stride(0), D=d, BLOCK=block, LIBDEVICE_EXP=x.is_cuda, PDL=pdl, launch_pdl=pdl,
+            x2, out, x2.stride(0), D=d, BLOCK=block, LIBDEVICE_EXP=x.is_cuda,
             num_warps=max(1, block // 256), enable_fp_fusion=False)   # 8 values a thread
     return out

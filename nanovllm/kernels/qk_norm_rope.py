@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.common import pdl_wait_and_release, rounded, use_pdl
+from nanovllm.kernels.common import rounded
 
 
 @triton.jit
@@ -100,8 +100,7 @@ def _qk_norm_rope_store_kernel(qkv_ptr, q_ptr, k_ptr, q_w_ptr, k_w_ptr, cos_sin_
                                cos_sin_stride, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
                                HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_KV_H: tl.constexpr,
                                BLOCK_HALF: tl.constexpr, HAS_NORM: tl.constexpr, STORE: tl.constexpr,
-                               FP8: tl.constexpr, PDL: tl.constexpr):
-    pdl_wait_and_release(PDL)
+                               FP8: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     half: tl.constexpr = HEAD_DIM // 2
     q_size: tl.constexpr = NUM_HEADS * HEAD_DIM
@@ -159,13 +158,12 @@ def qk_norm_rope_store_triton(qkv: torch.Tensor, q_weight: torch.Tensor | None, 
     # ~16 values of each half per thread: 2 warps for Qwen3-0.6B's 16 heads of 128 (the fastest
     # tried, benchmarks/RESULTS.md)
     block_h, block_half = triton.next_power_of_2(num_heads), triton.next_power_of_2(head_dim // 2)
-    pdl = use_pdl(qkv.device)
     _qk_norm_rope_store_kernel[(num_tokens, 2)](
         qkv, q, k, q_weight if has_norm else qkv, k_weight if has_norm else qkv, cos_sin_cache,
         positions, slot_mapping if store else positions, k_cache if store else qkv,
         v_cache if store else qkv, k_scale if fp8 else qkv, v_scale if fp8 else qkv, eps, qkv.stride(0),
         cos_sin_cache.stride(0), NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_H=block_h, BLOCK_KV_H=triton.next_power_of_2(num_kv_heads),
-        BLOCK_HALF=block_half, HAS_NORM=has_norm, STORE=store, FP8=fp8, PDL=pdl, launch_pdl=pdl,
+        BLOCK_HALF=block_half, HAS_NORM=has_norm, STORE=store, FP8=fp8,
         num_warps=min(8, max(1, block_h * block_half // 512)), enable_fp_fusion=False)
     return q, k, v
