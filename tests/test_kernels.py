@@ -295,6 +295,66 @@ def test_interp_qk_norm_rope_store_without_a_cache():
     assert_nearly_equal(k, k_ref)
 
 
+def check_decode_with_store(lens, block_size, num_heads, num_kv_heads, head_dim, dtype, norm, fp8,
+                            num_splits, device="cpu", seed=0):
+    """The fused decode (norms, rotary, K/V store and attention in one kernel) against the two
+    kernels it replaces, run one after the other on copies of the same cache: the same cache bytes
+    and the same outputs, bit for bit; and against the torch reference. Padding rows (context 0,
+    slot -1) write nothing."""
+    from nanovllm.kernels import decode_attention_with_store
+    from nanovllm.kernels.decode_attention import NewToken, paged_decode_attention_triton
+    from nanovllm.kernels.qk_norm_rope import qk_norm_rope_store_triton
+    k_cache, v_cache, tables = make_paged(lens, block_size, num_kv_heads, head_dim, seed=seed)
+    tables[tables < 0] = 0
+    qkv, q_w, k_w, eps, cos_sin, *_ = qk_case(len(lens), num_heads, num_kv_heads, head_dim, dtype, norm, seed)
+    scales = {}
+    if fp8:
+        scales = dict(k_scale=torch.tensor([0.03]), v_scale=torch.tensor([0.01]))
+        k_cache, v_cache = (quantize_fp8(k_cache * 3, scales["k_scale"]),
+                            quantize_fp8(v_cache, scales["v_scale"]))
+    else:
+        k_cache, v_cache = k_cache.to(dtype), v_cache.to(dtype)
+    ctx = torch.tensor(lens, dtype=torch.int32)
+    positions = (ctx - 1).clamp(min=0)
+    slots = torch.tensor([int(tables[i, (n - 1) // block_size]) * block_size + (n - 1) % block_size
+                          if n else -1 for i, n in enumerate(lens)], dtype=torch.int32)
+    to = lambda t: t.to(device) if isinstance(t, torch.Tensor) else t  # noqa: E731
+    qkv, q_w, k_w, cos_sin, positions, slots, tables, ctx = map(to, (qkv, q_w, k_w, cos_sin, positions, slots,
+                                                                     tables, ctx))
+    scales = {name: to(t) for name, t in scales.items()}
+    caches = [(to(k_cache.clone()), to(v_cache.clone())) for _ in range(3)]
+    (k1, v1), (k2, v2), (k3, v3) = caches
+    q, _, _ = qk_norm_rope_store_triton(qkv, q_w, k_w, eps, cos_sin, positions, slots, k1, v1, num_heads,
+                                        num_kv_heads, head_dim, **scales)
+    two_kernels = paged_decode_attention_triton(q, k1, v1, tables, ctx, 0.25, num_splits=num_splits,
+                                                **scales)
+    fused = paged_decode_attention_triton(torch.empty_like(q), k2, v2, tables, ctx, 0.25,
+                                          num_splits=num_splits, **scales,
+                                          new_token=NewToken(qkv, q_w, k_w, eps, cos_sin, positions, slots))
+    bits = (lambda t: t.view(torch.uint8)) if fp8 else (lambda t: t)  # noqa: E731
+    assert torch.equal(bits(k1), bits(k2)) and torch.equal(bits(v1), bits(v2))
+    rows = ctx > 0
+    assert torch.equal(fused[rows], two_kernels[rows])
+    cpu = lambda t: t.cpu() if t is not None else None  # noqa: E731
+    fp8_scales = [cpu(scales[name]) for name in ("k_scale", "v_scale") if fp8]
+    ref = decode_attention_with_store(cpu(qkv), cpu(q_w), cpu(k_w), eps, cpu(cos_sin), cpu(positions),
+                                      cpu(slots), k3.cpu(), v3.cpu(), cpu(tables), cpu(ctx), num_heads,
+                                      num_kv_heads, head_dim, 0.25, *fp8_scales)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(fused[rows].float().cpu(), ref[rows.cpu()].float(), **tol)
+
+
+@interp
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("norm", [True, False])
+@pytest.mark.parametrize("block_size,num_splits", [(4, 1), (16, 2), (16, None)])
+def test_interp_decode_with_store_is_the_two_kernels(dtype, fp8, norm, block_size, num_splits):
+    # a padding row, one token, a block crossing, a longer context; GQA 4 heads over 2
+    check_decode_with_store([0, 1, block_size + 1, 3 * block_size - 1], block_size, 4, 2, 16, dtype, norm,
+                            fp8, num_splits)
+
+
 # ---- FP8 KV cache (e4m3 with a per-layer K and V scale) ----
 
 def fp8_paged(lens, block_size, num_kv_heads, head_dim, k_scale, v_scale, seed=0):
