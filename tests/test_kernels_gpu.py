@@ -550,8 +550,8 @@ def test_prefill_fp8_with_cached_prefix_matches_reference(block_size):
 @pytest.mark.parametrize("block_size,num_splits", [(256, None), (256, 3), (16, None)])
 def test_decode_with_store_is_the_two_kernels(kv, block_size, num_splits):
     """The decode kernel that also normalises, rotates and stores the new token (what the engine
-    runs) against the q/k norm + rotary + store kernel followed by the decode kernel: the same
-    cache bytes and outputs, bit for bit, at Qwen3-0.6B's shapes; and against the reference."""
+    runs) against the q/k norm + rotary + store kernel followed by the decode kernel at Qwen3-0.6B's
+    shapes: the same cache and outputs but for rare one-ulp differences; and against the reference."""
     from test_kernels import check_decode_with_store
     gen = torch.Generator().manual_seed(block_size)
     lens = [0] + torch.randint(1, 2049, (40,), generator=gen).tolist() + [1, 256, 257]
