@@ -544,16 +544,3 @@ def test_prefill_fp8_with_cached_prefix_matches_reference(block_size):
     ref = prefill_attention_ref(q.float(), new_k, new_v, k_deq, v_deq, cu_q, cu_k, max_q, max_k, tables,
                                 SCALE)
     torch.testing.assert_close(out.float(), ref, **BF16_TOL)
-
-
-@pytest.mark.parametrize("kv", ["bf16", "fp8"])
-@pytest.mark.parametrize("block_size,num_splits", [(256, None), (256, 3), (16, None)])
-def test_decode_with_store_is_the_two_kernels(kv, block_size, num_splits):
-    """The decode kernel that also normalises, rotates and stores the new token (what the engine
-    runs) against the q/k norm + rotary + store kernel followed by the decode kernel at Qwen3-0.6B's
-    shapes: the same cache and outputs but for rare one-ulp differences; and against the reference."""
-    from test_kernels import check_decode_with_store
-    gen = torch.Generator().manual_seed(block_size)
-    lens = [0] + torch.randint(1, 2049, (40,), generator=gen).tolist() + [1, 256, 257]
-    check_decode_with_store(lens, block_size, H, HKV, D, torch.bfloat16, True, kv == "fp8", num_splits,
-                            device="cuda")

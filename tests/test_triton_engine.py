@@ -1,8 +1,8 @@
-"""The engine end to end on CPU with every Triton kernel a GPU run uses (paged decode attention with
-the new token's q/k norm + rotary + KV store fused in, prefill's fused q/k norm + rotary + KV store,
-RMSNorm with and without the residual add, SiLU-and-mul) run by Triton's interpreter: the kernels'
-wiring into the layers and the runner (shapes, strides, slots, chunked prefill) is checked in CI,
-where there is no GPU. Prefill attention stays the torch reference (torch's flash op is CUDA-only)."""
+"""The engine end to end on CPU with every Triton kernel a GPU run uses (paged decode attention, the
+fused q/k norm + rotary + KV store, RMSNorm with and without the residual add, SiLU-and-mul) run by
+Triton's interpreter: the kernels' wiring into the layers and the runner (shapes, strides, slots,
+chunked prefill) is checked in CI, where there is no GPU. Prefill attention stays the torch
+reference (torch's flash op is CUDA-only)."""
 import pytest
 
 from conftest import HFOracle, interp, random_prompts, run_interpreted_tests
@@ -20,7 +20,7 @@ def test_interp_greedy_tokens_are_transformers_argmax(qwen3_dir, monkeypatch, dt
     assert backend.ATTENTION_BACKEND == "triton"
     monkeypatch.setattr(backend, "_fast", lambda t: True)   # CPU tensors take the Triton kernels
     calls = []
-    for name in ("decode_attention_with_store_triton", "qk_norm_rope_store_triton", "rms_norm_triton",
+    for name in ("paged_decode_attention_triton", "qk_norm_rope_store_triton", "rms_norm_triton",
                  "add_rms_norm_triton", "silu_and_mul_triton"):
         kernel = getattr(backend, name)
         monkeypatch.setattr(backend, name, lambda *a, k=kernel, n=name, **kw: calls.append(n) or k(*a, **kw))
@@ -29,8 +29,8 @@ def test_interp_greedy_tokens_are_transformers_argmax(qwen3_dir, monkeypatch, dt
     llm = LLM(qwen3_dir, device="cpu", dtype=dtype, kvcache_block_size=16, num_kvcache_blocks=32,
               max_num_batched_tokens=32)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
-    assert set(calls) == {"decode_attention_with_store_triton", "qk_norm_rope_store_triton",
-                          "rms_norm_triton", "add_rms_norm_triton", "silu_and_mul_triton"}
+    assert set(calls) == {"paged_decode_attention_triton", "qk_norm_rope_store_triton", "rms_norm_triton",
+                          "add_rms_norm_triton", "silu_and_mul_triton"}
     oracle = HFOracle(qwen3_dir)
     for prompt, out in zip(prompts, outs):
         assert len(out.outputs[0].token_ids) == 6

@@ -43,8 +43,7 @@ def _choose_backend() -> str:
 ATTENTION_BACKEND = _choose_backend()
 
 if ATTENTION_BACKEND != "torch":
-    from nanovllm.kernels.decode_attention import (NewToken, decode_attention_with_store_triton,
-                                                   paged_decode_attention_triton)
+    from nanovllm.kernels.decode_attention import paged_decode_attention_triton
     from nanovllm.kernels.flash_prefill import aten_flash_usable, prefill_attention_aten
     from nanovllm.kernels.norm_act import add_rms_norm_triton, rms_norm_triton, silu_and_mul_triton
     from nanovllm.kernels.qk_norm_rope import qk_norm_rope_store_triton
@@ -96,27 +95,6 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                                           k_scale, v_scale)
     return paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale,
                                          k_scale=k_scale, v_scale=v_scale)
-
-
-def decode_attention_with_store(qkv: torch.Tensor, q_weight: torch.Tensor | None,
-                                k_weight: torch.Tensor | None, eps: float, cos_sin_cache: torch.Tensor,
-                                positions: torch.Tensor, slot_mapping: torch.Tensor, k_cache: torch.Tensor,
-                                v_cache: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
-                                num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                                k_scale: torch.Tensor | None = None,
-                                v_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """A decode step's attention from its qkv rows: qk_norm_rope_store (its new K/V into the
-    allocated cache) then paged_decode_attention; on CUDA both in the decode kernel's one launch
-    (one kernel fewer per layer). -> [batch, num_heads, head_dim]"""
-    if not _fast(qkv):
-        q, _, _ = qk_norm_rope_store_ref(qkv, q_weight, k_weight, eps, cos_sin_cache, positions,
-                                         slot_mapping, k_cache, v_cache, num_heads, num_kv_heads, head_dim,
-                                         k_scale, v_scale)
-        return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale, k_scale,
-                                          v_scale)
-    new = NewToken(qkv, q_weight, k_weight, eps, cos_sin_cache, positions, slot_mapping)
-    return decode_attention_with_store_triton(new, k_cache, v_cache, block_tables, context_lens, num_heads,
-                                              num_kv_heads, head_dim, scale, k_scale, v_scale)
 
 
 def paged_kv_slots(block_tables: torch.Tensor, cu_seqlens_k: torch.Tensor, total_k: int,

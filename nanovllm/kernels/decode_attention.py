@@ -23,14 +23,12 @@ graph: no host syncs, no branch on tensor values.
 """
 import os
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
 from nanovllm.kernels.common import num_sms
-from nanovllm.kernels.qk_norm_rope import _norm_rope_heads, _store_kv_rows
 
 # Log-sum-exp of an empty split. Finite so that merging all-empty splits (context_len 0) gives 0, not NaN.
 _EMPTY_LSE = tl.constexpr(-1.0e30)
@@ -115,7 +113,6 @@ def _attend_tile(q, k_cache_ptr, v_cache_ptr, table, tile, end, offs_n, offs_d, 
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
     out_ptr, part_out_ptr, part_lse_ptr, k_scale_ptr, v_scale_ptr,
-    qkv_ptr, q_w_ptr, k_w_ptr, cos_sin_ptr, pos_ptr, slot_ptr, k_new_ptr, eps, qkv_stride, cos_sin_stride,
     scale_log2e,
     stride_qb, stride_qh,
     stride_kb, stride_kt, stride_kh,  # k_cache and v_cache share strides (both contiguous)
@@ -126,42 +123,10 @@ def _decode_split_kernel(
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, DOT_FP32: tl.constexpr,
     PRECISION: tl.constexpr, FP8: tl.constexpr, FP8_DOT_DTYPE: tl.constexpr,
     V_CVT_ASM: tl.constexpr, MASK_LAST_TILE_ONLY: tl.constexpr, INTERPRETED: tl.constexpr,
-    NEW_TOKEN: tl.constexpr, HAS_NORM: tl.constexpr, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
-    BLOCK_GH: tl.constexpr, BLOCK_HALF: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-
-    # Each split takes an equal share of this sequence's context, rounded up to whole tiles.
-    context_len = tl.load(context_lens_ptr + seq)
-    per_split = tl.cdiv(tl.cdiv(context_len, num_splits), BLOCK_N) * BLOCK_N
-    start = split * per_split
-    end = tl.minimum(start + per_split, context_len)
-
-    if NEW_TOKEN:
-        # The sequence's new token arrives as its qkv row: this group's query heads normalised and
-        # rotated into q (read back below), and the K/V row stored into the cache by the program
-        # whose split holds its position (the only one that reads it), before any cache read.
-        token = seq.to(tl.int64)
-        cols = tl.arange(0, BLOCK_HALF)[None, :]
-        cs_row = cos_sin_ptr + tl.load(pos_ptr + token) * cos_sin_stride
-        cos = tl.load(cs_row + cols, mask=cols < HEAD_DIM // 2, other=0.0)
-        sin = tl.load(cs_row + HEAD_DIM // 2 + cols, mask=cols < HEAD_DIM // 2, other=0.0)
-        qkv_row = qkv_ptr + token * qkv_stride
-        _norm_rope_heads(qkv_row + kv_head * (GROUP * HEAD_DIM), q_w_ptr,
-                         q_ptr + token * stride_qb + kv_head * (GROUP * HEAD_DIM), cos, sin, eps,
-                         GROUP, HEAD_DIM, BLOCK_GH, BLOCK_HALF, HAS_NORM)
-        slot = tl.load(slot_ptr + token).to(tl.int64)
-        if (start < context_len) & (context_len <= end) & (slot >= 0):
-            k1, k2 = _norm_rope_heads(qkv_row + (NUM_HEADS + kv_head) * HEAD_DIM, k_w_ptr,
-                                      k_new_ptr + (token * NUM_KV_HEADS + kv_head) * HEAD_DIM, cos, sin, eps,
-                                      1, HEAD_DIM, 2, BLOCK_HALF, HAS_NORM)
-            _store_kv_rows(k1, k2, qkv_row + (NUM_HEADS + NUM_KV_HEADS + kv_head) * HEAD_DIM,
-                           k_cache_ptr + slot * stride_kt + kv_head * stride_kh,
-                           v_cache_ptr + slot * stride_kt + kv_head * stride_kh, k_scale_ptr, v_scale_ptr,
-                           1, HEAD_DIM, 2, BLOCK_HALF, FP8)
-        tl.debug_barrier()   # the program's own writes of q and of the cache row, visible to all its threads
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
@@ -178,6 +143,12 @@ def _decode_split_kernel(
         scale_log2e = scale_log2e * tl.load(k_scale_ptr)   # scores of the stored K / k_scale
         if not DOT_FP32:
             q = q.to(FP8_DOT_DTYPE)
+
+    # Each split takes an equal share of this sequence's context, rounded up to whole tiles.
+    context_len = tl.load(context_lens_ptr + seq)
+    per_split = tl.cdiv(tl.cdiv(context_len, num_splits), BLOCK_N) * BLOCK_N
+    start = split * per_split
+    end = tl.minimum(start + per_split, context_len)
 
     m_i = tl.full([BLOCK_G], _EMPTY_LSE, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
@@ -303,46 +274,15 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, block_n: 
     return max(1, min(want, most, 32))
 
 
-class NewToken(NamedTuple):
-    """A decode step's new tokens as they leave qkv_proj, for the split kernel to normalise, rotate
-    and store first (kernels.qk_norm_rope's arguments; norm weights None: no q/k norm)."""
-    qkv: torch.Tensor            # [batch, (num_heads + 2 * num_kv_heads) * head_dim], rows contiguous
-    q_weight: torch.Tensor | None
-    k_weight: torch.Tensor | None
-    eps: float
-    cos_sin_cache: torch.Tensor  # [max_position, head_dim]: cos | sin
-    positions: torch.Tensor      # [batch]
-    slot_mapping: torch.Tensor   # [batch] the cache slot of each new token's K/V (-1: none)
-
-
-def decode_attention_with_store_triton(new: NewToken, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                                       block_tables: torch.Tensor, context_lens: torch.Tensor,
-                                       num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                                       k_scale: torch.Tensor | None = None,
-                                       v_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """qk_norm_rope_store_triton then paged_decode_attention_triton in one kernel launch (plus the
-    split merge): a decode step's attention from its qkv rows -> [batch, num_heads, head_dim].
-    The cache must be allocated; context_lens count the new token."""
-    qkv = new.qkv
-    assert qkv.shape[1] == (num_heads + 2 * num_kv_heads) * head_dim and qkv.stride(1) == 1
-    assert head_dim % 2 == 0 and new.cos_sin_cache.stride(1) == 1
-    assert (new.q_weight is None) == (new.k_weight is None)
-    q = torch.empty(qkv.shape[0], num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
-    return paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale,
-                                         k_scale=k_scale, v_scale=v_scale, new_token=new)
-
-
 def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                   block_tables: torch.Tensor, context_lens: torch.Tensor,
                                   scale: float, num_splits: int | None = None,
                                   block_n: int | None = None, k_scale: torch.Tensor | None = None,
-                                  v_scale: torch.Tensor | None = None,
-                                  new_token: NewToken | None = None) -> torch.Tensor:
+                                  v_scale: torch.Tensor | None = None) -> torch.Tensor:
     # q: [batch, num_heads, head_dim]; k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
     # block_tables: [batch, max_blocks] int32; context_lens: [batch] int32 (0 allowed)
     # -> [batch, num_heads, head_dim]
     # k_scale, v_scale: [1] fp32 (an FP8 cache's scales; unused otherwise)
-    # new_token: q is written here first, from these rows (decode_attention_with_store_triton)
     batch, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     assert num_heads % num_kv_heads == 0
@@ -374,19 +314,9 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
         part_out = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
     block_d = max(16, triton.next_power_of_2(head_dim))   # tl.dot needs K >= 16; masks cover the padding
-    new = new_token
-    if new is not None:
-        assert q.is_contiguous()
-        has_norm = new.q_weight is not None
-        k_new = torch.empty(batch, num_kv_heads, head_dim, dtype=q.dtype, device=q.device)   # not read
-        new_args = (new.qkv, new.q_weight if has_norm else q, new.k_weight if has_norm else q,
-                    new.cos_sin_cache, new.positions, new.slot_mapping, k_new, new.eps, new.qkv.stride(0),
-                    new.cos_sin_cache.stride(0))
-    else:
-        has_norm, new_args = False, (q, q, q, q, context_lens, context_lens, q, 0.0, 0, 0)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse,
-        k_scale if fp8 else q, v_scale if fp8 else q, *new_args, scale * 1.4426950408889634,
+        k_scale if fp8 else q, v_scale if fp8 else q, scale * 1.4426950408889634,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),
@@ -401,9 +331,7 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
         V_CVT_ASM=fp8_tiles and FP8_DECODE.v_convert == "asm" and not interpreted
         and block_n * block_d >= 4 * 32 * num_warps,
         MASK_LAST_TILE_ONLY=FP8_DECODE.mask_last_tile_only if fp8 else MASK_LAST_TILE_ONLY,
-        INTERPRETED=interpreted, NEW_TOKEN=new is not None, HAS_NORM=has_norm, NUM_HEADS=num_heads,
-        NUM_KV_HEADS=num_kv_heads, BLOCK_GH=max(2, triton.next_power_of_2(group)),
-        BLOCK_HALF=triton.next_power_of_2(head_dim // 2),
+        INTERPRETED=interpreted,
         num_warps=num_warps, num_stages=FP8_DECODE.num_stages if fp8_tiles else NUM_STAGES,
         maxnreg=FP8_DECODE.max_registers if fp8_tiles else None,
     )

@@ -1,7 +1,7 @@
 import torch
 from torch import nn
 
-from nanovllm.kernels import decode_attention_with_store, prefill_attention, qk_norm_rope_store
+from nanovllm.kernels import paged_decode_attention, prefill_attention, qk_norm_rope_store
 from nanovllm.kernels.reference import store_kvcache_ref
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.rotary_embedding import RotaryEmbedding
@@ -42,22 +42,19 @@ class Attention(nn.Module):
             q_weight, k_weight, eps = None, None, 0.0
         else:
             q_weight, k_weight, eps = q_norm.weight, k_norm.weight, q_norm.eps
-        if not ctx.is_prefill:   # one kernel on CUDA: norms, rotary and store inside the decode kernel
-            return decode_attention_with_store(qkv, q_weight, k_weight, eps, rotary_emb.cos_sin_cache,
-                                               positions, ctx.slot_mapping, self.k_cache, self.v_cache,
-                                               ctx.block_tables, ctx.context_lens, self.num_heads,
-                                               self.num_kv_heads, self.head_dim, self.scale, self.k_scale,
-                                               self.v_scale)
-        if self.calculate_kv_scales and self.k_cache.numel():
+        if self.calculate_kv_scales and ctx.is_prefill and self.k_cache.numel():
             q, k, v = self.store_with_new_scales(qkv, q_weight, k_weight, eps, rotary_emb, positions, ctx)
         else:
             q, k, v = qk_norm_rope_store(qkv, q_weight, k_weight, eps, rotary_emb.cos_sin_cache, positions,
                                          ctx.slot_mapping, self.k_cache, self.v_cache, self.num_heads,
                                          self.num_kv_heads, self.head_dim, self.k_scale, self.v_scale)
-        return self.prefill_attention(q, k, v, self.k_cache, self.v_cache, ctx.cu_seqlens_q,
-                                      ctx.cu_seqlens_k, ctx.max_seqlen_q, ctx.max_seqlen_k,
-                                      ctx.block_tables, self.scale, ctx.kv_slots, self.k_scale,
-                                      self.v_scale)
+        if ctx.is_prefill:
+            return self.prefill_attention(q, k, v, self.k_cache, self.v_cache, ctx.cu_seqlens_q,
+                                          ctx.cu_seqlens_k, ctx.max_seqlen_q, ctx.max_seqlen_k,
+                                          ctx.block_tables, self.scale, ctx.kv_slots, self.k_scale,
+                                          self.v_scale)
+        return paged_decode_attention(q, self.k_cache, self.v_cache, ctx.block_tables, ctx.context_lens,
+                                      self.scale, self.k_scale, self.v_scale)
 
     def store_with_new_scales(self, qkv, q_weight, k_weight, eps, rotary_emb, positions, ctx):
         """Once, at the first prefill into the cache: the scales from this batch's largest |K| and
