@@ -1,11 +1,12 @@
 """A decode step's GPU time by part, replaying the engine's own CUDA graphs (CUDA only).
 
 For each batch size: the graph's replay with every row padding (the layers' GEMMs, norms and small
-kernels, attention launched but with nothing to read: the step's cost besides the K/V reads), then
-with bench.py-like contexts (uniform 100-2048 tokens over arbitrary cache blocks, no K/V written),
-and the LM head on its own. Each is the median of 7 timings of 20 back-to-back replays (CUDA events,
-after a warm-up). A profile of 5 replays gives the kernels per step and the sum of their durations;
-replay minus that sum is the time between kernels (launch gaps and tails), per kernel.
+kernels, attention launched but with nothing to read or store: the step's cost besides the K/V
+traffic), then with bench.py-like contexts (uniform 100-2048 tokens over arbitrary cache blocks,
+each new token's K/V written to its slot, as in a real step), and the LM head on its own. Each is
+the median of 7 timings of 20 back-to-back replays (CUDA events, after a warm-up). A profile of 5
+replays gives the kernels per step and the sum of their durations; replay minus that sum is the
+time between kernels (launch gaps and tails), per kernel.
 
     PYTHONPATH=. python benchmarks/step_parts.py [--model M] [--kv-cache-dtype fp8] [--json PATH]"""
 import argparse
@@ -60,11 +61,15 @@ def fill(graphs, bs: int, contexts: list[int] | None, num_blocks: int):
     for name, view in inputs._asdict().items():
         view.fill_(PADDING[name])
     if contexts:
-        rng = random.Random(1)
-        inputs.context_lens[:len(contexts)] = torch.tensor(contexts, dtype=torch.int32)
-        inputs.positions[:len(contexts)] = torch.tensor([c - 1 for c in contexts], dtype=torch.int32)
+        rng, bs = random.Random(1), graphs.block_size
+        n = len(contexts)
+        inputs.context_lens[:n] = torch.tensor(contexts, dtype=torch.int32)
+        inputs.positions[:n] = torch.tensor([c - 1 for c in contexts], dtype=torch.int32)
         tables = [[rng.randrange(num_blocks) for _ in range(graphs.max_blocks)] for _ in contexts]
-        inputs.block_tables[:len(contexts)] = torch.tensor(tables, dtype=torch.int32)
+        inputs.block_tables[:n] = torch.tensor(tables, dtype=torch.int32)
+        # the slot of each new token, in its table (two sequences may share a random block: harmless)
+        slots = [t[(c - 1) // bs] * bs + (c - 1) % bs for t, c in zip(tables, contexts)]
+        inputs.slots[:n] = torch.tensor(slots, dtype=torch.int32)
 
 
 @torch.inference_mode()   # the graphs' static inputs are inference tensors
