@@ -11,11 +11,11 @@ FA4 over the pages against today's path (gather + torch's FlashAttention-2).
 Needs the flash-attn-4 package (benchmarks/fa4_gpu.sh installs it on the GPU machine)."""
 import argparse
 import json
-import statistics
 
 import torch
 from flash_attn.cute import flash_attn_varlen_func
 
+from bench_timing import median_ms
 from nanovllm.kernels import paged_decode_attention, paged_kv_slots, prefill_attention
 from nanovllm.kernels.fa4_prefill import prefill_attention_fa4
 
@@ -23,21 +23,7 @@ H, HKV, D = 16, 8, 128
 SCALE = D ** -0.5
 BATCHES = (1, 16, 64, 256)
 CONTEXTS = (128, 1024, 4096, 8192)
-
-
-def median_ms(fn, warmup: int = 5, reps: int = 30) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+ONE_CALL = dict(calls=1, timings=30, warmup=5)   # each timing one call, median of 30
 
 
 def paged_case(batch: int, context: int, block_size: int):
@@ -62,8 +48,8 @@ def fa4_decode(q, k_cache, v_cache, tables, context_lens):
 def time_shape(batch: int, context: int, block_size: int) -> dict:
     case = paged_case(batch, context, block_size)
     diff = (paged_decode_attention(*case, SCALE).float() - fa4_decode(*case).float()).abs().max().item()
-    triton_ms = median_ms(lambda: paged_decode_attention(*case, SCALE))
-    fa4_ms = median_ms(lambda: fa4_decode(*case))
+    triton_ms = median_ms(lambda: paged_decode_attention(*case, SCALE), **ONE_CALL)
+    fa4_ms = median_ms(lambda: fa4_decode(*case), **ONE_CALL)
     return dict(batch=batch, context=context, triton_ms=round(triton_ms, 4), fa4_ms=round(fa4_ms, 4),
                 max_abs_diff=diff)
 
@@ -89,8 +75,8 @@ def time_prefill(block_size: int):
     rows = []
     for num_seqs, q_len, prefix in ((8, 4096, 0), (8, 2048, 6144), (1, 16384, 16384)):
         args = prefill_args(q_len, prefix, num_seqs, block_size)
-        today_ms = median_ms(lambda a=args: prefill_attention(*a))
-        fa4_ms = median_ms(lambda a=args: prefill_attention_fa4(*a))
+        today_ms = median_ms(lambda a=args: prefill_attention(*a), **ONE_CALL)
+        fa4_ms = median_ms(lambda a=args: prefill_attention_fa4(*a), **ONE_CALL)
         rows.append(dict(num_seqs=num_seqs, new=q_len, prefix=prefix, today_ms=round(today_ms, 4),
                          fa4_ms=round(fa4_ms, 4)))
         print(f"{num_seqs:>14} {q_len:>6} {prefix:>7} {today_ms:>9.3f} {fa4_ms:>8.3f} "

@@ -28,6 +28,7 @@ import time
 import torch
 import triton
 
+from bench_timing import median_ms
 from nanovllm.kernels import decode_attention
 from nanovllm.kernels.decode_attention import Fp8Decode, paged_decode_attention_triton
 from nanovllm.kernels.reference import paged_decode_attention_ref, quantize_fp8
@@ -72,23 +73,6 @@ def copy_bandwidth(gib=2):
     dst = torch.empty_like(src)
     ms = median_ms(lambda: dst.copy_(src), calls=3)
     return 2 * src.numel() / (ms * 1e-3)   # read + write
-
-
-def median_ms(fn, calls=10, timings=25):
-    """Median over `timings` of the mean time of `calls` back-to-back calls (after a warm-up)."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(timings):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(calls):
-            fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / calls)
-    return statistics.median(times)
 
 
 @dataclasses.dataclass

@@ -14,32 +14,17 @@ import functools
 import json
 import os
 import random
-import statistics
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench import DEFAULT_MODEL  # noqa: E402
+from bench_timing import median_ms  # noqa: E402
 from nanovllm import LLM  # noqa: E402
 from nanovllm.engine.decode_graphs import PADDING, DecodeInputs  # noqa: E402
 
 BATCHES = [256, 128, 64, 32, 16, 8]
-
-
-def median_ms(fn, calls=20, timings=7) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(timings):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(calls):
-            fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / calls)
-    return statistics.median(times)
 
 
 def kernels_per_call(fn, calls=5) -> tuple[float, float]:
@@ -94,7 +79,7 @@ def main():
                  "lm_head": functools.partial(runner.model.compute_logits, hidden)}
         for part, fn in parts.items():
             fill(graphs, bs, contexts if part == "contexts" else None, num_blocks)
-            ms = median_ms(fn)
+            ms = median_ms(fn, calls=20, timings=7)
             count, kernel_ms = kernels_per_call(fn)
             gap = (ms - kernel_ms) * 1e3 / max(count, 1)
             rows.append(dict(batch=bs, part=part, ms=ms, kernels=count, kernel_ms=kernel_ms))
