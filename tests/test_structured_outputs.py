@@ -441,11 +441,12 @@ def test_async_scheduling_runs_constrained_steps_ahead_with_the_same_tokens(tmp_
 @needs_model
 def test_the_bench_schema_s_grammar_cost_does_not_grow_with_the_output():
     """bench.py --structured-json's schema: accepting 4 more characters and filling the next bitmask
-    cost about as much 2,600 characters into the output as 200 in. (A list of minItems 4096 or a string
-    of minLength 8192 did not: xgrammar's matcher pays for a long counted repetition in proportion to
-    the items or characters so far, which slowed the H200 bench to 39% of free generation, or
-    stalled it; the check is shown to catch both. SmolLM2's tokenizer, as on the H200: with a tiny
-    vocabulary the fill is too cheap to show it.)"""
+    cost about as much 2,600 characters into the output as 200 in. (A list of minItems 4096 did not:
+    xgrammar's matcher pays for a long counted repetition in proportion to the items so far, which
+    slowed the H200 bench to 39% of free generation; the check is shown to catch it. A string of
+    minLength 8192 grew the same way up to xgrammar 0.2.8 and stalled the bench; 0.2.9 no longer
+    grows on it, so it is not asserted. SmolLM2's tokenizer, as on the H200: with a tiny vocabulary
+    the fill is too cheap to show it.)"""
     import time
 
     from transformers import AutoTokenizer
@@ -478,8 +479,6 @@ def test_the_bench_schema_s_grammar_cost_does_not_grow_with_the_output():
     one_list = {"type": "object", "properties": {"text": {"type": "array", "minItems": 4096,
                                                           "items": {"type": "string"}}}}
     assert growth(one_list, '{"text": [' + ", ".join(words)) > 4
-    long_string = {"type": "object", "properties": {"text": {"type": "string", "minLength": 8192}}}
-    assert growth(long_string, '{"text": "' + "abcd" * 700) > 4
 
 
 # ---- on the GPU: Qwen3-0.6B's shapes with dummy weights and a tokenizer that fits them ------------
