@@ -8,8 +8,10 @@ the median of 7 timings of 20 back-to-back replays (CUDA events, after a warm-up
 replays gives the kernels per step and the sum of their durations; replay minus that sum is the
 time between kernels (launch gaps and tails), per kernel.
 
-    PYTHONPATH=. python benchmarks/step_parts.py [--model M] [--kv-cache-dtype fp8] [--json PATH]"""
+    PYTHONPATH=. python benchmarks/step_parts.py [--model M] [--kv-cache-dtype fp8] [--kernels N]
+                                                 [--json PATH]"""
 import argparse
+import collections
 import functools
 import json
 import os
@@ -27,8 +29,9 @@ from nanovllm.engine.decode_graphs import PADDING, DecodeInputs  # noqa: E402
 BATCHES = [256, 128, 64, 32, 16, 8]
 
 
-def kernels_per_call(fn, calls=5) -> tuple[float, float]:
-    """(kernels per call, the sum of their durations in ms per call)."""
+def kernels_per_call(fn, calls=5) -> tuple[float, float, dict[str, tuple[float, float]]]:
+    """(kernels per call, the sum of their durations in ms per call, {kernel name: (launches, ms) per
+    call})."""
     fn()
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -37,7 +40,12 @@ def kernels_per_call(fn, calls=5) -> tuple[float, float]:
         torch.cuda.synchronize()
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
                and not e.name.startswith(("Memcpy", "Memset"))]
-    return len(kernels) / calls, sum(e.device_time for e in kernels) / calls / 1e3
+    by_name = collections.defaultdict(lambda: [0.0, 0.0])
+    for e in kernels:
+        by_name[e.name][0] += 1 / calls
+        by_name[e.name][1] += e.device_time / calls / 1e3
+    return (len(kernels) / calls, sum(e.device_time for e in kernels) / calls / 1e3,
+            {name: tuple(v) for name, v in by_name.items()})
 
 
 def fill(graphs, bs: int, contexts: list[int] | None, num_blocks: int):
@@ -46,14 +54,13 @@ def fill(graphs, bs: int, contexts: list[int] | None, num_blocks: int):
     for name, view in inputs._asdict().items():
         view.fill_(PADDING[name])
     if contexts:
-        rng, bs = random.Random(1), graphs.block_size
-        n = len(contexts)
+        rng, block, n = random.Random(1), graphs.block_size, len(contexts)
         inputs.context_lens[:n] = torch.tensor(contexts, dtype=torch.int32)
         inputs.positions[:n] = torch.tensor([c - 1 for c in contexts], dtype=torch.int32)
         tables = [[rng.randrange(num_blocks) for _ in range(graphs.max_blocks)] for _ in contexts]
         inputs.block_tables[:n] = torch.tensor(tables, dtype=torch.int32)
         # the slot of each new token, in its table (two sequences may share a random block: harmless)
-        slots = [t[(c - 1) // bs] * bs + (c - 1) % bs for t, c in zip(tables, contexts)]
+        slots = [t[(c - 1) // block] * block + (c - 1) % block for t, c in zip(tables, contexts)]
         inputs.slots[:n] = torch.tensor(slots, dtype=torch.int32)
 
 
@@ -63,6 +70,8 @@ def main():
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--kv-cache-dtype", default="auto")
     p.add_argument("--json")
+    p.add_argument("--kernels", type=int, default=0, metavar="N",
+                   help="also list the N costliest kernels of each padding replay")
     args = p.parse_args()
     llm = LLM(args.model, load_format="dummy", max_model_len=4096, gpu_memory_utilization=0.5,
               kv_cache_dtype=args.kv_cache_dtype)
@@ -80,10 +89,15 @@ def main():
         for part, fn in parts.items():
             fill(graphs, bs, contexts if part == "contexts" else None, num_blocks)
             ms = median_ms(fn, calls=20, timings=7)
-            count, kernel_ms = kernels_per_call(fn)
+            count, kernel_ms, by_name = kernels_per_call(fn)
             gap = (ms - kernel_ms) * 1e3 / max(count, 1)
-            rows.append(dict(batch=bs, part=part, ms=ms, kernels=count, kernel_ms=kernel_ms))
+            rows.append(dict(batch=bs, part=part, ms=ms, kernels=count, kernel_ms=kernel_ms,
+                             by_kernel=by_name))
             print(f"{bs:5d} {part:>12} {ms:8.4f} {count:8.0f} {kernel_ms:10.4f} {gap:14.2f}", flush=True)
+            if part == "padding" and args.kernels:
+                costliest = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:args.kernels]
+                for name, (launches, k_ms) in costliest:
+                    print(f"{'':20} {k_ms:8.4f} ms {launches:5.0f}x  {name[:70]}")
     fill(graphs, graphs.sizes[-1], None, num_blocks)
     llm.shutdown()
     if args.json:
