@@ -34,6 +34,7 @@ from nanovllm.kernels.reference import add_rms_norm_ref, rms_norm_ref, silu_and_
 from nanovllm.kernels.sampling import gumbel_max_sample
 from nanovllm.layers.rotary_embedding import RotaryEmbedding
 from nanovllm.layers.sampler import Sampler, SamplingTensors
+from nanovllm.utils import roofline
 
 H, HKV, D, BLOCK = 16, 8, 128, 256
 PEAK_BW = 4.8e12
@@ -42,13 +43,6 @@ PEAK_BW = 4.8e12
 def median_ms(fn, graph=False):
     bench = triton.testing.do_bench_cudagraph if graph else triton.testing.do_bench
     return bench(fn, rep=200, return_mode="median")
-
-
-def copy_bandwidth(gib=4):
-    src = torch.empty(gib << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    ms = median_ms(lambda: dst.copy_(src))
-    return 2 * src.numel() / (ms * 1e-3)  # read + write
 
 
 def kv_cache_pair(num_blocks, fp8):
@@ -172,7 +166,7 @@ def sweep(json_path, which):
     split count, with the split count choose_num_splits gives at each PROGRAMS_PER_SM; then the
     sampler's time per batch and chunk count."""
     from nanovllm.kernels import decode_attention, sampling
-    copy_bw = copy_bandwidth()
+    copy_bw = roofline.measure_copy_bandwidth(nbytes=4 << 30)
     splits = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
     rows = []
     if which in ("all", "decode"):
@@ -262,7 +256,7 @@ def sweep(json_path, which):
 
 def fp8_decode(json_path):
     """Decode over an FP8 cache: batch 256 x context 1024 (bf16 beside it), then bench.py's mixed contexts."""
-    copy_bw = copy_bandwidth()
+    copy_bw = roofline.measure_copy_bandwidth(nbytes=4 << 30)
     rows = []
     print(f"device copy {copy_bw / 1e12:.2f} TB/s; bytes: K+V at 1 byte (FP8) or 2 (bf16) per value, q, out")
     print(f"{'case':44s} {'ms':>9s} {'TB/s':>7s} {'of 4.8':>7s} {'of copy':>8s}")
@@ -295,7 +289,7 @@ def main():
         return sweep(args.json, args.sweep)
     if args.fp8:
         return fp8_decode(args.json)
-    copy_bw = copy_bandwidth()
+    copy_bw = roofline.measure_copy_bandwidth(nbytes=4 << 30)
     rows = []
     print(f"attention back end: {ATTENTION_BACKEND}; device copy {copy_bw / 1e12:.2f} TB/s")
     print(f"{'case':40s} {'ms':>9s} {'TB/s':>7s} {'of 4.8':>7s} {'of copy':>8s}")

@@ -19,8 +19,8 @@ at a small batch would time its launch), FP8 and bf16, and prints the best per b
 the default's: what a per-batch-size choice (graphs are captured per size) could gain.
 """
 import argparse
+import contextlib
 import dataclasses
-import functools
 import json
 import statistics
 import time
@@ -32,6 +32,7 @@ from bench_timing import median_ms
 from nanovllm.kernels import decode_attention
 from nanovllm.kernels.decode_attention import Fp8Decode, paged_decode_attention_triton
 from nanovllm.kernels.reference import paged_decode_attention_ref, quantize_fp8
+from nanovllm.utils import roofline
 
 H, HKV, D, BLOCK = 16, 8, 128, 256
 SCALE = D ** -0.5
@@ -66,13 +67,6 @@ QUICK = ["old default 256x8 triton-cvt", "128x4 asm masked", "128x4 asm regs168"
 BF16_VARIANTS = [("bf16 default 128x4", {}),
                  ("bf16 128x4 mask-last-tile", dict(MASK_LAST_TILE_ONLY=True)),
                  ("bf16 64x4", dict(BLOCK_N=64))]
-
-
-def copy_bandwidth(gib=2):
-    src = torch.empty(gib << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    ms = median_ms(lambda: dst.copy_(src), calls=3)
-    return 2 * src.numel() / (ms * 1e-3)   # read + write
 
 
 @dataclasses.dataclass
@@ -121,12 +115,26 @@ def reference(q, tables, lens, k_cache, v_cache, scales, chunk=32):
     return torch.cat(outs)
 
 
-def run_variant(case, kind, copy_bw):
-    """Check and time the kernel with the module's current constants ({"error": ...} when it fails)."""
+@contextlib.contextmanager
+def patched(constants: dict):
+    """decode_attention's module constants (FP8_DECODE, BLOCK_N, ...) set to `constants` inside."""
+    saved = {k: getattr(decode_attention, k) for k in constants}
+    for k, value in constants.items():
+        setattr(decode_attention, k, value)
+    try:
+        yield
+    finally:
+        for k, value in saved.items():
+            setattr(decode_attention, k, value)
+
+
+def run_variant(case, kind, copy_bw, num_splits=None, in_graph=False):
+    """Check and time the kernel with the module's current constants ({"error": ...} when it fails);
+    in_graph: time it inside a CUDA graph (graph_ms), as the engine runs it."""
     k_cache, v_cache, scales = case.caches[kind]
     def call():
         return paged_decode_attention_triton(case.q, k_cache, v_cache, case.tables, case.lens, SCALE,
-                                             **scales)
+                                             num_splits=num_splits, **scales)
     try:
         out = call()
         torch.cuda.synchronize()
@@ -134,7 +142,7 @@ def run_variant(case, kind, copy_bw):
         return dict(error=f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:80]}")
     ref = case.refs[kind]
     err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
-    ms = median_ms(call)
+    ms = graph_ms(call) if in_graph else median_ms(call)
     bw = case.nbytes(kind) / (ms * 1e-3)
     return dict(ms=ms, bytes_per_s=bw, of_copy=bw / copy_bw, max_rel_err=err, ok=err <= MAX_REL_ERR)
 
@@ -179,30 +187,15 @@ def by_batch(copy_bw, json_path=None):
     for batch in BY_BATCH:
         case = make_case(("mixed", batch))
         for kind, tiles in BY_BATCH_TILES.items():
-            k_cache, v_cache, scales = case.caches[kind]
             results = []
             for tile, config in tiles.items():
-                constants = dict(FP8_DECODE=config) if kind == "fp8" else config
-                saved = {k: getattr(decode_attention, k) for k in constants}
-                for k, value in constants.items():
-                    setattr(decode_attention, k, value)
-                try:
+                with patched(dict(FP8_DECODE=config) if kind == "fp8" else config):
                     for splits in BY_BATCH_SPLITS:
-                        call = functools.partial(paged_decode_attention_triton, case.q, k_cache, v_cache,
-                                                 case.tables, case.lens, SCALE, num_splits=splits, **scales)
-                        try:
-                            ref = case.refs[kind]
-                            err = ((call().float() - ref).abs().max() / ref.abs().max()).item()
-                            ms = graph_ms(call)
-                        except Exception as e:
-                            print(f"  b={batch} {kind} {tile} splits {splits}: {type(e).__name__}")
+                        r = run_variant(case, kind, copy_bw, num_splits=splits, in_graph=True)
+                        if "error" in r:
+                            print(f"  b={batch} {kind} {tile} splits {splits}: {r['error']}")
                             continue
-                        of_copy = case.nbytes(kind) / (ms * 1e-3) / copy_bw
-                        results.append(dict(batch=batch, kind=kind, tile=tile, splits=splits, ms=ms,
-                                            of_copy=of_copy, ok=err <= MAX_REL_ERR))
-                finally:
-                    for k, value in saved.items():
-                        setattr(decode_attention, k, value)
+                        results.append(dict(batch=batch, kind=kind, tile=tile, splits=splits, **r))
             rows += results
             default = next(r for r in results if r["tile"] == next(iter(tiles)) and r["splits"] is None)
             best = max((r for r in results if r["ok"]), key=lambda r: r["of_copy"])
@@ -225,11 +218,11 @@ def main():
     args = parser.parse_args()
     t0 = time.perf_counter()
     if args.by_batch:
-        return by_batch(copy_bandwidth(), args.json)
+        return by_batch(roofline.measure_copy_bandwidth(nbytes=2 << 30), args.json)
     fp8_names = QUICK if args.quick else list(FP8_VARIANTS)
     fp8_names = [name for name in fp8_names if args.only is None or args.only in name]
     bf16_variants = BF16_VARIANTS[:1] if args.quick else BF16_VARIANTS
-    copy_bw = copy_bandwidth()
+    copy_bw = roofline.measure_copy_bandwidth(nbytes=2 << 30)
     print(f"{torch.cuda.get_device_name()}, triton {triton.__version__}; "
           f"device copy {copy_bw / 1e12:.2f} TB/s; FP8 default now: {decode_attention.FP8_DECODE}")
     rows = []
@@ -241,14 +234,8 @@ def main():
         runs = [(name, "bf16", dict(constants)) for name, constants in bf16_variants]
         runs += [(name, "fp8", dict(FP8_DECODE=FP8_VARIANTS[name])) for name in fp8_names]
         for name, kind, constants in runs:
-            saved = {k: getattr(decode_attention, k) for k in constants}
-            for k, value in constants.items():
-                setattr(decode_attention, k, value)
-            try:
+            with patched(constants):
                 r = run_variant(case, kind, copy_bw)
-            finally:
-                for k, value in saved.items():
-                    setattr(decode_attention, k, value)
             rows.append(dict(case=case.name, variant=name, kind=kind, **r))
             if "error" in r:
                 print(f"  {name:32s} n/a ({r['error']})")

@@ -18,6 +18,7 @@ import triton.testing
 from nanovllm.kernels import fused_moe as fm
 from nanovllm.kernels import moe_routing
 from nanovllm.kernels.moe_reference import select_experts
+from nanovllm.utils import roofline
 
 E, K, H = 128, 8, 2048
 DEVICE = "cuda"
@@ -48,12 +49,6 @@ def figures(num_tokens, inter, weights, x, topk_weights, ids, tiles=None) -> tup
         return t, f"{100 * bytes_ / t / 1e9 / COPY_TBS:5.1f}%"
     flops = num_tokens * K * 3 * H * inter * 2
     return t, f"{flops / t / 1e9:6.0f}TF"
-
-
-def copy_bandwidth() -> float:
-    a = torch.empty(1 << 30, dtype=torch.uint8, device=DEVICE)
-    b = torch.empty_like(a)
-    return 2 * a.numel() / ms(lambda: b.copy_(a)) / 1e9   # TB/s
 
 
 def parts(num_tokens, inter, weights, x, router, topk_weights, ids) -> str:
@@ -111,7 +106,7 @@ def main():
     p.add_argument("--no-sweep", action="store_true")
     p.add_argument("--json")
     args = p.parse_args()
-    COPY_TBS = copy_bandwidth()
+    COPY_TBS = roofline.measure_copy_bandwidth(DEVICE) / 1e12
     device = torch.cuda.get_device_name() if DEVICE == "cuda" else DEVICE
     print(f"{device}: copy {COPY_TBS:.2f} TB/s; E={E} top-{K} hidden {H} inter {args.inter}")
     weights = case(1, args.inter)[0]
