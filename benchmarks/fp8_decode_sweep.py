@@ -19,7 +19,6 @@ at a small batch would time its launch), FP8 and bf16, and prints the best per b
 the default's: what a per-batch-size choice (graphs are captured per size) could gain.
 """
 import argparse
-import contextlib
 import dataclasses
 import json
 import statistics
@@ -28,6 +27,7 @@ import time
 import torch
 import triton
 
+from bench_kernels import knobs
 from bench_timing import median_ms
 from nanovllm.kernels import decode_attention
 from nanovllm.kernels.decode_attention import Fp8Decode, paged_decode_attention_triton
@@ -115,19 +115,6 @@ def reference(q, tables, lens, k_cache, v_cache, scales, chunk=32):
     return torch.cat(outs)
 
 
-@contextlib.contextmanager
-def patched(constants: dict):
-    """decode_attention's module constants (FP8_DECODE, BLOCK_N, ...) set to `constants` inside."""
-    saved = {k: getattr(decode_attention, k) for k in constants}
-    for k, value in constants.items():
-        setattr(decode_attention, k, value)
-    try:
-        yield
-    finally:
-        for k, value in saved.items():
-            setattr(decode_attention, k, value)
-
-
 def run_variant(case, kind, copy_bw, num_splits=None, in_graph=False):
     """Check and time the kernel with the module's current constants ({"error": ...} when it fails);
     in_graph: time it inside a CUDA graph (graph_ms), as the engine runs it."""
@@ -189,7 +176,7 @@ def by_batch(copy_bw, json_path=None):
         for kind, tiles in BY_BATCH_TILES.items():
             results = []
             for tile, config in tiles.items():
-                with patched(dict(FP8_DECODE=config) if kind == "fp8" else config):
+                with knobs(decode_attention, **(dict(FP8_DECODE=config) if kind == "fp8" else config)):
                     for splits in BY_BATCH_SPLITS:
                         r = run_variant(case, kind, copy_bw, num_splits=splits, in_graph=True)
                         if "error" in r:
@@ -234,7 +221,7 @@ def main():
         runs = [(name, "bf16", dict(constants)) for name, constants in bf16_variants]
         runs += [(name, "fp8", dict(FP8_DECODE=FP8_VARIANTS[name])) for name in fp8_names]
         for name, kind, constants in runs:
-            with patched(constants):
+            with knobs(decode_attention, **constants):
                 r = run_variant(case, kind, copy_bw)
             rows.append(dict(case=case.name, variant=name, kind=kind, **r))
             if "error" in r:
