@@ -105,7 +105,8 @@ def test_llama3_rope_scaling_changes_frequencies(tmp_path):
     path = make_model(str(tmp_path), "llama", tokenizer=False, rope_scaling=dict(LLAMA3_ROPE))
     llm = LLM(path, num_kvcache_blocks=4, kvcache_block_size=16)   # kept: deleting it frees the model
     scaled = llm.model_runner.model
-    cos_sin = scaled.model.layers[0].self_attn.rotary_emb.cos_sin_cache[1]   # position 1: angle = inv_freq
+    # position 1: angle = inv_freq (on the CPU: the engine may run on a GPU)
+    cos_sin = scaled.model.layers[0].self_attn.rotary_emb.cos_sin_cache[1].float().cpu()
     inv = torch.atan2(cos_sin[8:], cos_sin[:8])
     plain = 1.0 / 10000.0 ** (torch.arange(0, 16, 2).float() / 16)
     wavelen = 2 * torch.pi / plain

@@ -58,35 +58,28 @@ def _attend_tile(q, k_cache_ptr, v_cache_ptr, table, tile, end, offs_n, offs_d, 
     are not loaded and weigh 0; otherwise the whole tile lies before end (no masks to compute)."""
     tokens = tile + offs_n
     valid = tokens < end
-    if MASKED:
-        if BLOCK_SIZE % BLOCK_N == 0:
-            # Tiles start at multiples of BLOCK_N, so a tile lies inside one block: one table read.
-            block_id = tl.load(table + tile // BLOCK_SIZE).to(tl.int64)
-            rows = block_id * stride_kb + ((tile % BLOCK_SIZE) + offs_n) * stride_kt
-        else:
-            block_ids = tl.load(table + tokens // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-            rows = block_ids * stride_kb + (tokens % BLOCK_SIZE) * stride_kt
-        kv_mask = valid[:, None] & (offs_d < HEAD_DIM)[None, :]
-        k = tl.load(k_cache_ptr + rows[:, None] + kv_off, mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + rows[:, None] + kv_off, mask=kv_mask, other=0.0)
+    if BLOCK_SIZE % BLOCK_N == 0:
+        # Tiles start at multiples of BLOCK_N, so a tile lies inside one block: one table read, and
+        # a scalar base plus the offsets every tile shares (tile_off).
+        block_id = tl.load(table + tile // BLOCK_SIZE).to(tl.int64)
+        base = block_id * stride_kb + tl.multiple_of(tile % BLOCK_SIZE, 16) * stride_kt
+        k_ptrs = k_cache_ptr + base + tile_off
+        v_ptrs = v_cache_ptr + base + tile_off
     else:
-        if BLOCK_SIZE % BLOCK_N == 0:
-            # One block: a scalar base plus the offsets every tile shares (tile_off).
-            block_id = tl.load(table + tile // BLOCK_SIZE).to(tl.int64)
-            base = block_id * stride_kb + (tile % BLOCK_SIZE) * stride_kt
-            k_ptrs = k_cache_ptr + base + tile_off
-            v_ptrs = v_cache_ptr + base + tile_off
-        else:
-            block_ids = tl.load(table + tokens // BLOCK_SIZE).to(tl.int64)
-            rows = block_ids * stride_kb + (tokens % BLOCK_SIZE) * stride_kt
-            k_ptrs = k_cache_ptr + rows[:, None] + kv_off
-            v_ptrs = v_cache_ptr + rows[:, None] + kv_off
-        if HEAD_DIM == BLOCK_D:
-            k = tl.load(k_ptrs)
-            v = tl.load(v_ptrs)
-        else:
-            k = tl.load(k_ptrs, mask=(offs_d < HEAD_DIM)[None, :], other=0.0)
-            v = tl.load(v_ptrs, mask=(offs_d < HEAD_DIM)[None, :], other=0.0)
+        block_ids = tl.load(table + tokens // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        rows = block_ids * stride_kb + (tokens % BLOCK_SIZE) * stride_kt
+        k_ptrs = k_cache_ptr + rows[:, None] + kv_off
+        v_ptrs = v_cache_ptr + rows[:, None] + kv_off
+    d_mask = (offs_d < HEAD_DIM)[None, :]
+    if MASKED:
+        k = tl.load(k_ptrs, mask=valid[:, None] & d_mask, other=0.0)
+        v = tl.load(v_ptrs, mask=valid[:, None] & d_mask, other=0.0)
+    elif HEAD_DIM == BLOCK_D:
+        k = tl.load(k_ptrs)
+        v = tl.load(v_ptrs)
+    else:
+        k = tl.load(k_ptrs, mask=d_mask, other=0.0)
+        v = tl.load(v_ptrs, mask=d_mask, other=0.0)
     if DOT_FP32:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
