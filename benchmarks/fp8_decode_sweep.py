@@ -12,11 +12,15 @@ correct one the default (decode_attention.FP8_DECODE). About 3 minutes on one H2
 compiling.
 
     PYTHONPATH=. python benchmarks/fp8_decode_sweep.py [--json PATH] [--quick] [--only asm]
+                                                       [--v-groups 4 8]
 
 --by-batch instead times bench.py's mixed contexts at each batch size its decode graphs replay
 (256 down to 8), for a few tile shapes x split counts, each call inside a CUDA graph (an eager call
 at a small batch would time its launch), FP8 and bf16, and prints the best per batch size against
 the default's: what a per-batch-size choice (graphs are captured per size) could gain.
+
+--v-groups G...: also the default FP8 kernel over V blocks grouped by G tokens (kernels/reference.py,
+FP8_V_GROUP), as variants "grouped G" (with --by-batch: a tile "grouped G" beside the FP8 ones).
 """
 import argparse
 import dataclasses
@@ -31,7 +35,7 @@ from bench_kernels import knobs
 from bench_timing import median_ms
 from nanovllm.kernels import decode_attention
 from nanovllm.kernels.decode_attention import Fp8Decode, paged_decode_attention_triton
-from nanovllm.kernels.reference import paged_decode_attention_ref, quantize_fp8
+from nanovllm.kernels.reference import group_v_cache, paged_decode_attention_ref, quantize_fp8
 from nanovllm.utils import roofline
 
 H, HKV, D, BLOCK = 16, 8, 128, 256
@@ -79,7 +83,7 @@ class Case:
     refs: dict            # "bf16" / "fp8": the fp32 reference output
 
     def nbytes(self, kind):
-        per_value = 1 if kind == "fp8" else 2
+        per_value = 2 if kind == "bf16" else 1
         return int(self.lens.sum()) * HKV * D * 2 * per_value + 2 * self.q.numel() * 2
 
 
@@ -104,6 +108,10 @@ def make_case(spec, seed=0):
               "fp8": (quantize_fp8(k, k_scale), quantize_fp8(v, v_scale),
                       dict(k_scale=k_scale, v_scale=v_scale))}
     refs = {kind: reference(q, tables, lens, *caches[kind]) for kind in caches}
+    for group in V_GROUPS:   # the same FP8 values, V blocks grouped
+        k8, v8, scales = caches["fp8"]
+        caches[f"grouped {group}"] = (k8, group_v_cache(v8, group), scales)
+        refs[f"grouped {group}"] = refs["fp8"]
     return Case(name, q, tables, lens, caches, refs)
 
 
@@ -156,6 +164,7 @@ BY_BATCH_TILES = {"fp8": {"128x4 regs168": Fp8Decode(128, 4, max_registers=168),
                           "64x2": Fp8Decode(64, 2), "256x8": Fp8Decode(256, 8)},
                   "bf16": {"128x4": dict(BLOCK_N=128, NUM_WARPS=4), "64x4": dict(BLOCK_N=64, NUM_WARPS=4)}}
 BY_BATCH_SPLITS = [None, 1, 2, 4, 8, 16, 32]   # None: choose_num_splits (the default)
+V_GROUPS = []   # --v-groups
 
 
 def graph_ms(fn, calls=10):
@@ -173,10 +182,12 @@ def by_batch(copy_bw, json_path=None):
     rows = []
     for batch in BY_BATCH:
         case = make_case(("mixed", batch))
-        for kind, tiles in BY_BATCH_TILES.items():
+        kinds = dict(BY_BATCH_TILES, **{f"grouped {g}": {f"grouped {g}": decode_attention.FP8_DECODE}
+                                        for g in V_GROUPS})
+        for kind, tiles in kinds.items():
             results = []
             for tile, config in tiles.items():
-                with knobs(decode_attention, **(dict(FP8_DECODE=config) if kind == "fp8" else config)):
+                with knobs(decode_attention, **(config if kind == "bf16" else dict(FP8_DECODE=config))):
                     for splits in BY_BATCH_SPLITS:
                         r = run_variant(case, kind, copy_bw, num_splits=splits, in_graph=True)
                         if "error" in r:
@@ -202,7 +213,10 @@ def main():
     parser.add_argument("--quick", action="store_true", help=f"only {QUICK} and the bf16 default")
     parser.add_argument("--only", help="only the FP8 variants whose names contain this (and bf16)")
     parser.add_argument("--by-batch", action="store_true", help="tiles x splits per batch size, in graphs")
+    parser.add_argument("--v-groups", type=int, nargs="+", default=[],
+                        help="also the default FP8 kernel over V blocks grouped by these token counts")
     args = parser.parse_args()
+    V_GROUPS[:] = args.v_groups
     t0 = time.perf_counter()
     if args.by_batch:
         return by_batch(roofline.measure_copy_bandwidth(nbytes=2 << 30), args.json)
@@ -220,6 +234,7 @@ def main():
         print(f"  {'variant':32s} {'ms':>8s} {'GB/s':>7s} {'of copy':>8s} {'rel err':>9s}")
         runs = [(name, "bf16", dict(constants)) for name, constants in bf16_variants]
         runs += [(name, "fp8", dict(FP8_DECODE=FP8_VARIANTS[name])) for name in fp8_names]
+        runs += [(f"grouped {g}", f"grouped {g}", {}) for g in V_GROUPS]
         for name, kind, constants in runs:
             with knobs(decode_attention, **constants):
                 r = run_variant(case, kind, copy_bw)
@@ -233,6 +248,7 @@ def main():
         del case
         torch.cuda.empty_cache()
     print("\nFP8 variants by mean fraction of copy over the cases (correct on every case):")
+    fp8_names += [f"grouped {g}" for g in V_GROUPS]
     ranked = fastest(rows, fp8_names)
     for name in fp8_names:
         if name not in [n for _, n in ranked]:
@@ -244,7 +260,10 @@ def main():
         print(f"  {frac:6.1%}  {speed:4.2f}x the bf16 default's speed  {name}")
     if bf16:
         print(f"  (bf16 default: {statistics.mean(r['of_copy'] for r in bf16.values()):.1%} of copy)")
-    if ranked:
+    if ranked and ranked[0][1].startswith("grouped"):
+        print(f"\nfastest: {ranked[0][1]}: the default kernel over grouped V blocks (FP8_V_GROUP in "
+              "nanovllm/kernels/reference.py; bench.py decides, with the store's cost)")
+    elif ranked:
         best = FP8_VARIANTS[ranked[0][1]]
         verdict = "already the default" if best == decode_attention.FP8_DECODE else "NOT the default"
         print(f"\nfastest: {ranked[0][1]} ({verdict}); in nanovllm/kernels/decode_attention.py:\n"
