@@ -391,14 +391,18 @@ def fp8_paged(lens, block_size, seed=0, max_blocks=None):
 @pytest.mark.parametrize("batch,max_ctx,block_size", [(1, 4096, 256), (7, 1500, 256), (256, 1024, 256),
                                                       (33, 700, 16)])
 @pytest.mark.parametrize("block_n", [None, 128])
-def test_decode_fp8_matches_reference(batch, max_ctx, block_size, block_n):
+@pytest.mark.parametrize("v_group", [None, 4, 8])   # V rows like K's, or grouped (reference.py)
+def test_decode_fp8_matches_reference(batch, max_ctx, block_size, block_n, v_group):
     from nanovllm.kernels.decode_attention import paged_decode_attention_triton
+    from nanovllm.kernels.reference import group_v_cache
     gen = torch.Generator().manual_seed(batch)
     lens = torch.randint(1, max_ctx + 1, (batch,), generator=gen).tolist()
     lens[0] = max_ctx
     if batch > 2:
         lens[1], lens[2] = 1, 0
     k8, v8, tables, k_scale, v_scale, k_deq, v_deq = fp8_paged(lens, block_size, seed=batch)
+    if v_group:
+        v8 = group_v_cache(v8, v_group)
     ctx = torch.tensor(lens, dtype=torch.int32, device="cuda")
     q = torch.randn(batch, H, D, device="cuda").bfloat16()
     out = paged_decode_attention_triton(q, k8, v8, tables, ctx, SCALE, block_n=block_n,
@@ -547,31 +551,6 @@ def test_prefill_fp8_with_cached_prefix_matches_reference(block_size):
 
 
 # ---- Grouped V blocks (kernels/reference.py: [num_blocks, num_kv_heads, block_size // G, head_dim, G]) ----
-
-@pytest.mark.parametrize("group", [4, 8])
-@pytest.mark.parametrize("batch,max_ctx,block_size", [(7, 1500, 256), (256, 1024, 256), (33, 700, 16)])
-def test_decode_fp8_grouped_v_matches_reference(batch, max_ctx, block_size, group):
-    from nanovllm.kernels.decode_attention import paged_decode_attention_triton
-    from nanovllm.kernels.reference import group_v_cache
-    gen = torch.Generator().manual_seed(batch)
-    lens = torch.randint(1, max_ctx + 1, (batch,), generator=gen).tolist()
-    lens[0] = max_ctx
-    if batch > 2:
-        lens[1], lens[2] = 1, 0
-    k8, v8, tables, k_scale, v_scale, k_deq, v_deq = fp8_paged(lens, block_size, seed=batch)
-    grouped = group_v_cache(v8, group)
-    ctx = torch.tensor(lens, dtype=torch.int32, device="cuda")
-    q = torch.randn(batch, H, D, device="cuda").bfloat16()
-    keep = ctx > 0
-    for num_splits in (None, 3):
-        out = paged_decode_attention_triton(q, k8, grouped, tables, ctx, SCALE, num_splits=num_splits,
-                                            k_scale=k_scale, v_scale=v_scale)
-        ref = decode_ref(q, k_deq, v_deq, tables, ctx)
-        torch.testing.assert_close(out.float()[keep], ref[keep], **BF16_TOL)
-    entry = paged_decode_attention(q, k8, grouped, tables, ctx, SCALE, k_scale, v_scale)
-    assert torch.equal(entry[keep], paged_decode_attention_triton(q, k8, grouped, tables, ctx, SCALE,
-                                                                  k_scale=k_scale, v_scale=v_scale)[keep])
-
 
 @pytest.mark.parametrize("num_tokens", [1, 256, 4096])
 def test_qk_norm_rope_store_grouped_fp8_v_matches_reference(num_tokens):

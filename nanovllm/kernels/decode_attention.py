@@ -50,6 +50,18 @@ def _e4m3_to_f16(x):
 
 
 @triton.jit
+def _load_tile(ptrs, token_mask, dim_mask, MASKED: tl.constexpr, WHOLE_DIMS: tl.constexpr):
+    """A K or V tile: token_mask applied when MASKED, dim_mask (head_dim padding) unless WHOLE_DIMS."""
+    if MASKED:
+        tile = tl.load(ptrs, mask=token_mask & dim_mask, other=0.0)
+    elif WHOLE_DIMS:
+        tile = tl.load(ptrs)
+    else:
+        tile = tl.load(ptrs, mask=dim_mask, other=0.0)
+    return tile
+
+
+@triton.jit
 def _attend_tile(q, k_cache_ptr, v_cache_ptr, table, tile, end, offs_n, offs_d, kv_off, tile_off,
                  v_group_off, scale_log2e, m_i, l_i, acc, stride_kb, stride_kt,
                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
@@ -74,12 +86,7 @@ def _attend_tile(q, k_cache_ptr, v_cache_ptr, table, tile, end, offs_n, offs_d, 
         k_ptrs = k_cache_ptr + rows[:, None] + kv_off
         v_ptrs = v_cache_ptr + rows[:, None] + kv_off
     d_mask = (offs_d < HEAD_DIM)[None, :]
-    if MASKED:
-        k = tl.load(k_ptrs, mask=valid[:, None] & d_mask, other=0.0)
-    elif HEAD_DIM == BLOCK_D:
-        k = tl.load(k_ptrs)
-    else:
-        k = tl.load(k_ptrs, mask=d_mask, other=0.0)
+    k = _load_tile(k_ptrs, valid[:, None], d_mask, MASKED, HEAD_DIM == BLOCK_D)
     if V_GROUP:
         # Grouped V: the tile, inside one block (the host sees to it), loaded whole as [head_dim,
         # groups, V_GROUP] (a warp's copies run along head_dim, contiguous; a per-token mask would
@@ -87,19 +94,12 @@ def _attend_tile(q, k_cache_ptr, v_cache_ptr, table, tile, end, offs_n, offs_d, 
         tl.static_assert(BLOCK_SIZE % BLOCK_N == 0)
         v_ptrs = (v_cache_ptr + block_id * stride_kb + tl.multiple_of(tile % BLOCK_SIZE, 16) * HEAD_DIM
                   + v_group_off)
-        if HEAD_DIM == BLOCK_D:
-            v = tl.load(v_ptrs)
-        else:
-            v = tl.load(v_ptrs, mask=offs_d[:, None, None] < HEAD_DIM, other=0.0)
+        v = _load_tile(v_ptrs, None, offs_d[:, None, None] < HEAD_DIM, False, HEAD_DIM == BLOCK_D)
         v = tl.reshape(tl.permute(v, (1, 2, 0)), (BLOCK_N, BLOCK_D))
         if MASKED:
             v = tl.where(valid[:, None], v, 0.0)
-    elif MASKED:
-        v = tl.load(v_ptrs, mask=valid[:, None] & d_mask, other=0.0)
-    elif HEAD_DIM == BLOCK_D:
-        v = tl.load(v_ptrs)
     else:
-        v = tl.load(v_ptrs, mask=d_mask, other=0.0)
+        v = _load_tile(v_ptrs, valid[:, None], d_mask, MASKED, HEAD_DIM == BLOCK_D)
     if DOT_FP32:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
