@@ -87,7 +87,7 @@ class Case:
         return int(self.lens.sum()) * HKV * D * 2 * per_value + 2 * self.q.numel() * 2
 
 
-def make_case(spec, seed=0):
+def make_case(spec, v_groups=(), seed=0):
     gen = torch.Generator(device="cuda").manual_seed(seed)
     if spec[0] == "mixed":   # as bench.py's decode runs: contexts 100-2048, tables 16 blocks wide
         batch, width = spec[1], 16
@@ -108,7 +108,7 @@ def make_case(spec, seed=0):
               "fp8": (quantize_fp8(k, k_scale), quantize_fp8(v, v_scale),
                       dict(k_scale=k_scale, v_scale=v_scale))}
     refs = {kind: reference(q, tables, lens, *caches[kind]) for kind in caches}
-    for group in V_GROUPS:   # the same FP8 values, V blocks grouped
+    for group in v_groups:   # the same FP8 values, V blocks grouped
         k8, v8, scales = caches["fp8"]
         caches[f"grouped {group}"] = (k8, group_v_cache(v8, group), scales)
         refs[f"grouped {group}"] = refs["fp8"]
@@ -164,7 +164,6 @@ BY_BATCH_TILES = {"fp8": {"128x4 regs168": Fp8Decode(128, 4, max_registers=168),
                           "64x2": Fp8Decode(64, 2), "256x8": Fp8Decode(256, 8)},
                   "bf16": {"128x4": dict(BLOCK_N=128, NUM_WARPS=4), "64x4": dict(BLOCK_N=64, NUM_WARPS=4)}}
 BY_BATCH_SPLITS = [None, 1, 2, 4, 8, 16, 32]   # None: choose_num_splits (the default)
-V_GROUPS = []   # --v-groups
 
 
 def graph_ms(fn, calls=10):
@@ -178,12 +177,12 @@ def graph_ms(fn, calls=10):
     return median_ms(graph.replay, calls=1) / calls
 
 
-def by_batch(copy_bw, json_path=None):
+def by_batch(copy_bw, json_path=None, v_groups=()):
     rows = []
     for batch in BY_BATCH:
-        case = make_case(("mixed", batch))
+        case = make_case(("mixed", batch), v_groups)
         kinds = dict(BY_BATCH_TILES, **{f"grouped {g}": {f"grouped {g}": decode_attention.FP8_DECODE}
-                                        for g in V_GROUPS})
+                                        for g in v_groups})
         for kind, tiles in kinds.items():
             results = []
             for tile, config in tiles.items():
@@ -216,10 +215,9 @@ def main():
     parser.add_argument("--v-groups", type=int, nargs="+", default=[],
                         help="also the default FP8 kernel over V blocks grouped by these token counts")
     args = parser.parse_args()
-    V_GROUPS[:] = args.v_groups
     t0 = time.perf_counter()
     if args.by_batch:
-        return by_batch(roofline.measure_copy_bandwidth(nbytes=2 << 30), args.json)
+        return by_batch(roofline.measure_copy_bandwidth(nbytes=2 << 30), args.json, args.v_groups)
     fp8_names = QUICK if args.quick else list(FP8_VARIANTS)
     fp8_names = [name for name in fp8_names if args.only is None or args.only in name]
     bf16_variants = BF16_VARIANTS[:1] if args.quick else BF16_VARIANTS
@@ -228,13 +226,13 @@ def main():
           f"device copy {copy_bw / 1e12:.2f} TB/s; FP8 default now: {decode_attention.FP8_DECODE}")
     rows = []
     for spec in CASES:
-        case = make_case(spec)
+        case = make_case(spec, args.v_groups)
         print(f"\n{case.name}   ({case.nbytes('fp8') / 1e6:.0f} MB FP8, "
               f"{case.nbytes('bf16') / 1e6:.0f} MB bf16)")
         print(f"  {'variant':32s} {'ms':>8s} {'GB/s':>7s} {'of copy':>8s} {'rel err':>9s}")
         runs = [(name, "bf16", dict(constants)) for name, constants in bf16_variants]
         runs += [(name, "fp8", dict(FP8_DECODE=FP8_VARIANTS[name])) for name in fp8_names]
-        runs += [(f"grouped {g}", f"grouped {g}", {}) for g in V_GROUPS]
+        runs += [(f"grouped {g}", f"grouped {g}", {}) for g in args.v_groups]
         for name, kind, constants in runs:
             with knobs(decode_attention, **constants):
                 r = run_variant(case, kind, copy_bw)
@@ -248,7 +246,7 @@ def main():
         del case
         torch.cuda.empty_cache()
     print("\nFP8 variants by mean fraction of copy over the cases (correct on every case):")
-    fp8_names += [f"grouped {g}" for g in V_GROUPS]
+    fp8_names += [f"grouped {g}" for g in args.v_groups]
     ranked = fastest(rows, fp8_names)
     for name in fp8_names:
         if name not in [n for _, n in ranked]:

@@ -77,7 +77,8 @@ def _attend_tile(q, k_cache_ptr, v_cache_ptr, table, tile, end, offs_n, offs_d, 
         # Tiles start at multiples of BLOCK_N, so a tile lies inside one block: one table read, and
         # a scalar base plus the offsets every tile shares (tile_off).
         block_id = tl.load(table + tile // BLOCK_SIZE).to(tl.int64)
-        base = block_id * stride_kb + tl.multiple_of(tile % BLOCK_SIZE, 16) * stride_kt
+        first = tl.multiple_of(tile % BLOCK_SIZE, 16)   # the tile's first token in its block
+        base = block_id * stride_kb + first * stride_kt
         k_ptrs = k_cache_ptr + base + tile_off
         v_ptrs = v_cache_ptr + base + tile_off
     else:
@@ -92,8 +93,7 @@ def _attend_tile(q, k_cache_ptr, v_cache_ptr, table, tile, end, offs_n, offs_d, 
         # groups, V_GROUP] (a warp's copies run along head_dim, contiguous; a per-token mask would
         # split them) and viewed as [BLOCK_N, head_dim] for the dot, tokens from end on zeroed.
         tl.static_assert(BLOCK_SIZE % BLOCK_N == 0)
-        v_ptrs = (v_cache_ptr + block_id * stride_kb + tl.multiple_of(tile % BLOCK_SIZE, 16) * HEAD_DIM
-                  + v_group_off)
+        v_ptrs = v_cache_ptr + block_id * stride_kb + first * HEAD_DIM + v_group_off
         v = _load_tile(v_ptrs, None, offs_d[:, None, None] < HEAD_DIM, False, HEAD_DIM == BLOCK_D)
         v = tl.reshape(tl.permute(v, (1, 2, 0)), (BLOCK_N, BLOCK_D))
         if MASKED:
