@@ -197,6 +197,8 @@ def main():
     p.add_argument("--no-async-scheduling", action="store_true",
                    help="apply each step before the next is launched")
     p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--disable-custom-all-reduce", action="store_true",
+                   help="TP: every all-reduce through NCCL (default: decode-sized ones over peer memory)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
                    help="fp8: an e4m3 KV cache with per-layer scales (1.0 unless --calculate-kv-scales)")
     p.add_argument("--calculate-kv-scales", action="store_true",
@@ -232,7 +234,8 @@ def main():
               async_scheduling=not args.no_async_scheduling, kv_cache_dtype=args.kv_cache_dtype,
               calculate_kv_scales=args.calculate_kv_scales, data_parallel_size=args.data_parallel_size,
               tokenizer=args.tokenizer, enable_prefix_caching=not args.structured_json,
-              attention_backend=args.attention_backend)
+              attention_backend=args.attention_backend,
+              disable_custom_all_reduce=args.disable_custom_all_reduce)
     startup = time.perf_counter() - t
 
     if args.workload == "long":
@@ -253,7 +256,8 @@ def main():
                   workload=args.workload, attention_backend=backend, prompt_tokens=prompt_tokens,
                   total_tokens_per_s=round((prompt_tokens + tokens) / seconds, 1),
                   enforce_eager=args.enforce_eager, async_scheduling=not args.no_async_scheduling,
-                  tp=args.tensor_parallel_size, dp=args.data_parallel_size,
+                  tp=args.tensor_parallel_size, custom_all_reduce=not args.disable_custom_all_reduce,
+                  dp=args.data_parallel_size,
                   kv_cache_dtype=args.kv_cache_dtype, calculate_kv_scales=args.calculate_kv_scales,
                   kv_cache_tokens=runner.num_kvcache_blocks * runner.block_size if runner else None,
                   startup_s=round(startup, 2),

@@ -31,6 +31,8 @@ class Config:
     gpu_memory_utilization: float = 0.9        # share of GPU memory the engine may fill (CUDA)
     tensor_parallel_size: int = 1
     enforce_eager: bool = False                 # True: no CUDA graphs
+    disable_custom_all_reduce: bool = False     # True: every TP all-reduce through NCCL (not only the
+                                                # large ones; kernels/all_reduce.py does the decode-sized)
     enable_prefix_caching: bool = True          # share the KV blocks of identical prompt prefixes
     async_scheduling: bool = True               # schedule step N+1 while the device runs step N
     kvcache_block_size: int = 256               # tokens per KV-cache block
@@ -107,8 +109,8 @@ class Config:
         self.gpu_memory_utilization = float(self.gpu_memory_utilization)   # a numpy float too
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        for name in ("enforce_eager", "enable_prefix_caching", "async_scheduling", "trust_remote_code",
-                     "disable_log_stats", "calculate_kv_scales"):
+        for name in ("enforce_eager", "disable_custom_all_reduce", "enable_prefix_caching",
+                     "async_scheduling", "trust_remote_code", "disable_log_stats", "calculate_kv_scales"):
             if not _is_bool(getattr(self, name)):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
             setattr(self, name, bool(getattr(self, name)))

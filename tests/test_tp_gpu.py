@@ -5,12 +5,14 @@ Ctrl-C during a step and during shutdown, a start-up failure) are errors within 
 hangs (tests/tp_faults.py, in a subprocess with a deadline). Skipped without enough GPUs; run on
 the H200s."""
 import os
+import subprocess
+import sys
 import time
 
 import pytest
 import torch
 
-from conftest import HFOracle, make_model, random_prompts
+from conftest import REPO, HFOracle, make_model, random_prompts
 from nanovllm import LLM, SamplingParams
 from tp_faults_runner import assert_no_leftovers, run_scenarios
 
@@ -125,3 +127,25 @@ def test_nccl_startup_failure_names_the_worker(faults):
     r = faults("startup_failure")
     assert r["start"]["error"] == "WorkerError" and "rank 1" in r["start"]["message"]
     assert "injected start-up failure" in r["start"]["message"]
+
+
+def test_peer_all_reduce_equals_nccl_and_aborts():
+    """The peer-memory all-reduce gives NCCL's sums bit for bit (decode sizes, 8 to 512 rows of 4096
+    bf16), and a rank left alone in a call is freed by the abort word within seconds."""
+    script = os.path.join(REPO, "benchmarks", "all_reduce_bench.py")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    result = subprocess.run([sys.executable, script, "--check", "--rows", "8", "64", "256", "512"],
+                            env=env, capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    assert "sums equal the rank-ordered sum and NCCL's" in result.stdout
+
+
+def test_tp2_without_custom_all_reduce_matches(model_8_heads):
+    """disable_custom_all_reduce=True (NCCL for every sum) gives the default's greedy tokens (fp32)."""
+    outs = []
+    for disable in (False, True):
+        llm = LLM(model_8_heads, tensor_parallel_size=2, dtype="float32", disable_custom_all_reduce=disable,
+                  **OPTIONS)
+        outs.append([o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)])
+        llm.shutdown()
+    assert outs[0] == outs[1]

@@ -20,8 +20,8 @@ from nanovllm.layers.attention_backends import select_attention_backend
 from nanovllm.layers.sampler import Sampler
 from nanovllm.models import get_model_class
 from nanovllm.utils.context import Context, forward_context
-from nanovllm.utils.distributed import (TPGroup, broadcast, host_barrier, min_across_ranks, tp_group,
-                                        wait_for_device)
+from nanovllm.utils.distributed import (TPGroup, broadcast, connect_peer_all_reduce, host_barrier,
+                                        min_across_ranks, tp_group, wait_for_device)
 from nanovllm.utils.loader import load_dummy_weights, load_model
 
 logger = logging.getLogger(__name__)
@@ -93,6 +93,8 @@ class ModelRunner:
                 else:
                     load_model(self.model, config.model)
             host_barrier("loaded")   # every rank has its shard: only now the first collective
+            if not config.disable_custom_all_reduce:
+                connect_peer_all_reduce(self.device)   # decode-sized sums over peer memory (CUDA TP)
             self.model.eval()
             self.sampler = Sampler(config.hf_config.vocab_size, self.device, config.seed)
             # The last step's sampled token ids on the device, row i for its i-th sampling sequence:

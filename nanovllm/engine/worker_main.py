@@ -82,6 +82,7 @@ def _serve(config: Config, rank: int, port: int, commands: int, check_parent):
             # seconds in the driver's teardown.
             reset_captured_graphs(group)
             abort_tp_group(group)
+            group.peer = None   # unmaps rank 0's all-reduce buffer, so rank 0 can free it
             return
         if runner.forward_step(step) is not None:
             runner.share_sampled(sum(step.samples))   # rank 0's sampled tokens, for later steps

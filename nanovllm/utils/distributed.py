@@ -37,6 +37,7 @@ class TPGroup:
     graphs: list = field(default_factory=list)   # CUDA graphs that captured this group's collectives
     watch: Callable[[], None] | None = None      # called during long waits; raises to abandon them
     aborted: bool = False
+    peer: object = None   # a kernels.all_reduce.PeerAllReduce for the sums that fit it (CUDA), or None
 
 
 _current: ContextVar[TPGroup | None] = ContextVar("tp_group", default=None)
@@ -87,6 +88,8 @@ def abort_tp_group(group: TPGroup | None, reset_graphs: bool = True):
     if group is None or group.aborted:
         return
     group.aborted = True
+    if group.peer is not None:
+        group.peer.abort()   # the peer-memory kernels stop spinning for the lost rank
     aborting = threading.Thread(target=group.backend.abort, name="tp-group-abort", daemon=True)
     aborting.start()
     start = time.monotonic()
@@ -115,6 +118,7 @@ def destroy_tp_group(group: TPGroup | None):
     if group is None:
         return
     reset_captured_graphs(group)
+    group.peer = None
     if not group.aborted and hasattr(group.backend, "shutdown"):
         group.backend.shutdown()
 
@@ -133,6 +137,8 @@ def all_reduce(x: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
     """In place: x becomes the sum (or op) of every rank's x."""
     group = _current.get()
     if group and group.size > 1:
+        if op == dist.ReduceOp.SUM and group.peer is not None and group.peer.fits(x):
+            return group.peer(x)
         opts = dist.AllreduceOptions()
         opts.reduceOp = op
         _wait(group, group.backend.allreduce([x], opts))
@@ -210,6 +216,38 @@ def host_barrier(name: str):
         if group.watch is not None:
             group.watch()
         time.sleep(0.01)
+
+
+def exchange(name: str, payload: bytes) -> list[bytes]:
+    """Every rank of the current group publishes payload under name; returns all of them, in rank
+    order, once every rank has (waiting through the group's watch, as host_barrier)."""
+    group = _current.get()
+    if group is None or group.size == 1:
+        return [payload]
+    group.store.set(f"{name}{group.rank}", payload)
+    keys = [f"{name}{rank}" for rank in range(group.size)]
+    while not group.store.check(keys):
+        if group.watch is not None:
+            group.watch()
+        time.sleep(0.01)
+    return [group.store.get(key) for key in keys]
+
+
+def connect_peer_all_reduce(device: torch.device):
+    """Give the current group a one-shot all-reduce over peer memory (kernels/all_reduce.py) when
+    every GPU of it can address every other's memory; otherwise keep NCCL for every sum. Every
+    rank decides the same, from what all of them report."""
+    from nanovllm.kernels.all_reduce import PeerAllReduce
+    group = _current.get()
+    if group is None or group.size == 1 or device.type != "cuda":
+        return
+    ranks = range(group.size)
+    ok = all(torch.cuda.can_device_access_peer(device.index, r) for r in ranks if r != device.index)
+    if not all(answer == b"1" for answer in exchange("peer_access", b"1" if ok else b"0")):
+        logger.info("tensor parallel: a GPU cannot address its peers' memory; NCCL does every all-reduce")
+        return
+    group.peer = PeerAllReduce.connect(group.rank, group.size, device,
+                                       lambda payload: exchange("peer_buffer", payload))
 
 
 def min_across_ranks(n: int, device: torch.device) -> int:

@@ -1,0 +1,151 @@
+"""A one-shot all-reduce over peer GPU memory, for the decode-sized tensors of tensor parallelism.
+
+NCCL's all-reduce of a decode step's hidden state (256 x 4096 bf16, 2 MB) took about 54 us on two
+H200s, most of it latency: 72 of them were 35% of the Qwen3-8B TP=2 decode step. Here each rank
+owns a buffer that every other rank maps (CUDA IPC), and one kernel does the whole all-reduce:
+
+  1. push: every program copies its slices of this rank's partial sum into this rank's slot of
+     each peer's buffer (plain stores over NVLink);
+  2. signal: each program writes the call's epoch into its flag on every peer (a system-scope
+     release, after a block barrier), then spins until every peer's flag for it reached the epoch
+     (an acquire);
+  3. sum: the program adds its slices of every rank's partial, in rank order (so every rank gets
+     the same bits), in fp32, and writes the result over its input.
+
+The grid is always PROGRAMS programs (all resident at once), and program p always handles the same
+slices, so both ranks' program p meet each call. Each program keeps its own epoch counter on the
+device (CUDA graphs replay the kernel with the same arguments); its flags only grow, so a peer
+that is already a call ahead cannot be missed. Buffers alternate between two halves by the epoch's
+parity: a rank writes half h of call k+2 only after it saw every peer's signal of call k+1, which
+each peer sent after its call k (which read half h) had finished: no overwrite of unread data.
+
+A spin also reads an abort word in pinned host memory every ABORT_POLL spins: when a peer dies,
+abort_tp_group sets it and the kernel ends (with garbage) instead of holding the GPU forever.
+
+The Triton interpreter runs it too (tests/test_all_reduce.py: two ranks as two threads over host
+buffers), so the protocol is tested on CPU."""
+import pickle
+
+import torch
+import triton
+import triton.language as tl
+from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
+
+from nanovllm.kernels.common import rounded
+
+PROGRAMS = 64           # the kernel's grid: all resident at once on any GPU we run on
+BLOCK = 1024            # elements a program moves per iteration (8 per thread: 16-byte accesses)
+ABORT_POLL = 256        # spins between two reads of the abort word (a PCIe read: about 1 us)
+SLOT_BYTES = 8 << 20    # the largest tensor it reduces (a decode step of 512 x 8192 bf16); NCCL above
+
+
+@triton.jit(do_not_specialize=["n"])
+def _peer_all_reduce_kernel(x_ptr, n, addrs_ptr, epochs_ptr, abort_ptr, RANK: tl.constexpr,
+                            WORLD: tl.constexpr, SLOT: tl.constexpr, FLAGS_AT: tl.constexpr,
+                            PROGRAMS: tl.constexpr, BLOCK: tl.constexpr, ABORT_POLL: tl.constexpr):
+    # addrs_ptr: each rank's buffer address (int64), rank order: [2 halves][WORLD slots][SLOT
+    # elements], then WORLD x PROGRAMS int64 flags from element FLAGS_AT (in int64 units).
+    pid = tl.program_id(0)
+    dtype = x_ptr.dtype.element_ty
+    epoch = tl.load(epochs_ptr + pid) + 1
+    half = (epoch % 2) * (WORLD * SLOT)
+    span = PROGRAMS * BLOCK
+    for start in range(pid * BLOCK, n, span):                       # 1. push
+        offs = start + tl.arange(0, BLOCK)
+        mask = offs < n
+        x = tl.load(x_ptr + offs, mask=mask)
+        for r in tl.static_range(WORLD):
+            if r != RANK:
+                peer = tl.load(addrs_ptr + r).to(tl.pointer_type(dtype))
+                tl.store(peer + half + RANK * SLOT + offs, x, mask=mask)
+    tl.debug_barrier()                                              # 2. signal, then wait
+    for r in tl.static_range(WORLD):
+        if r != RANK:
+            peer_flags = tl.load(addrs_ptr + r).to(tl.pointer_type(tl.int64)) + FLAGS_AT
+            tl.atomic_xchg(peer_flags + RANK * PROGRAMS + pid, epoch, sem="release", scope="sys")
+    own = tl.load(addrs_ptr + RANK)
+    own_flags = own.to(tl.pointer_type(tl.int64)) + FLAGS_AT
+    for r in tl.static_range(WORLD):
+        if r != RANK:
+            flag = own_flags + r * PROGRAMS + pid
+            seen = tl.atomic_add(flag, 0, sem="acquire", scope="sys")
+            spins = 0
+            aborted = 0
+            while (seen < epoch) & (aborted == 0):
+                seen = tl.atomic_add(flag, 0, sem="acquire", scope="sys")
+                spins += 1
+                if spins % ABORT_POLL == 0:
+                    aborted = tl.load(abort_ptr, volatile=True)
+    tl.debug_barrier()
+    own_buf = own.to(tl.pointer_type(dtype)) + half
+    for start in range(pid * BLOCK, n, span):                       # 3. sum, in rank order
+        offs = start + tl.arange(0, BLOCK)
+        mask = offs < n
+        acc = tl.zeros([BLOCK], tl.float32)
+        for r in tl.static_range(WORLD):
+            if r == RANK:
+                part = tl.load(x_ptr + offs, mask=mask)
+            else:
+                part = tl.load(own_buf + r * SLOT + offs, mask=mask, cache_modifier=".cg")
+            acc += part.to(tl.float32)
+        tl.store(x_ptr + offs, rounded(acc, dtype).to(dtype), mask=mask)
+    tl.store(epochs_ptr + pid, epoch)
+
+
+class PeerAllReduce:
+    """One rank's side: its buffer, the addresses of every rank's buffer (peers' mapped here), the
+    per-program epochs and the abort word. `fits(x)` says whether it can reduce x; `x = ar(x)`
+    reduces in place (every rank must call it with the same shapes in the same order, as with
+    NCCL). Make one with connect() (CUDA IPC between processes) or directly from buffers every
+    rank can address (the interpreter's test: host tensors shared by threads)."""
+
+    def __init__(self, rank: int, buffers: list[torch.Tensor], slot_bytes: int = SLOT_BYTES,
+                 keep: tuple = ()):
+        self.rank, self.world, self.slot_bytes = rank, len(buffers), slot_bytes
+        own = buffers[rank]
+        assert own.numel() == buffer_bytes(self.world, slot_bytes) and own.dtype == torch.uint8
+        self.device = own.device
+        self.addrs = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64, device=self.device)
+        self.epochs = torch.zeros(PROGRAMS, dtype=torch.int64, device=self.device)
+        self.abort_word = torch.zeros(1, dtype=torch.int32, pin_memory=self.device.type == "cuda")
+        self.buffers, self.keep = buffers, keep   # the mappings live as long as this object
+
+    def fits(self, x: torch.Tensor) -> bool:
+        return (x.device == self.device and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
+                and x.is_contiguous() and x.numel() * x.element_size() <= self.slot_bytes)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        slot = self.slot_bytes // x.element_size()
+        _peer_all_reduce_kernel[(PROGRAMS,)](
+            x, x.numel(), self.addrs, self.epochs, self.abort_word, RANK=self.rank, WORLD=self.world,
+            SLOT=slot, FLAGS_AT=2 * self.world * self.slot_bytes // 8, PROGRAMS=PROGRAMS, BLOCK=BLOCK,
+            ABORT_POLL=ABORT_POLL, num_warps=4)
+        return x
+
+    def abort(self):
+        """End every spinning kernel (a peer is gone): they return garbage from then on."""
+        self.abort_word[0] = 1
+
+    @classmethod
+    def connect(cls, rank: int, world: int, device: torch.device, exchange) -> "PeerAllReduce":
+        """Allocate this rank's buffer on `device`, share it with the other ranks and map theirs.
+        exchange(payload: bytes) -> every rank's payload in rank order (through the group's store)."""
+        own = torch.zeros(buffer_bytes(world, SLOT_BYTES), dtype=torch.uint8, device=device)
+        torch.cuda.synchronize(device)   # zeroed flags before any peer can write them
+        _, args = reduce_tensor(own)
+        buffers, keep = [], []
+        for r, payload in enumerate(exchange(pickle.dumps(args))):
+            if r == rank:
+                buffers.append(own)
+                continue
+            args = list(pickle.loads(payload))
+            args[6] = device.index   # map the peer's memory into this GPU's context (peer access)
+            peer = rebuild_cuda_tensor(*args)
+            buffers.append(peer)
+            keep.append(peer)
+        return cls(rank, buffers)
+
+
+def buffer_bytes(world: int, slot_bytes: int) -> int:
+    """A rank's buffer: two halves of `world` slots, then world x PROGRAMS int64 flags."""
+    return 2 * world * slot_bytes + world * PROGRAMS * 8

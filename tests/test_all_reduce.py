@@ -1,0 +1,117 @@
+"""The peer-memory all-reduce kernel (nanovllm/kernels/all_reduce.py) under the Triton interpreter:
+2 and 3 ranks as processes over shared host buffers run the whole protocol (push, signal,
+wait, sum) for several calls in a row (both buffer halves, tensors over several of the grid's
+spans, bf16 and fp32), and every rank gets the rank-ordered sum, bit for bit. A rank whose peer
+never comes is ended by the abort word within seconds. On two GPUs, tests/test_tp_gpu.py runs it
+against NCCL (benchmarks/all_reduce_bench.py --check)."""
+import threading
+import time
+
+import pytest
+import torch
+import torch.multiprocessing
+
+from conftest import interp, run_interpreted_tests
+from nanovllm.utils.distributed import TPGroup, all_reduce, tp_group
+
+SLOT_BYTES = 1 << 19   # small buffers: the interpreter is slow
+# (elements, dtype) per call: within one span, over two spans of the grid (64 x 1024), uneven ends
+CALLS = [(1000, torch.bfloat16), (70_001, torch.float32), (5, torch.bfloat16), (131_072, torch.float32),
+         (3000, torch.bfloat16)]
+
+
+def test_peer_all_reduce_interpreted():
+    run_interpreted_tests(__file__)
+
+
+def partial(rank: int, call: int, n: int, dtype) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * call + rank)
+    return (torch.randn(n, generator=g) * (rank + 1)).to(dtype)
+
+
+def _rank(rank: int, buffers, results):
+    from nanovllm.kernels.all_reduce import PeerAllReduce
+    ar = PeerAllReduce(rank, buffers, slot_bytes=SLOT_BYTES)
+    outs = []
+    for call, (n, dtype) in enumerate(CALLS):
+        x = partial(rank, call, n, dtype)
+        assert ar.fits(x)
+        outs.append(ar(x).clone())
+    results[rank] = torch.cat([o.float() for o in outs])
+
+
+@interp
+@pytest.mark.parametrize("world", [2, 3])
+def test_interp_every_rank_gets_the_rank_ordered_sum(world):
+    from nanovllm.kernels.all_reduce import buffer_bytes
+    buffers = [torch.zeros(buffer_bytes(world, SLOT_BYTES), dtype=torch.uint8).share_memory_()
+               for _ in range(world)]
+    total = sum(n for n, _ in CALLS)
+    results = torch.zeros(world, total).share_memory_()
+    # spawned: a forked child of a process that used torch's thread pool can hang in it
+    ctx = torch.multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_rank, args=(r, buffers, results)) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(300)
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    expected = []
+    for call, (n, dtype) in enumerate(CALLS):
+        acc = torch.zeros(n)
+        for r in range(world):
+            acc += partial(r, call, n, dtype).float()
+        expected.append(acc.to(dtype).float())
+    expected = torch.cat(expected)
+    for r in range(world):
+        assert torch.equal(results[r], expected), f"rank {r}"
+
+
+@interp
+def test_interp_abort_ends_a_wait_for_a_missing_peer():
+    from nanovllm.kernels.all_reduce import PeerAllReduce, buffer_bytes
+    buffers = [torch.zeros(buffer_bytes(2, SLOT_BYTES), dtype=torch.uint8) for _ in range(2)]
+    ar = PeerAllReduce(0, buffers, slot_bytes=SLOT_BYTES)
+    threading.Timer(0.5, ar.abort).start()   # rank 1 never calls: only the abort ends the wait
+    start = time.monotonic()
+    ar(torch.ones(100, dtype=torch.bfloat16))
+    assert time.monotonic() - start < 30
+
+
+class _FakePeer:
+    """Stands in for PeerAllReduce in the group: records what all_reduce hands it."""
+
+    def __init__(self, limit: int):
+        self.limit, self.seen, self.aborted = limit, [], False
+
+    def fits(self, x):
+        return x.numel() <= self.limit
+
+    def __call__(self, x):
+        self.seen.append(x.numel())
+        return x.mul_(2)
+
+    def abort(self):
+        self.aborted = True
+
+
+def test_all_reduce_uses_the_peer_kernel_for_sums_that_fit_and_the_backend_otherwise():
+    calls = []
+
+    class Backend:
+        def allreduce(self, tensors, opts):
+            calls.append((tensors[0].numel(), opts.reduceOp))
+
+            class Work:
+                def wait(self):
+                    pass
+            return Work()
+
+    peer = _FakePeer(limit=10)
+    group = TPGroup(0, 2, Backend(), store=None, peer=peer)
+    with tp_group(group):
+        assert torch.equal(all_reduce(torch.ones(4)), torch.full((4,), 2.0))   # the peer kernel
+        all_reduce(torch.ones(11))                                              # too big: the backend
+        all_reduce(torch.ones(4, dtype=torch.int64), torch.distributed.ReduceOp.MIN)   # not a sum
+    assert peer.seen == [4]
+    assert [n for n, _ in calls] == [11, 4]
