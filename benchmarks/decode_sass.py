@@ -5,7 +5,7 @@ it Triton neither vectorises nor pipelines the loads, and the code is not the on
 prints registers, spills and the instruction mix of the main loop per warp and per context token.
 
     PYTHONPATH=. python benchmarks/decode_sass.py [--bf16] [--block-n 128] [--warps 4] [--stages 2]
-                                                  [--maxnreg 168] [--v-group G] [--dump DIR]
+                                                  [--maxnreg 168] [--dump DIR]
 
 Needs Triton's bundled ptxas and cuobjdump (any CUDA wheel of triton has them). The main loop is
 taken as the largest backward branch's body."""
@@ -27,8 +27,7 @@ from nanovllm.kernels import decode_attention  # noqa: E402
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 16, 8, 128, 256
 
 
-def compile_kernel(fp8: bool, block_n: int, warps: int, stages: int, maxnreg: int | None,
-                   v_group: int = 0):
+def compile_kernel(fp8: bool, block_n: int, warps: int, stages: int, maxnreg: int | None):
     fn = decode_attention._decode_split_kernel
     kv = "*fp8e4nv" if fp8 else "*bf16"
     sig = dict(q_ptr="*bf16", k_cache_ptr=kv, v_cache_ptr=kv, block_tables_ptr="*i32",
@@ -40,10 +39,8 @@ def compile_kernel(fp8: bool, block_n: int, warps: int, stages: int, maxnreg: in
     mask_last = config.mask_last_tile_only if fp8 else decode_attention.MASK_LAST_TILE_ONLY
     const = dict(GROUP=HEADS // KV_HEADS, BLOCK_G=16, HEAD_DIM=HEAD_DIM, BLOCK_D=HEAD_DIM,
                  BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=block_n, DIRECT=False, DOT_FP32=False, PRECISION=None,
-                 FP8=fp8, FP8_DOT_DTYPE=tl.float16,
-                 V_CVT_ASM=fp8 and config.v_convert == "asm" and not v_group,
-                 MASK_LAST_TILE_ONLY=mask_last, INTERPRETED=False,
-                 V_GROUP=v_group)
+                 FP8=fp8, FP8_DOT_DTYPE=tl.float16, V_CVT_ASM=fp8 and config.v_convert == "asm",
+                 MASK_LAST_TILE_ONLY=mask_last, INTERPRETED=False)
     missing = set(fn.arg_names) - set(sig) - set(const)
     if missing:
         raise SystemExit(f"the kernel has arguments this script does not know: {sorted(missing)}; update it")
@@ -66,8 +63,6 @@ def main():
     p.add_argument("--warps", type=int)
     p.add_argument("--stages", type=int)
     p.add_argument("--maxnreg", type=int, help="0: no cap (default: FP8_DECODE's, none for bf16)")
-    p.add_argument("--v-group", type=int, default=0,
-                   help="V blocks stored in groups of this many tokens (0: rows like K's)")
     p.add_argument("--dump", help="write the kernel's ttgir, ptx and sass here")
     args = p.parse_args()
     fp8 = not args.bf16
@@ -75,7 +70,7 @@ def main():
     warps = args.warps or (config.num_warps if fp8 else decode_attention.NUM_WARPS)
     stages = args.stages or (config.num_stages if fp8 else decode_attention.NUM_STAGES)
     maxnreg = (config.max_registers if fp8 else None) if args.maxnreg is None else (args.maxnreg or None)
-    kernel = compile_kernel(fp8, block_n, warps, stages, maxnreg, args.v_group)
+    kernel = compile_kernel(fp8, block_n, warps, stages, maxnreg)
     tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     cubin = "/tmp/decode_sass.cubin"
     with open(cubin, "wb") as f:

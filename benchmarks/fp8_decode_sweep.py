@@ -12,15 +12,11 @@ correct one the default (decode_attention.FP8_DECODE). About 3 minutes on one H2
 compiling.
 
     PYTHONPATH=. python benchmarks/fp8_decode_sweep.py [--json PATH] [--quick] [--only asm]
-                                                       [--v-groups 4 8]
 
 --by-batch instead times bench.py's mixed contexts at each batch size its decode graphs replay
 (256 down to 8), for a few tile shapes x split counts, each call inside a CUDA graph (an eager call
 at a small batch would time its launch), FP8 and bf16, and prints the best per batch size against
 the default's: what a per-batch-size choice (graphs are captured per size) could gain.
-
---v-groups G...: also the default FP8 kernel over V blocks grouped by G tokens (kernels/reference.py,
-FP8_V_GROUP), as variants "grouped G" (with --by-batch: a tile "grouped G" beside the FP8 ones).
 """
 import argparse
 import dataclasses
@@ -35,7 +31,7 @@ from bench_kernels import knobs
 from bench_timing import median_ms
 from nanovllm.kernels import decode_attention
 from nanovllm.kernels.decode_attention import Fp8Decode, paged_decode_attention_triton
-from nanovllm.kernels.reference import group_v_cache, paged_decode_attention_ref, quantize_fp8
+from nanovllm.kernels.reference import paged_decode_attention_ref, quantize_fp8
 from nanovllm.utils import roofline
 
 H, HKV, D, BLOCK = 16, 8, 128, 256
@@ -83,11 +79,11 @@ class Case:
     refs: dict            # "bf16" / "fp8": the fp32 reference output
 
     def nbytes(self, kind):
-        per_value = 2 if kind == "bf16" else 1
+        per_value = 1 if kind == "fp8" else 2
         return int(self.lens.sum()) * HKV * D * 2 * per_value + 2 * self.q.numel() * 2
 
 
-def make_case(spec, v_groups=(), seed=0):
+def make_case(spec, seed=0):
     gen = torch.Generator(device="cuda").manual_seed(seed)
     if spec[0] == "mixed":   # as bench.py's decode runs: contexts 100-2048, tables 16 blocks wide
         batch, width = spec[1], 16
@@ -108,10 +104,6 @@ def make_case(spec, v_groups=(), seed=0):
               "fp8": (quantize_fp8(k, k_scale), quantize_fp8(v, v_scale),
                       dict(k_scale=k_scale, v_scale=v_scale))}
     refs = {kind: reference(q, tables, lens, *caches[kind]) for kind in caches}
-    for group in v_groups:   # the same FP8 values, V blocks grouped
-        k8, v8, scales = caches["fp8"]
-        caches[f"grouped {group}"] = (k8, group_v_cache(v8, group), scales)
-        refs[f"grouped {group}"] = refs["fp8"]
     return Case(name, q, tables, lens, caches, refs)
 
 
@@ -177,16 +169,14 @@ def graph_ms(fn, calls=10):
     return median_ms(graph.replay, calls=1) / calls
 
 
-def by_batch(copy_bw, json_path=None, v_groups=()):
+def by_batch(copy_bw, json_path=None):
     rows = []
     for batch in BY_BATCH:
-        case = make_case(("mixed", batch), v_groups)
-        kinds = dict(BY_BATCH_TILES, **{f"grouped {g}": {f"grouped {g}": decode_attention.FP8_DECODE}
-                                        for g in v_groups})
-        for kind, tiles in kinds.items():
+        case = make_case(("mixed", batch))
+        for kind, tiles in BY_BATCH_TILES.items():
             results = []
             for tile, config in tiles.items():
-                with knobs(decode_attention, **(config if kind == "bf16" else dict(FP8_DECODE=config))):
+                with knobs(decode_attention, **(dict(FP8_DECODE=config) if kind == "fp8" else config)):
                     for splits in BY_BATCH_SPLITS:
                         r = run_variant(case, kind, copy_bw, num_splits=splits, in_graph=True)
                         if "error" in r:
@@ -212,12 +202,10 @@ def main():
     parser.add_argument("--quick", action="store_true", help=f"only {QUICK} and the bf16 default")
     parser.add_argument("--only", help="only the FP8 variants whose names contain this (and bf16)")
     parser.add_argument("--by-batch", action="store_true", help="tiles x splits per batch size, in graphs")
-    parser.add_argument("--v-groups", type=int, nargs="+", default=[],
-                        help="also the default FP8 kernel over V blocks grouped by these token counts")
     args = parser.parse_args()
     t0 = time.perf_counter()
     if args.by_batch:
-        return by_batch(roofline.measure_copy_bandwidth(nbytes=2 << 30), args.json, args.v_groups)
+        return by_batch(roofline.measure_copy_bandwidth(nbytes=2 << 30), args.json)
     fp8_names = QUICK if args.quick else list(FP8_VARIANTS)
     fp8_names = [name for name in fp8_names if args.only is None or args.only in name]
     bf16_variants = BF16_VARIANTS[:1] if args.quick else BF16_VARIANTS
@@ -226,13 +214,12 @@ def main():
           f"device copy {copy_bw / 1e12:.2f} TB/s; FP8 default now: {decode_attention.FP8_DECODE}")
     rows = []
     for spec in CASES:
-        case = make_case(spec, args.v_groups)
+        case = make_case(spec)
         print(f"\n{case.name}   ({case.nbytes('fp8') / 1e6:.0f} MB FP8, "
               f"{case.nbytes('bf16') / 1e6:.0f} MB bf16)")
         print(f"  {'variant':32s} {'ms':>8s} {'GB/s':>7s} {'of copy':>8s} {'rel err':>9s}")
         runs = [(name, "bf16", dict(constants)) for name, constants in bf16_variants]
         runs += [(name, "fp8", dict(FP8_DECODE=FP8_VARIANTS[name])) for name in fp8_names]
-        runs += [(f"grouped {g}", f"grouped {g}", {}) for g in args.v_groups]
         for name, kind, constants in runs:
             with knobs(decode_attention, **constants):
                 r = run_variant(case, kind, copy_bw)
@@ -246,7 +233,6 @@ def main():
         del case
         torch.cuda.empty_cache()
     print("\nFP8 variants by mean fraction of copy over the cases (correct on every case):")
-    fp8_names += [f"grouped {g}" for g in args.v_groups]
     ranked = fastest(rows, fp8_names)
     for name in fp8_names:
         if name not in [n for _, n in ranked]:
@@ -258,10 +244,7 @@ def main():
         print(f"  {frac:6.1%}  {speed:4.2f}x the bf16 default's speed  {name}")
     if bf16:
         print(f"  (bf16 default: {statistics.mean(r['of_copy'] for r in bf16.values()):.1%} of copy)")
-    if ranked and ranked[0][1].startswith("grouped"):
-        print(f"\nfastest: {ranked[0][1]}: the default kernel over grouped V blocks (FP8_V_GROUP in "
-              "nanovllm/kernels/reference.py; bench.py decides, with the store's cost)")
-    elif ranked:
+    if ranked:
         best = FP8_VARIANTS[ranked[0][1]]
         verdict = "already the default" if best == decode_attention.FP8_DECODE else "NOT the default"
         print(f"\nfastest: {ranked[0][1]} ({verdict}); in nanovllm/kernels/decode_attention.py:\n"

@@ -9,9 +9,8 @@ replays gives the kernels per step and the sum of their durations; replay minus 
 time between kernels (launch gaps and tails), per kernel.
 
     PYTHONPATH=. python benchmarks/step_parts.py [--model M] [--kv-cache-dtype fp8] [--kernels N]
-                                                 [--fp8-v-group G] [--json PATH]
+                                                 [--json PATH]
 
---fp8-v-group G: an FP8 cache's V blocks grouped by G tokens (kernels/reference.py, FP8_V_GROUP).
 Each contexts row is followed by the time of the two kernels that touch the K/V cache (the decode
 kernel and the q/k norm + rotary + store)."""
 import argparse
@@ -29,7 +28,6 @@ from bench import DEFAULT_MODEL  # noqa: E402
 from bench_timing import median_ms  # noqa: E402
 from nanovllm import LLM  # noqa: E402
 from nanovllm.engine.decode_graphs import PADDING, DecodeInputs  # noqa: E402
-from nanovllm.kernels import reference  # noqa: E402
 
 BATCHES = [256, 128, 64, 32, 16, 8]
 
@@ -75,17 +73,14 @@ def main():
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--kv-cache-dtype", default="auto")
     p.add_argument("--json")
-    p.add_argument("--fp8-v-group", type=int, help="group an FP8 cache's V blocks by this many tokens")
     p.add_argument("--kernels", type=int, default=0, metavar="N",
                    help="also list the N costliest kernels of each padding replay")
     args = p.parse_args()
-    if args.fp8_v_group:
-        reference.FP8_V_GROUP = args.fp8_v_group
     llm = LLM(args.model, load_format="dummy", max_model_len=4096, gpu_memory_utilization=0.5,
               kv_cache_dtype=args.kv_cache_dtype)
     runner = llm.model_runner
     graphs, num_blocks = runner.graphs, runner.kv_cache.shape[2]
-    print(f"{args.model}, KV {args.kv_cache_dtype}, FP8 V group {reference.FP8_V_GROUP}")
+    print(f"{args.model}, KV {args.kv_cache_dtype}")
     print(f"{'batch':>5} {'part':>12} {'ms':>8} {'kernels':>8} {'kernel ms':>10} {'gap us/kernel':>14}")
     rows = []
     rng = random.Random(0)
@@ -114,8 +109,8 @@ def main():
     llm.shutdown()
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(model=args.model, kv_cache_dtype=args.kv_cache_dtype,
-                           fp8_v_group=reference.FP8_V_GROUP, rows=rows), f, indent=1)
+            json.dump(dict(model=args.model, kv_cache_dtype=args.kv_cache_dtype, rows=rows), f,
+                      indent=1)
 
 
 if __name__ == "__main__":

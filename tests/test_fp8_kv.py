@@ -119,30 +119,3 @@ def test_fp8_on_gpu_graphs_and_eager(qwen3_dir, oracle, dtype):
             oracle.assert_greedy(prompt, ids, atol=FP8_ATOL + (0.3 if dtype == "bfloat16" else 0.0))
     same = sum(a == b for eager, graph in zip(*runs) for a, b in zip(eager, graph))
     assert same / sum(map(len, runs[0])) >= 0.9
-
-
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
-def test_grouped_v_blocks_give_the_rows_tokens(qwen3_dir, oracle, monkeypatch, device):
-    """FP8 V blocks grouped by 4 tokens (reference.FP8_V_GROUP): the cache is viewed 5-D, and the
-    same tokens come out as with rows, through prefill, a cached prefix, chunks and decode: exactly
-    on CPU (the same arithmetic), on nearly every token on the GPU (other kernels' roundings)."""
-    from nanovllm.kernels import reference
-    prefix = random_prompts(1, [64], seed=2)[0]
-    prompts = random_prompts(4, [1, 17, 150, 300], seed=1) + [prefix + [5, 6], prefix]
-    runs = []
-    for group in (None, 4):
-        monkeypatch.setattr(reference, "FP8_V_GROUP", group)
-        llm = LLM(qwen3_dir, device=device, kvcache_block_size=16, num_kvcache_blocks=128,
-                  kv_cache_dtype="fp8", max_num_batched_tokens=128, max_num_seqs=8)
-        assert llm.model_runner.attention_layers[0].v_cache.dim() == (5 if group else 4)
-        outs = llm.generate(prompts, GREEDY, use_tqdm=False)
-        outs += llm.generate(prompts[-2:], GREEDY, use_tqdm=False)   # the prefix, cached now
-        check_close(oracle, prompts + prompts[-2:], outs)
-        runs.append([list(o.outputs[0].token_ids) for o in outs])
-        del llm
-    if device == "cpu":
-        assert runs[0] == runs[1]
-    else:
-        same = sum(a == b for rows, grouped in zip(*runs) for a, b in zip(rows, grouped))
-        assert same / sum(map(len, runs[0])) >= 0.9

@@ -5,7 +5,6 @@ Triton interpreter against the references. TRITON_INTERPRET must be set before t
 imported, and other test modules may import them first, so `test_triton_kernels_under_interpreter`
 re-runs this file's `interp` tests in a subprocess with the variable set.
 """
-import dataclasses
 import math
 
 import pytest
@@ -15,10 +14,9 @@ from conftest import assert_nearly_equal, interp, run_interpreted_tests
 from nanovllm.kernels import (ATTENTION_BACKEND, paged_decode_attention, paged_kv_slots, prefill_attention,
                               qk_norm_rope_store)
 from nanovllm.kernels.flash_prefill import gather_kv_varlen
-from nanovllm.kernels.reference import (cache_blocks, causal_mask, dequantize_kv, gather_paged_kv,
-                                        group_v_cache, paged_decode_attention_ref, prefill_attention_ref,
-                                        qk_norm_rope_store_ref, quantize_fp8, store_kvcache_ref,
-                                        v_token_index)
+from nanovllm.kernels.reference import (causal_mask, dequantize_kv, gather_paged_kv,
+                                        paged_decode_attention_ref, prefill_attention_ref,
+                                        qk_norm_rope_store_ref, quantize_fp8, store_kvcache_ref)
 from nanovllm.layers.rotary_embedding import RotaryEmbedding
 
 
@@ -426,87 +424,3 @@ def test_interp_decode_fp8_with_bf16_queries_runs_fp16_dots():
     ref = paged_decode_attention_ref(q.float(), k8, v8, tables, ctx, 0.25, k_scale, v_scale)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), ref, atol=1e-2, rtol=1e-2)
-
-
-# ---- Grouped V blocks ([num_blocks, num_kv_heads, block_size // G, head_dim, G]) ----
-
-def test_grouped_v_cache_holds_each_token_where_v_token_index_says():
-    gen = torch.Generator().manual_seed(8)
-    rows = torch.randn(3, 16, 2, 8, generator=gen)
-    grouped = group_v_cache(rows, 4)
-    assert grouped.shape == (3, 2, 4, 8, 4)
-    # block 1, token 6 = group 1, place 2 in it; head 1, dimension 5
-    assert grouped[1, 1, 1, 5, 2] == rows[1, 6, 1, 5]
-    slots = torch.tensor([0, 7, 22, 47])
-    view, index = v_token_index(grouped, slots)
-    assert torch.equal(view[index], rows.flatten(0, 1)[slots])
-    assert torch.equal(cache_blocks(grouped, torch.tensor([[2, 0]])), rows[[2, 0]][None])
-    # the store writes through the view; every other value stays
-    value = torch.randn(4, 2, 8, generator=gen)
-    store_kvcache_ref(value, value, torch.zeros(3, 16, 2, 8), grouped, slots.int())
-    rows.flatten(0, 1)[slots] = value
-    assert torch.equal(grouped, group_v_cache(rows, 4))
-
-
-def test_refs_and_gather_read_a_grouped_v_cache_as_rows():
-    lens, block_size = [3, 17, 30], 16
-    k_cache, v_cache, tables = make_paged(lens, block_size, num_kv_heads=2, head_dim=8, seed=9)
-    grouped = group_v_cache(v_cache, 8)
-    ctx = torch.tensor(lens, dtype=torch.int32)
-    q = torch.randn(3, 4, 8)
-    assert torch.equal(paged_decode_attention_ref(q, k_cache, grouped, tables, ctx, 0.3),
-                       paged_decode_attention_ref(q, k_cache, v_cache, tables, ctx, 0.3))
-    cu_q = torch.tensor([0, 1, 3, 7], dtype=torch.int32)
-    cu_k = torch.tensor([0, 3, 20, 50], dtype=torch.int32)
-    qp, new = torch.randn(7, 4, 8), torch.randn(7, 2, 8)
-    assert torch.equal(prefill_attention_ref(qp, new, new, k_cache, grouped, cu_q, cu_k, 4, 30, tables, 0.3),
-                       prefill_attention_ref(qp, new, new, k_cache, v_cache, cu_q, cu_k, 4, 30, tables, 0.3))
-    slots = paged_kv_slots(tables, cu_k, 50, block_size=block_size)
-    assert torch.equal(gather_kv_varlen(k_cache, grouped, slots)[1],
-                       gather_kv_varlen(k_cache, v_cache, slots)[1])
-
-
-@interp
-@pytest.mark.parametrize("group", [4, 8, 16])
-@pytest.mark.parametrize("fp8", [False, True])
-@pytest.mark.parametrize("mask_last_tile_only", [False, True])
-def test_interp_decode_grouped_v_matches_rows(monkeypatch, group, fp8, mask_last_tile_only):
-    """The decode kernel over grouped V blocks: the tile loaded as [head_dim, groups, G], the last
-    one whole and zeroed past the context; with splits; block size 32 (tiles of 16 or 32)."""
-    from nanovllm.kernels import decode_attention
-    from nanovllm.kernels.decode_attention import paged_decode_attention_triton
-    monkeypatch.setattr(decode_attention, "MASK_LAST_TILE_ONLY", mask_last_tile_only)
-    monkeypatch.setattr(decode_attention, "FP8_DECODE", dataclasses.replace(
-        decode_attention.FP8_DECODE, mask_last_tile_only=mask_last_tile_only))
-    lens = [0, 1, 33, 95]
-    scales = dict(k_scale=torch.tensor([0.03]), v_scale=torch.tensor([0.004])) if fp8 else {}
-    if fp8:
-        k_cache, v_cache, tables = fp8_paged(lens, 32, 2, 16, scales["k_scale"], scales["v_scale"], seed=10)
-    else:
-        k_cache, v_cache, tables = make_paged(lens, 32, num_kv_heads=2, head_dim=16, seed=10)
-    grouped = group_v_cache(v_cache, group)
-    ctx = torch.tensor(lens, dtype=torch.int32)
-    q = torch.randn(len(lens), 4, 16)
-    for num_splits, block_n in ((1, 16), (2, 32), (3, 16)):
-        out = paged_decode_attention_triton(q, k_cache, grouped, tables, ctx, 0.25, num_splits=num_splits,
-                                            block_n=block_n, **scales)
-        ref = paged_decode_attention_ref(q, k_cache, v_cache, tables, ctx, 0.25, *scales.values())
-        assert torch.isfinite(out).all()
-        torch.testing.assert_close(out[1:], ref[1:], atol=1e-5, rtol=1e-5)
-
-
-@interp
-@pytest.mark.parametrize("fp8", [False, True])
-def test_interp_qk_norm_rope_store_writes_grouped_v_like_the_reference(fp8):
-    from nanovllm.kernels.qk_norm_rope import qk_norm_rope_store_triton
-    *inputs, k_cache, v_cache = qk_case(40, 4, 2, 16, torch.bfloat16, seed=11)
-    scales = (torch.tensor([0.01]), torch.tensor([0.02])) if fp8 else ()
-    if fp8:
-        k_cache, v_cache = quantize_fp8(k_cache, scales[0]), quantize_fp8(v_cache, scales[1])
-    grouped = group_v_cache(v_cache, 2)
-    v_ref = grouped.clone()
-    qk_norm_rope_store_ref(*inputs, k_cache.clone(), v_ref, 4, 2, 16, *scales)
-    v_out = grouped.clone()
-    qk_norm_rope_store_triton(*inputs, k_cache.clone(), v_out, 4, 2, 16, *scales)
-    assert torch.equal(v_out.view(torch.uint8) if fp8 else v_out, v_ref.view(torch.uint8) if fp8 else v_ref)
-    assert not torch.equal(v_out.float(), grouped.float())   # it wrote something

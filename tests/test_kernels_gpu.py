@@ -391,18 +391,14 @@ def fp8_paged(lens, block_size, seed=0, max_blocks=None):
 @pytest.mark.parametrize("batch,max_ctx,block_size", [(1, 4096, 256), (7, 1500, 256), (256, 1024, 256),
                                                       (33, 700, 16)])
 @pytest.mark.parametrize("block_n", [None, 128])
-@pytest.mark.parametrize("v_group", [None, 4, 8])   # V rows like K's, or grouped (reference.py)
-def test_decode_fp8_matches_reference(batch, max_ctx, block_size, block_n, v_group):
+def test_decode_fp8_matches_reference(batch, max_ctx, block_size, block_n):
     from nanovllm.kernels.decode_attention import paged_decode_attention_triton
-    from nanovllm.kernels.reference import group_v_cache
     gen = torch.Generator().manual_seed(batch)
     lens = torch.randint(1, max_ctx + 1, (batch,), generator=gen).tolist()
     lens[0] = max_ctx
     if batch > 2:
         lens[1], lens[2] = 1, 0
     k8, v8, tables, k_scale, v_scale, k_deq, v_deq = fp8_paged(lens, block_size, seed=batch)
-    if v_group:
-        v8 = group_v_cache(v8, v_group)
     ctx = torch.tensor(lens, dtype=torch.int32, device="cuda")
     q = torch.randn(batch, H, D, device="cuda").bfloat16()
     out = paged_decode_attention_triton(q, k8, v8, tables, ctx, SCALE, block_n=block_n,
@@ -548,19 +544,3 @@ def test_prefill_fp8_with_cached_prefix_matches_reference(block_size):
     ref = prefill_attention_ref(q.float(), new_k, new_v, k_deq, v_deq, cu_q, cu_k, max_q, max_k, tables,
                                 SCALE)
     torch.testing.assert_close(out.float(), ref, **BF16_TOL)
-
-
-# ---- Grouped V blocks (kernels/reference.py: [num_blocks, num_kv_heads, block_size // G, head_dim, G]) ----
-
-@pytest.mark.parametrize("num_tokens", [1, 256, 4096])
-def test_qk_norm_rope_store_grouped_fp8_v_matches_reference(num_tokens):
-    from nanovllm.kernels.qk_norm_rope import qk_norm_rope_store_triton
-    from nanovllm.kernels.reference import group_v_cache, quantize_fp8
-    *inputs, k_cache, v_cache = qk_case(num_tokens, torch.bfloat16, True)
-    scales = torch.tensor([0.01], device="cuda"), torch.tensor([0.02], device="cuda")
-    k8, v8 = quantize_fp8(k_cache, scales[0]), group_v_cache(quantize_fp8(v_cache, scales[1]), 8)
-    v_ref = v8.clone()
-    qk_norm_rope_store_ref(*inputs, k8.clone(), v_ref, H, HKV, D, *scales)
-    v_out = v8.clone()
-    qk_norm_rope_store_triton(*inputs, k8.clone(), v_out, H, HKV, D, *scales)
-    assert torch.equal(v_out.view(torch.uint8), v_ref.view(torch.uint8))

@@ -14,7 +14,7 @@ from nanovllm.engine.decode_graphs import DecodeGraphs, DecodeInputs
 from nanovllm.engine.sampled_tokens import PendingSample, prompt_logprobs
 from nanovllm.engine.scheduler import ScheduledBatch
 from nanovllm.engine.step_input import StepInput
-from nanovllm.kernels import paged_kv_slots, reference
+from nanovllm.kernels import paged_kv_slots
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.attention_backends import select_attention_backend
 from nanovllm.layers.sampler import Sampler
@@ -188,13 +188,8 @@ class ModelRunner:
         self.kv_cache = torch.zeros(2, len(self.attention_layers), num_blocks, self.block_size,
                                     attn.num_kv_heads, attn.head_dim, dtype=self.kv_cache_dtype,
                                     device=self.device)
-        # An FP8 cache may group its V blocks (kernels/reference.py, FP8_V_GROUP): the same bytes
-        group = reference.FP8_V_GROUP if self.kv_cache_dtype == torch.float8_e4m3fn else None
         for i, layer in enumerate(self.attention_layers):
             layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
-            if group:
-                layer.v_cache = layer.v_cache.view(num_blocks, attn.num_kv_heads, self.block_size // group,
-                                                   attn.head_dim, group)
         if self.kv_cache_dtype == torch.float8_e4m3fn:
             # kv_scales: [2 (k, v), num_layers, 1] fp32, read by the kernels on the device: the first
             # column of 16-byte rows, so every layer's scale is 16-byte aligned. Triton specialises

@@ -16,9 +16,7 @@ Triton places it, in the dot's registers, V as it is loaded (_e4m3_to_f16); and 
 per token the loop's other work counts twice as much, so whole tiles skip the masks and a register
 cap fits three programs per SM. FP8_DECODE holds these choices; benchmarks/fp8_decode_sweep.py
 times the alternatives. The scales are read on the device, so graphs captured before
-calculate_kv_scales sets them still see them. A grouped V cache (five dimensions,
-kernels/reference.py) is read as [head_dim, groups, G] tiles, consecutive tokens contiguous, which
-Triton's cast converts in the dot's registers as it does K.
+calculate_kv_scales sets them still see them.
 
 Everything launched here depends only on tensor shapes, so a decode step can be captured in a CUDA
 graph: no host syncs, no branch on tensor values.
@@ -63,22 +61,20 @@ def _load_tile(ptrs, token_mask, dim_mask, MASKED: tl.constexpr, WHOLE_DIMS: tl.
 
 @triton.jit
 def _attend_tile(q, k_cache_ptr, v_cache_ptr, table, tile, end, offs_n, offs_d, kv_off, tile_off,
-                 v_group_off, scale_log2e, m_i, l_i, acc, stride_kb, stride_kt,
+                 scale_log2e, m_i, l_i, acc, stride_kb, stride_kt,
                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                  BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DOT_FP32: tl.constexpr,
                  PRECISION: tl.constexpr, FP8: tl.constexpr, FP8_DOT_DTYPE: tl.constexpr,
-                 V_CVT_ASM: tl.constexpr, V_GROUP: tl.constexpr):
+                 V_CVT_ASM: tl.constexpr):
     """The online softmax over the context tokens [tile, tile + BLOCK_N). MASKED: tokens from end on
-    are not loaded and weigh 0; otherwise the whole tile lies before end (no masks to compute).
-    V_GROUP: V blocks stored in groups of V_GROUP tokens (v_group_off: the tile's offsets)."""
+    are not loaded and weigh 0; otherwise the whole tile lies before end (no masks to compute)."""
     tokens = tile + offs_n
     valid = tokens < end
     if BLOCK_SIZE % BLOCK_N == 0:
         # Tiles start at multiples of BLOCK_N, so a tile lies inside one block: one table read, and
         # a scalar base plus the offsets every tile shares (tile_off).
         block_id = tl.load(table + tile // BLOCK_SIZE).to(tl.int64)
-        first = tl.multiple_of(tile % BLOCK_SIZE, 16)   # the tile's first token in its block
-        base = block_id * stride_kb + first * stride_kt
+        base = block_id * stride_kb + tl.multiple_of(tile % BLOCK_SIZE, 16) * stride_kt
         k_ptrs = k_cache_ptr + base + tile_off
         v_ptrs = v_cache_ptr + base + tile_off
     else:
@@ -88,18 +84,7 @@ def _attend_tile(q, k_cache_ptr, v_cache_ptr, table, tile, end, offs_n, offs_d, 
         v_ptrs = v_cache_ptr + rows[:, None] + kv_off
     d_mask = (offs_d < HEAD_DIM)[None, :]
     k = _load_tile(k_ptrs, valid[:, None], d_mask, MASKED, HEAD_DIM == BLOCK_D)
-    if V_GROUP:
-        # Grouped V: the tile, inside one block (the host sees to it), loaded whole as [head_dim,
-        # groups, V_GROUP] (a warp's copies run along head_dim, contiguous; a per-token mask would
-        # split them) and viewed as [BLOCK_N, head_dim] for the dot, tokens from end on zeroed.
-        tl.static_assert(BLOCK_SIZE % BLOCK_N == 0)
-        v_ptrs = v_cache_ptr + block_id * stride_kb + first * HEAD_DIM + v_group_off
-        v = _load_tile(v_ptrs, None, offs_d[:, None, None] < HEAD_DIM, False, HEAD_DIM == BLOCK_D)
-        v = tl.reshape(tl.permute(v, (1, 2, 0)), (BLOCK_N, BLOCK_D))
-        if MASKED:
-            v = tl.where(valid[:, None], v, 0.0)
-    else:
-        v = _load_tile(v_ptrs, valid[:, None], d_mask, MASKED, HEAD_DIM == BLOCK_D)
+    v = _load_tile(v_ptrs, valid[:, None], d_mask, MASKED, HEAD_DIM == BLOCK_D)
     if DOT_FP32:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
@@ -136,7 +121,6 @@ def _decode_split_kernel(
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, DOT_FP32: tl.constexpr,
     PRECISION: tl.constexpr, FP8: tl.constexpr, FP8_DOT_DTYPE: tl.constexpr,
     V_CVT_ASM: tl.constexpr, MASK_LAST_TILE_ONLY: tl.constexpr, INTERPRETED: tl.constexpr,
-    V_GROUP: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -170,11 +154,6 @@ def _decode_split_kernel(
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     kv_off = kv_head * stride_kh + offs_d[None, :]
     tile_off = offs_n[:, None] * stride_kt + kv_off   # [BLOCK_N, BLOCK_D], the same in every tile
-    v_group_off = tile_off   # unused unless V_GROUP
-    if V_GROUP:   # [BLOCK_D, BLOCK_N // V_GROUP, V_GROUP], the same in every tile
-        v_group_off = (kv_head * (HEAD_DIM * BLOCK_SIZE) + offs_d[:, None, None] * V_GROUP
-                       + tl.arange(0, BLOCK_N // V_GROUP)[None, :, None] * (HEAD_DIM * V_GROUP)
-                       + tl.arange(0, V_GROUP)[None, None, :])
     # MASK_LAST_TILE_ONLY: the whole tiles first, without masks, then the partial one, if any.
     whole_end = end
     if MASK_LAST_TILE_ONLY:
@@ -186,21 +165,21 @@ def _decode_split_kernel(
         while tile < whole_end:
             m_i, l_i, acc = _attend_tile(
                 q, k_cache_ptr, v_cache_ptr, table, tile, end, offs_n, offs_d, kv_off, tile_off,
-                v_group_off, scale_log2e, m_i, l_i, acc, stride_kb, stride_kt, HEAD_DIM, BLOCK_D, BLOCK_SIZE,
-                BLOCK_N, not MASK_LAST_TILE_ONLY, DOT_FP32, PRECISION, FP8, FP8_DOT_DTYPE, V_CVT_ASM, V_GROUP)
+                scale_log2e, m_i, l_i, acc, stride_kb, stride_kt, HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N,
+                not MASK_LAST_TILE_ONLY, DOT_FP32, PRECISION, FP8, FP8_DOT_DTYPE, V_CVT_ASM)
             tile += BLOCK_N
     else:
         for tile in range(start, whole_end, BLOCK_N):
             m_i, l_i, acc = _attend_tile(
                 q, k_cache_ptr, v_cache_ptr, table, tile, end, offs_n, offs_d, kv_off, tile_off,
-                v_group_off, scale_log2e, m_i, l_i, acc, stride_kb, stride_kt, HEAD_DIM, BLOCK_D, BLOCK_SIZE,
-                BLOCK_N, not MASK_LAST_TILE_ONLY, DOT_FP32, PRECISION, FP8, FP8_DOT_DTYPE, V_CVT_ASM, V_GROUP)
+                scale_log2e, m_i, l_i, acc, stride_kb, stride_kt, HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N,
+                not MASK_LAST_TILE_ONLY, DOT_FP32, PRECISION, FP8, FP8_DOT_DTYPE, V_CVT_ASM)
     if MASK_LAST_TILE_ONLY:
         if whole_end < end:
             m_i, l_i, acc = _attend_tile(
                 q, k_cache_ptr, v_cache_ptr, table, whole_end, end, offs_n, offs_d, kv_off, tile_off,
-                v_group_off, scale_log2e, m_i, l_i, acc, stride_kb, stride_kt, HEAD_DIM, BLOCK_D, BLOCK_SIZE,
-                BLOCK_N, True, DOT_FP32, PRECISION, FP8, FP8_DOT_DTYPE, V_CVT_ASM, V_GROUP)
+                scale_log2e, m_i, l_i, acc, stride_kb, stride_kt, HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N,
+                True, DOT_FP32, PRECISION, FP8, FP8_DOT_DTYPE, V_CVT_ASM)
 
     safe_l = tl.where(l_i > 0, l_i, 1.0)
     out = acc / safe_l[:, None]
@@ -306,11 +285,7 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     _, block_size, num_kv_heads, _ = k_cache.shape
     assert num_heads % num_kv_heads == 0
     assert q.stride(-1) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
-    v_group = v_cache.shape[-1] if v_cache.dim() == 5 else 0   # grouped V blocks (reference.py)
-    if v_group:
-        assert v_cache.shape == (k_cache.shape[0], num_kv_heads, block_size // v_group, head_dim, v_group)
-    else:
-        assert k_cache.stride() == v_cache.stride()
+    assert k_cache.stride() == v_cache.stride()
     fp8 = k_cache.dtype == torch.float8_e4m3fn
     assert not fp8 or (k_scale is not None and v_scale is not None), "an FP8 cache needs k_scale and v_scale"
     group = num_heads // num_kv_heads
@@ -323,9 +298,6 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     # tile (FP8's could overflow shared memory).
     fp8_tiles = fp8 and not dot_fp32
     block_n = block_n or (FP8_DECODE.block_n if fp8_tiles else BLOCK_N)
-    if v_group:   # a tile inside one block, and whole groups
-        block_n = min(block_n, block_size)
-        assert block_size % block_n == 0 and block_n % v_group == 0 and block_n >= 16
     num_warps = FP8_DECODE.num_warps if fp8_tiles else NUM_WARPS
     max_context = block_tables.shape[1] * block_size
     if num_splits is None:
@@ -354,10 +326,10 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
         PRECISION="ieee" if q.dtype == torch.float32 else None,  # ieee: fp32 tests need exact fp32
         FP8=fp8, FP8_DOT_DTYPE=fp8_dot_dtype,
         # The inline assembly needs the GPU, and whole groups of 4 values per thread.
-        V_CVT_ASM=fp8_tiles and FP8_DECODE.v_convert == "asm" and not interpreted and not v_group
+        V_CVT_ASM=fp8_tiles and FP8_DECODE.v_convert == "asm" and not interpreted
         and block_n * block_d >= 4 * 32 * num_warps,
         MASK_LAST_TILE_ONLY=FP8_DECODE.mask_last_tile_only if fp8 else MASK_LAST_TILE_ONLY,
-        INTERPRETED=interpreted, V_GROUP=v_group,
+        INTERPRETED=interpreted,
         num_warps=num_warps, num_stages=FP8_DECODE.num_stages if fp8_tiles else NUM_STAGES,
         maxnreg=FP8_DECODE.max_registers if fp8_tiles else None,
     )

@@ -10,7 +10,7 @@ import functools
 
 import torch
 
-from nanovllm.kernels.reference import dequantize_kv, prefill_attention_ref, v_token_index
+from nanovllm.kernels.reference import dequantize_kv, prefill_attention_ref
 
 
 def _aten_flash_op():
@@ -77,10 +77,8 @@ def gather_kv_varlen(k_cache: torch.Tensor, v_cache: torch.Tensor,
     # -> k, v: [total_k, num_kv_heads, head_dim], the rows of paged_kv_slots
     _, _, num_kv_heads, head_dim = k_cache.shape
     k = k_cache.view(-1, num_kv_heads, head_dim).index_select(0, kv_slots)
-    if v_cache.dim() == 5:   # grouped V blocks
-        v_rows, index = v_token_index(v_cache, kv_slots)
-        return k, v_rows[index]
-    return k, v_cache.view(-1, num_kv_heads, head_dim).index_select(0, kv_slots)
+    v = v_cache.view(-1, num_kv_heads, head_dim).index_select(0, kv_slots)
+    return k, v
 
 
 def prefill_attention_aten(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -72,15 +72,11 @@ def _fp8_e4m3(x, scale):
 @triton.jit
 def _store_kv_rows(k1, k2, v_ptr, k_dst_ptr, v_dst_ptr, k_scale_ptr, v_scale_ptr, NUM_KV_HEADS: tl.constexpr,
                    HEAD_DIM: tl.constexpr, BLOCK_KV_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                   FP8: tl.constexpr, V_HEAD_STRIDE: tl.constexpr, V_STEP: tl.constexpr):
+                   FP8: tl.constexpr):
     """Write one token's rotated key halves and its values (from v_ptr) into its cache rows
-    (FP8: quantized with the layer's scales). V_HEAD_STRIDE, V_STEP: the distances between the
-    token's heads and between its values in the V cache (HEAD_DIM and 1 where V rows are K's)."""
+    (FP8: quantized with the layer's scales)."""
     half: tl.constexpr = HEAD_DIM // 2
-    offs, mask, cols = _head_halves(NUM_KV_HEADS, HEAD_DIM, BLOCK_KV_H, BLOCK_HALF)
-    v_offs = offs   # V rows like K's
-    if V_STEP != 1:
-        v_offs = tl.arange(0, BLOCK_KV_H)[:, None] * V_HEAD_STRIDE + cols * V_STEP
+    offs, mask, _ = _head_halves(NUM_KV_HEADS, HEAD_DIM, BLOCK_KV_H, BLOCK_HALF)
     cache_dtype = k_dst_ptr.dtype.element_ty
     if FP8:
         k_scale = tl.load(k_scale_ptr)
@@ -94,8 +90,8 @@ def _store_kv_rows(k1, k2, v_ptr, k_dst_ptr, v_dst_ptr, k_scale_ptr, v_scale_ptr
         v_scale = tl.load(v_scale_ptr)
         v1 = _fp8_e4m3(v1.to(tl.float32), v_scale)
         v2 = _fp8_e4m3(v2.to(tl.float32), v_scale)
-    tl.store(v_dst_ptr + v_offs, v1.to(cache_dtype), mask=mask)
-    tl.store(v_dst_ptr + v_offs + half * V_STEP, v2.to(cache_dtype), mask=mask)
+    tl.store(v_dst_ptr + offs, v1.to(cache_dtype), mask=mask)
+    tl.store(v_dst_ptr + offs + half, v2.to(cache_dtype), mask=mask)
 
 
 @triton.jit
@@ -104,7 +100,7 @@ def _qk_norm_rope_store_kernel(qkv_ptr, q_ptr, k_ptr, q_w_ptr, k_w_ptr, cos_sin_
                                cos_sin_stride, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
                                HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_KV_H: tl.constexpr,
                                BLOCK_HALF: tl.constexpr, HAS_NORM: tl.constexpr, STORE: tl.constexpr,
-                               FP8: tl.constexpr, BLOCK_SIZE: tl.constexpr, V_GROUP: tl.constexpr):
+                               FP8: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     half: tl.constexpr = HEAD_DIM // 2
     q_size: tl.constexpr = NUM_HEADS * HEAD_DIM
@@ -126,15 +122,9 @@ def _qk_norm_rope_store_kernel(qkv_ptr, q_ptr, k_ptr, q_w_ptr, k_w_ptr, cos_sin_
         if STORE:
             slot = tl.load(slot_ptr + token).to(tl.int64)
             if slot >= 0:   # -1: a padding row, written nowhere
-                if V_GROUP:   # V blocks [num_kv_heads, BLOCK_SIZE // V_GROUP, head_dim, V_GROUP]
-                    in_block = slot % BLOCK_SIZE
-                    v_dst = (v_cache_ptr + (slot - in_block) * kv_size
-                             + (in_block // V_GROUP) * (HEAD_DIM * V_GROUP) + in_block % V_GROUP)
-                else:
-                    v_dst = v_cache_ptr + slot * kv_size
-                _store_kv_rows(k1, k2, k_row + kv_size, k_cache_ptr + slot * kv_size, v_dst,
-                               k_scale_ptr, v_scale_ptr, NUM_KV_HEADS, HEAD_DIM, BLOCK_KV_H, BLOCK_HALF,
-                               FP8, HEAD_DIM * BLOCK_SIZE if V_GROUP else HEAD_DIM, V_GROUP if V_GROUP else 1)
+                _store_kv_rows(k1, k2, k_row + kv_size, k_cache_ptr + slot * kv_size,
+                               v_cache_ptr + slot * kv_size, k_scale_ptr, v_scale_ptr,
+                               NUM_KV_HEADS, HEAD_DIM, BLOCK_KV_H, BLOCK_HALF, FP8)
 
 
 def qk_norm_rope_store_triton(qkv: torch.Tensor, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
@@ -144,8 +134,7 @@ def qk_norm_rope_store_triton(qkv: torch.Tensor, q_weight: torch.Tensor | None, 
                               k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None):
     """qkv: [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim], rows contiguous
     -> q: [num_tokens, num_heads, head_dim], k, v: [num_tokens, num_kv_heads, head_dim] (v a view of qkv).
-    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim] (or a grouped V cache,
-    [num_blocks, num_kv_heads, block_size // G, head_dim, G]: kernels/reference.py), or empty: no store.
+    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], or empty: no store.
     k_scale, v_scale: [1] fp32, read on the device (needed for an FP8 cache, unused otherwise).
     Allocates only outputs shaped like qkv, and never syncs: CUDA-graph safe."""
     num_tokens = qkv.shape[0]
@@ -176,6 +165,5 @@ def qk_norm_rope_store_triton(qkv: torch.Tensor, q_weight: torch.Tensor | None, 
         cos_sin_cache.stride(0), NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_H=block_h, BLOCK_KV_H=triton.next_power_of_2(num_kv_heads),
         BLOCK_HALF=block_half, HAS_NORM=has_norm, STORE=store, FP8=fp8,
-        BLOCK_SIZE=k_cache.shape[1] if store else 1, V_GROUP=v_cache.shape[-1] if v_cache.dim() == 5 else 0,
         num_warps=min(8, max(1, block_h * block_half // 512)), enable_fp_fusion=False)
     return q, k, v

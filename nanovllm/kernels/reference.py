@@ -8,10 +8,6 @@ h // (num_heads // num_kv_heads), the grouping of Hugging Face's `repeat_kv`.
 An FP8 cache (float8_e4m3fn) holds K / k_scale and V / v_scale, where k_scale and v_scale are one
 fp32 number per layer ([1] tensors; None reads as 1.0): stored values are divided by the scale,
 saturated to +-448 and rounded to nearest; read values are multiplied by it, in fp32.
-
-A V cache is [num_blocks, block_size, num_kv_heads, head_dim] like K's, or grouped, five dimensions:
-[num_blocks, num_kv_heads, block_size // G, head_dim, G], each block G tokens after G tokens, every
-group head_dim-major (v_token_index says where a slot's values are).
 """
 import torch
 import torch.nn.functional as F
@@ -19,47 +15,12 @@ import torch.nn.functional as F
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0   # e4m3fn's largest finite value (it has no infinities)
-# Tokens per group of an FP8 cache's grouped V blocks (None: V rows like K's). In a grouped block the
-# decode kernel's V operand, a sum over tokens, reaches the dot as K's does (consecutive tokens in
-# one shared-memory read, no second trip through shared memory as fp16), while a decode token's
-# store still fills 32 / G bytes of each 32-byte sector it writes (rows: all 32; one byte with
-# G = block_size, which made the store three times slower: benchmarks/RESULTS.md, ninth session).
-# Not measured on the GPU yet at 4 or 8: rows stay the default until it is.
-FP8_V_GROUP: int | None = None
 
 
 def quantize_fp8(x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
     """x / scale in fp32, saturated to +-FP8_MAX, rounded to e4m3 (to nearest, ties to even)."""
     x = x.float() if scale is None else x.float() / scale
     return x.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-
-
-def v_token_index(v_cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, tuple]:
-    """(view, index): view[index] is the V of cache slots `slots` (int64), [len(slots), num_kv_heads,
-    head_dim], to read or to assign, in either layout."""
-    if v_cache.dim() == 5:
-        group = v_cache.shape[-1]
-        block_size = v_cache.shape[2] * group
-        index = (slots // block_size, slots % block_size // group, slots % group)
-        return v_cache.permute(0, 2, 4, 1, 3), index
-    return v_cache.flatten(0, 1), (slots,)
-
-
-def group_v_cache(v_cache: torch.Tensor, group: int) -> torch.Tensor:
-    """A [num_blocks, block_size, num_kv_heads, head_dim] V cache in the grouped layout (a copy)."""
-    num_blocks, block_size, num_kv_heads, head_dim = v_cache.shape
-    grouped = v_cache.view(num_blocks, block_size // group, group, num_kv_heads, head_dim)
-    return grouped.permute(0, 3, 1, 4, 2).contiguous()
-
-
-def cache_blocks(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
-    """K or V cache blocks `blocks` (an index tensor) as [*blocks.shape, block_size, num_kv_heads,
-    head_dim] token rows (grouped V blocks rearranged: a copy)."""
-    rows = cache[blocks]
-    if cache.dim() == 5:
-        n = rows.dim()
-        rows = rows.permute(*range(n - 4), n - 3, n - 1, n - 4, n - 2).flatten(n - 4, n - 3)
-    return rows
 
 
 def dequantize_kv(rows: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
@@ -129,24 +90,26 @@ def store_kvcache_ref(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Ten
                       v_cache: torch.Tensor, slot_mapping: torch.Tensor,
                       k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
     # key, value: [num_tokens, num_kv_heads, head_dim]
-    # k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim] (V may be grouped)
+    # k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
     # A slot of -1 marks a padding row that must not be written.
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
+    k_flat = k_cache.view(-1, *k_cache.shape[2:])
+    v_flat = v_cache.view(-1, *v_cache.shape[2:])
     if k_cache.dtype == FP8_DTYPE:
-        key, value = quantize_fp8(key[keep], k_scale), quantize_fp8(value[keep], v_scale)
+        k_flat[slots] = quantize_fp8(key[keep], k_scale)
+        v_flat[slots] = quantize_fp8(value[keep], v_scale)
     else:
-        key, value = key[keep].to(k_cache.dtype), value[keep].to(v_cache.dtype)
-    k_cache.flatten(0, 1)[slots] = key
-    v_rows, index = v_token_index(v_cache, slots)
-    v_rows[index] = value
+        k_flat[slots] = key[keep].to(k_cache.dtype)
+        v_flat[slots] = value[keep].to(v_cache.dtype)
 
 
 def gather_paged_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
-    """The first `length` tokens of one sequence, [length, num_kv_heads, head_dim] (K or V cache)."""
-    block_size = cache.shape[2] * cache.shape[4] if cache.dim() == 5 else cache.shape[1]
-    blocks = block_table[:-(-length // block_size)].long()
-    return cache_blocks(cache, blocks).flatten(0, 1)[:length]
+    """The first `length` tokens of one sequence, [length, num_kv_heads, head_dim]."""
+    block_size = cache.shape[1]
+    pos = torch.arange(length, device=cache.device)
+    blocks = block_table[pos // block_size].long()
+    return cache[blocks, pos % block_size]
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
@@ -180,8 +143,7 @@ def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     max_tokens = block_tables.shape[1] * block_size
     blocks = block_tables.long().clamp(0, num_blocks - 1)
     k = dequantize_kv(k_cache[blocks], k_scale).reshape(batch, max_tokens, num_kv_heads, head_dim).float()
-    v = dequantize_kv(cache_blocks(v_cache, blocks), v_scale).reshape(batch, max_tokens, num_kv_heads,
-                                                                      head_dim).float()
+    v = dequantize_kv(v_cache[blocks], v_scale).reshape(batch, max_tokens, num_kv_heads, head_dim).float()
     group = num_heads // num_kv_heads
     qg = q.float().view(batch, num_kv_heads, group, head_dim)
     scores = torch.einsum("bhgd,bthd->bhgt", qg, k) * scale
