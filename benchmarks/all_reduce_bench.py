@@ -12,6 +12,7 @@ partials rounded once, and NCCL's, bit for bit.
 never joins it) and sets the abort word from another thread, as abort_tp_group does when a peer
 dies: the kernel must end within seconds."""
 import argparse
+import itertools
 import os
 import statistics
 import sys
@@ -23,9 +24,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from nanovllm.kernels.all_reduce import PeerAllReduce  # noqa: E402
-from nanovllm.utils.distributed import (TPGroup, connect_peer_all_reduce, exchange, init_tp_group,  # noqa: E402
-                                        master_store, tp_group, worker_store)
+from nanovllm.kernels.all_reduce import BLOCK, PROGRAMS, PeerAllReduce  # noqa: E402
+from nanovllm.utils.distributed import (TPGroup, exchange, init_tp_group, master_store, tp_group,  # noqa: E402
+                                        worker_store)
 
 CALLS = 50     # all-reduces in one graph
 REPLAYS = 20   # timed replays (after 3 warm-ups)
@@ -72,62 +73,70 @@ def expected_sum(rows, hidden, world, device):
     return acc.to(torch.bfloat16)
 
 
-def rank_main(rank, world, port, rows_list, hidden, check, same_gpu, results):
-    device = torch.device("cuda", 0 if same_gpu else rank)
+def check_sums(peer, group, x, expected, same_gpu, what):
+    """The kernel's sum, eager and in a CUDA graph replayed twice (3 calls a replay on one buffer,
+    reset to the partial before each), and NCCL's, must all be `expected`, bit for bit."""
+    got = [peer(x.clone())]
+    buf = x.clone()
+    graph = torch.cuda.CUDAGraph()
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        for _ in range(3):
+            peer(buf.copy_(x))
+    for _ in range(2):
+        graph.replay()
+        torch.cuda.synchronize()
+        got.append(buf.clone())
+    graph.reset()
+    if not same_gpu:
+        got.append(nccl_sum(group, x.clone()))
+    torch.cuda.synchronize()
+    if not all(torch.equal(g, expected) for g in got):
+        equal = [torch.equal(g, expected) for g in got]
+        raise SystemExit(f"rank {group.rank}: {what}: a sum differs from the rank-ordered one (eager, two "
+                         f"graph replays{'' if same_gpu else ', NCCL'}): {equal}")
+
+
+def partial_exchange(name):
+    return lambda payload: exchange(name, payload)
+
+
+def rank_main(rank, world, port, args, results):
+    device = torch.device("cuda", 0 if args.same_gpu else rank)
     torch.cuda.set_device(device)
     store = worker_store(port, world)
-    if same_gpu:   # no NCCL (it refuses two ranks on one GPU): a group that only has the store
-        group = TPGroup(rank, world, backend=None, store=store)
-        with tp_group(group):
-            group.peer = PeerAllReduce.connect(rank, world, device, lambda b: exchange("peer_buffer", b))
-    else:
-        group = init_tp_group(store, rank, world, device)
-        with tp_group(group):
-            connect_peer_all_reduce(device)
-    peer = group.peer
-    assert peer is not None, "no peer access between these GPUs"
-    for rows in rows_list:
-        x = partial(rows, hidden, rank, device)
-        if not peer.fits(x):
-            if not check:
-                results.put((rows, x.numel() * x.element_size(), per_call_us(lambda t: nccl_sum(group, t), x),
-                             float("nan")))
-            continue
-        expected = expected_sum(rows, hidden, world, device)
-        got = [peer(x.clone())]
-        # in a CUDA graph too, replayed twice: 3 calls on one buffer, reset to the partial before each
-        buf = x.clone()
-        graph = torch.cuda.CUDAGraph()
-        torch.cuda.synchronize()
-        with torch.cuda.graph(graph):
-            for _ in range(3):
-                peer(buf.copy_(x))
-        for _ in range(2):
-            graph.replay()
-            torch.cuda.synchronize()
-            got.append(buf.clone())
-        graph.reset()
-        if not same_gpu:
-            got.append(nccl_sum(group, x.clone()))
-        torch.cuda.synchronize()
-        if not all(torch.equal(g, expected) for g in got):
-            raise SystemExit(f"rank {rank}: {rows} x {hidden}: a sum differs from the rank-ordered one "
-                             f"(eager, graph replays{'' if same_gpu else ', NCCL'}): "
-                             f"{[torch.equal(g, expected) for g in got]}")
-        if not check:
-            results.put((rows, x.numel() * x.element_size(), per_call_us(lambda t: nccl_sum(group, t), x),
-                         per_call_us(peer, x)))
-    if check:
-        x = torch.ones(1024, dtype=torch.bfloat16, device=device)
-        if rank == 0:   # alone in this call: only the abort ends it
-            threading.Timer(1.0, peer.abort).start()
-            start = time.monotonic()
-            peer(x)
-            torch.cuda.synchronize()
-            seconds = time.monotonic() - start
-            if seconds > 10:
-                raise SystemExit(f"the abort took {seconds:.1f} s")
-            results.put(("abort", seconds))
+    # same GPU: no NCCL (it refuses two ranks on one GPU), a group that only has the store
+    group = (TPGroup(rank, world, backend=None, store=store) if args.same_gpu
+             else init_tp_group(store, rank, world, device))
+    nccl_us = {}
+    with tp_group(group):
+        for config, (programs, block) in enumerate(itertools.product(args.programs, args.block)):
+            peer = PeerAllReduce.connect(rank, world, device, partial_exchange(f"buffer{config}_"),
+                                         programs=programs, block=block)
+            peer.max_bytes = 1 << 40   # larger tensors too, in slot-sized chunks
+            for rows in args.rows:
+                x = partial(rows, args.hidden, rank, device)
+                expected = expected_sum(rows, args.hidden, world, device)
+                check_sums(peer, group, x, expected, args.same_gpu,
+                           f"{rows} x {args.hidden}, {programs} programs x {block}")
+                if args.check:
+                    continue
+                if rows not in nccl_us:
+                    nccl_us[rows] = per_call_us(lambda t: nccl_sum(group, t), x)
+                if rank == 0:
+                    results.put((programs, block, rows, x.numel() * x.element_size(), nccl_us[rows],
+                                 per_call_us(peer, x)))
+        if args.check:
+            x = torch.ones(1024, dtype=torch.bfloat16, device=device)
+            if rank == 0:   # alone in this call: only the abort ends it
+                threading.Timer(1.0, peer.abort).start()
+                start = time.monotonic()
+                peer(x)
+                torch.cuda.synchronize()
+                seconds = time.monotonic() - start
+                if seconds > 10:
+                    raise SystemExit(f"the abort took {seconds:.1f} s")
+                results.put(("abort", seconds))
     results.close()
     results.join_thread()   # what this rank put is sent before the exit below
     os._exit(0)   # no collective teardown: the group is broken after the abort
@@ -135,18 +144,21 @@ def rank_main(rank, world, port, rows_list, hidden, check, same_gpu, results):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rows", type=int, nargs="+", default=[8, 64, 256, 512, 2048])
+    p.add_argument("--rows", type=int, nargs="+", default=[8, 64, 256, 512, 2048, 16384])
+    p.add_argument("--programs", type=int, nargs="+", default=[PROGRAMS], help="grids to try")
+    p.add_argument("--block", type=int, nargs="+", default=[BLOCK], help="elements a program moves per step")
     p.add_argument("--hidden", type=int, default=4096)
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--check", action="store_true", help="check the sums and the abort, no timing")
     p.add_argument("--same-gpu", action="store_true",
                    help="every rank on GPU 0 (a one-GPU machine: checks only, the ranks time-slice the GPU)")
     args = p.parse_args()
+    if args.same_gpu and not args.check:
+        p.error("--same-gpu checks only (add --check): two processes on one GPU take turns, no timing")
     store = master_store(args.world)   # the ranks rendezvous through it
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    options = (args.rows, args.hidden, args.check, args.same_gpu, results)
-    procs = [ctx.Process(target=rank_main, args=(r, args.world, store.port, *options))
+    procs = [ctx.Process(target=rank_main, args=(r, args.world, store.port, args, results))
              for r in range(args.world)]
     for proc in procs:
         proc.start()
@@ -157,17 +169,17 @@ def main():
         for proc in procs:
             proc.kill()
         sys.exit(f"a rank failed: exit codes {codes}")
-    if args.same_gpu and not args.check:
-        sys.exit("--same-gpu checks only (add --check): two processes on one GPU take turns, no timing")
     if args.check:
         also = "" if args.same_gpu else " and NCCL's"
         print(f"sums equal the rank-ordered sum{also} for rows {args.rows} x {args.hidden}; "
               f"abort ended the wait in {results.get(timeout=5)[1]:.2f} s")
         return
-    print(f"{'rows':>6} {'bytes':>10} {'NCCL us':>9} {'peer us':>9} {'speed-up':>8}")
-    for _ in args.rows:
-        rows, nbytes, nccl, mine = results.get(timeout=5)
-        print(f"{rows:>6} {nbytes:>10,} {nccl:>9.1f} {mine:>9.1f} {nccl / mine:>8.2f}")
+    print(f"{'programs':>8} {'block':>6} {'rows':>6} {'bytes':>11} {'NCCL us':>9} {'peer us':>9} "
+          f"{'speed-up':>8}")
+    for _ in range(len(args.programs) * len(args.block) * len(args.rows)):
+        programs, block, rows, nbytes, nccl, mine = results.get(timeout=5)
+        print(f"{programs:>8} {block:>6} {rows:>6} {nbytes:>11,} {nccl:>9.1f} {mine:>9.1f} "
+              f"{nccl / mine:>8.2f}")
 
 
 if __name__ == "__main__":

@@ -1,9 +1,9 @@
 """The peer-memory all-reduce kernel (nanovllm/kernels/all_reduce.py) under the Triton interpreter:
-2 and 3 ranks as processes over shared host buffers run the whole protocol (push, signal,
-wait, sum) for several calls in a row (both buffer halves, tensors over several of the grid's
-spans, bf16 and fp32), and every rank gets the rank-ordered sum, bit for bit. A rank whose peer
-never comes is ended by the abort word within seconds. On two GPUs, tests/test_tp_gpu.py runs it
-against NCCL (benchmarks/all_reduce_bench.py --check)."""
+2 and 3 ranks as processes over shared host buffers run the whole protocol (push, signal, wait,
+sum) for several calls in a row (both buffer halves, tensors over several of the grid's spans, a
+tensor larger than a slot in two launches, bf16 and fp32), and every rank gets the rank-ordered
+sum, bit for bit. A rank whose peer never comes is ended by the abort word within seconds. On two
+GPUs, tests/test_tp_gpu.py runs it against NCCL (benchmarks/all_reduce_bench.py --check)."""
 import threading
 import time
 
@@ -15,9 +15,10 @@ from conftest import interp, run_interpreted_tests
 from nanovllm.utils.distributed import TPGroup, all_reduce, tp_group
 
 SLOT_BYTES = 1 << 19   # small buffers: the interpreter is slow
-# (elements, dtype) per call: within one span, over two spans of the grid (64 x 1024), uneven ends
+# (elements, dtype) per call: within one span, over two spans of the grid (64 x 1024), uneven ends,
+# a whole slot, two slots' worth (two launches)
 CALLS = [(1000, torch.bfloat16), (70_001, torch.float32), (5, torch.bfloat16), (131_072, torch.float32),
-         (3000, torch.bfloat16)]
+         (200_000, torch.float32), (3000, torch.bfloat16)]
 
 
 def test_peer_all_reduce_interpreted():
@@ -32,6 +33,7 @@ def partial(rank: int, call: int, n: int, dtype) -> torch.Tensor:
 def _rank(rank: int, buffers, results):
     from nanovllm.kernels.all_reduce import PeerAllReduce
     ar = PeerAllReduce(rank, buffers, slot_bytes=SLOT_BYTES)
+    ar.max_bytes = 1 << 30   # larger than a slot too: in chunks
     outs = []
     for call, (n, dtype) in enumerate(CALLS):
         x = partial(rank, call, n, dtype)

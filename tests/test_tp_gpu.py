@@ -131,10 +131,11 @@ def test_nccl_startup_failure_names_the_worker(faults):
 
 def test_peer_all_reduce_equals_nccl_and_aborts():
     """The peer-memory all-reduce gives NCCL's sums bit for bit (decode sizes, 8 to 512 rows of 4096
-    bf16), and a rank left alone in a call is freed by the abort word within seconds."""
+    bf16, and 2048 rows in two launches), eager and in CUDA graphs, and a rank left alone in a call
+    is freed by the abort word within seconds."""
     script = os.path.join(REPO, "benchmarks", "all_reduce_bench.py")
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    result = subprocess.run([sys.executable, script, "--check", "--rows", "8", "64", "256", "512"],
+    result = subprocess.run([sys.executable, script, "--check", "--rows", "8", "64", "256", "512", "2048"],
                             env=env, capture_output=True, text=True, timeout=180)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     assert "sums equal the rank-ordered sum and NCCL's" in result.stdout

@@ -34,17 +34,19 @@ from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 from nanovllm.kernels.common import rounded
 
 PROGRAMS = 64           # the kernel's grid: all resident at once on any GPU we run on
+MAX_PROGRAMS = 256      # flags per rank in a buffer (a grid of up to this many programs)
 BLOCK = 1024            # elements a program moves per iteration (8 per thread: 16-byte accesses)
 ABORT_POLL = 256        # spins between two reads of the abort word (a PCIe read: about 1 us)
-SLOT_BYTES = 8 << 20    # the largest tensor it reduces (a decode step of 512 x 8192 bf16); NCCL above
+SLOT_BYTES = 8 << 20    # one launch's most bytes (a decode step of 512 x 8192 bf16); larger in chunks
 
 
 @triton.jit(do_not_specialize=["n"])
 def _peer_all_reduce_kernel(x_ptr, n, addrs_ptr, epochs_ptr, abort_ptr, RANK: tl.constexpr,
                             WORLD: tl.constexpr, SLOT: tl.constexpr, FLAGS_AT: tl.constexpr,
-                            PROGRAMS: tl.constexpr, BLOCK: tl.constexpr, ABORT_POLL: tl.constexpr):
+                            PROGRAMS: tl.constexpr, MAX_PROGRAMS: tl.constexpr, BLOCK: tl.constexpr,
+                            ABORT_POLL: tl.constexpr):
     # addrs_ptr: each rank's buffer address (int64), rank order: [2 halves][WORLD slots][SLOT
-    # elements], then WORLD x PROGRAMS int64 flags from element FLAGS_AT (in int64 units).
+    # elements], then WORLD x MAX_PROGRAMS int64 flags from element FLAGS_AT (in int64 units).
     pid = tl.program_id(0)
     dtype = x_ptr.dtype.element_ty
     epoch = tl.load(epochs_ptr + pid) + 1
@@ -62,12 +64,12 @@ def _peer_all_reduce_kernel(x_ptr, n, addrs_ptr, epochs_ptr, abort_ptr, RANK: tl
     for r in tl.static_range(WORLD):
         if r != RANK:
             peer_flags = tl.load(addrs_ptr + r).to(tl.pointer_type(tl.int64)) + FLAGS_AT
-            tl.atomic_xchg(peer_flags + RANK * PROGRAMS + pid, epoch, sem="release", scope="sys")
+            tl.atomic_xchg(peer_flags + RANK * MAX_PROGRAMS + pid, epoch, sem="release", scope="sys")
     own = tl.load(addrs_ptr + RANK)
     own_flags = own.to(tl.pointer_type(tl.int64)) + FLAGS_AT
     for r in tl.static_range(WORLD):
         if r != RANK:
-            flag = own_flags + r * PROGRAMS + pid
+            flag = own_flags + r * MAX_PROGRAMS + pid
             seen = tl.atomic_add(flag, 0, sem="acquire", scope="sys")
             spins = 0
             aborted = 0
@@ -94,32 +96,40 @@ def _peer_all_reduce_kernel(x_ptr, n, addrs_ptr, epochs_ptr, abort_ptr, RANK: tl
 
 class PeerAllReduce:
     """One rank's side: its buffer, the addresses of every rank's buffer (peers' mapped here), the
-    per-program epochs and the abort word. `fits(x)` says whether it can reduce x; `x = ar(x)`
-    reduces in place (every rank must call it with the same shapes in the same order, as with
+    per-program epochs and the abort word. `fits(x)` says whether it should reduce x (up to
+    max_bytes: by default one launch); `x = ar(x)` reduces in place, a tensor larger than a slot in
+    slot-sized chunks (every rank must call it with the same shapes in the same order, as with
     NCCL). Make one with connect() (CUDA IPC between processes) or directly from buffers every
-    rank can address (the interpreter's test: host tensors shared by threads)."""
+    rank can address (the interpreter's test: host tensors shared by processes). programs and
+    block (the grid, and the elements a program moves per iteration) are fixed for its life."""
 
     def __init__(self, rank: int, buffers: list[torch.Tensor], slot_bytes: int = SLOT_BYTES,
-                 keep: tuple = ()):
+                 programs: int = PROGRAMS, block: int = BLOCK):
         self.rank, self.world, self.slot_bytes = rank, len(buffers), slot_bytes
+        self.programs, self.block, self.max_bytes = programs, block, slot_bytes
         own = buffers[rank]
         assert own.numel() == buffer_bytes(self.world, slot_bytes) and own.dtype == torch.uint8
+        assert programs <= MAX_PROGRAMS
         self.device = own.device
         self.addrs = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64, device=self.device)
-        self.epochs = torch.zeros(PROGRAMS, dtype=torch.int64, device=self.device)
+        self.epochs = torch.zeros(programs, dtype=torch.int64, device=self.device)
         self.abort_word = torch.zeros(1, dtype=torch.int32, pin_memory=self.device.type == "cuda")
-        self.buffers, self.keep = buffers, keep   # the mappings live as long as this object
+        self.buffers = buffers   # the peers' mappings live as long as this object
 
     def fits(self, x: torch.Tensor) -> bool:
         return (x.device == self.device and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
-                and x.is_contiguous() and x.numel() * x.element_size() <= self.slot_bytes)
+                and x.is_contiguous() and x.numel() * x.element_size() <= self.max_bytes)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         slot = self.slot_bytes // x.element_size()
-        _peer_all_reduce_kernel[(PROGRAMS,)](
-            x, x.numel(), self.addrs, self.epochs, self.abort_word, RANK=self.rank, WORLD=self.world,
-            SLOT=slot, FLAGS_AT=2 * self.world * self.slot_bytes // 8, PROGRAMS=PROGRAMS, BLOCK=BLOCK,
-            ABORT_POLL=ABORT_POLL, num_warps=4)
+        flat = x.view(-1)
+        for start in range(0, flat.numel(), slot):
+            chunk = flat[start:start + slot]
+            _peer_all_reduce_kernel[(self.programs,)](
+                chunk, chunk.numel(), self.addrs, self.epochs, self.abort_word, RANK=self.rank,
+                WORLD=self.world, SLOT=slot, FLAGS_AT=2 * self.world * self.slot_bytes // 8,
+                PROGRAMS=self.programs, MAX_PROGRAMS=MAX_PROGRAMS, BLOCK=self.block,
+                ABORT_POLL=ABORT_POLL, num_warps=4)
         return x
 
     def abort(self):
@@ -127,25 +137,23 @@ class PeerAllReduce:
         self.abort_word[0] = 1
 
     @classmethod
-    def connect(cls, rank: int, world: int, device: torch.device, exchange) -> "PeerAllReduce":
+    def connect(cls, rank: int, world: int, device: torch.device, exchange, **options) -> "PeerAllReduce":
         """Allocate this rank's buffer on `device`, share it with the other ranks and map theirs.
         exchange(payload: bytes) -> every rank's payload in rank order (through the group's store)."""
         own = torch.zeros(buffer_bytes(world, SLOT_BYTES), dtype=torch.uint8, device=device)
         torch.cuda.synchronize(device)   # zeroed flags before any peer can write them
         _, args = reduce_tensor(own)
-        buffers, keep = [], []
+        buffers = []
         for r, payload in enumerate(exchange(pickle.dumps(args))):
             if r == rank:
                 buffers.append(own)
                 continue
             args = list(pickle.loads(payload))
             args[6] = device.index   # map the peer's memory into this GPU's context (peer access)
-            peer = rebuild_cuda_tensor(*args)
-            buffers.append(peer)
-            keep.append(peer)
-        return cls(rank, buffers)
+            buffers.append(rebuild_cuda_tensor(*args))
+        return cls(rank, buffers, **options)
 
 
 def buffer_bytes(world: int, slot_bytes: int) -> int:
-    """A rank's buffer: two halves of `world` slots, then world x PROGRAMS int64 flags."""
-    return 2 * world * slot_bytes + world * PROGRAMS * 8
+    """A rank's buffer: two halves of `world` slots, then world x MAX_PROGRAMS int64 flags."""
+    return 2 * world * slot_bytes + world * MAX_PROGRAMS * 8
