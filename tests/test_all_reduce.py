@@ -14,7 +14,8 @@ import torch.multiprocessing
 from conftest import interp, run_interpreted_tests
 from nanovllm.utils.distributed import TPGroup, all_reduce, tp_group
 
-SLOT_BYTES = 1 << 19   # small buffers: the interpreter is slow
+SLOT_BYTES = 1 << 19   # small buffers and grids: the interpreter is slow
+GRID = dict(programs=64, block=1024)
 # (elements, dtype) per call: within one span, over two spans of the grid (64 x 1024), uneven ends,
 # a whole slot, two slots' worth (two launches)
 CALLS = [(1000, torch.bfloat16), (70_001, torch.float32), (5, torch.bfloat16), (131_072, torch.float32),
@@ -30,9 +31,9 @@ def partial(rank: int, call: int, n: int, dtype) -> torch.Tensor:
     return (torch.randn(n, generator=g) * (rank + 1)).to(dtype)
 
 
-def _rank(rank: int, buffers, results):
+def _rank(rank: int, buffers, results, grid):
     from nanovllm.kernels.all_reduce import PeerAllReduce
-    ar = PeerAllReduce(rank, buffers, slot_bytes=SLOT_BYTES)
+    ar = PeerAllReduce(rank, buffers, slot_bytes=SLOT_BYTES, **grid)
     ar.max_bytes = 1 << 30   # larger than a slot too: in chunks
     outs = []
     for call, (n, dtype) in enumerate(CALLS):
@@ -43,8 +44,8 @@ def _rank(rank: int, buffers, results):
 
 
 @interp
-@pytest.mark.parametrize("world", [2, 3])
-def test_interp_every_rank_gets_the_rank_ordered_sum(world):
+@pytest.mark.parametrize("world, grid", [(2, GRID), (3, GRID), (2, {})], ids=["2", "3", "2-default-grid"])
+def test_interp_every_rank_gets_the_rank_ordered_sum(world, grid):
     from nanovllm.kernels.all_reduce import buffer_bytes
     buffers = [torch.zeros(buffer_bytes(world, SLOT_BYTES), dtype=torch.uint8).share_memory_()
                for _ in range(world)]
@@ -52,7 +53,7 @@ def test_interp_every_rank_gets_the_rank_ordered_sum(world):
     results = torch.zeros(world, total).share_memory_()
     # spawned: a forked child of a process that used torch's thread pool can hang in it
     ctx = torch.multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=_rank, args=(r, buffers, results)) for r in range(world)]
+    procs = [ctx.Process(target=_rank, args=(r, buffers, results, grid)) for r in range(world)]
     for p in procs:
         p.start()
     for p in procs:
@@ -73,7 +74,7 @@ def test_interp_every_rank_gets_the_rank_ordered_sum(world):
 def test_interp_abort_ends_a_wait_for_a_missing_peer():
     from nanovllm.kernels.all_reduce import PeerAllReduce, buffer_bytes
     buffers = [torch.zeros(buffer_bytes(2, SLOT_BYTES), dtype=torch.uint8) for _ in range(2)]
-    ar = PeerAllReduce(0, buffers, slot_bytes=SLOT_BYTES)
+    ar = PeerAllReduce(0, buffers, slot_bytes=SLOT_BYTES, **GRID)
     threading.Timer(0.5, ar.abort).start()   # rank 1 never calls: only the abort ends the wait
     start = time.monotonic()
     ar(torch.ones(100, dtype=torch.bfloat16))

@@ -33,9 +33,11 @@ from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
 from nanovllm.kernels.common import rounded
 
-PROGRAMS = 64           # the kernel's grid: all resident at once on any GPU we run on
+# A decode step's 2 MB in two iterations of every program, each thread's four 16-byte loads in
+# flight at once (the loops are not pipelined: fewer, wider iterations hide the latency).
+PROGRAMS = 128          # the kernel's grid: all resident at once (a few registers, no shared memory)
 MAX_PROGRAMS = 256      # flags per rank in a buffer (a grid of up to this many programs)
-BLOCK = 1024            # elements a program moves per iteration (8 per thread: 16-byte accesses)
+BLOCK = 4096            # elements a program moves per iteration (32 per thread, 4 warps)
 ABORT_POLL = 256        # spins between two reads of the abort word (a PCIe read: about 1 us)
 SLOT_BYTES = 8 << 20    # one launch's most bytes (a decode step of 512 x 8192 bf16); larger in chunks
 
