@@ -33,7 +33,8 @@ def partial(rank: int, call: int, n: int, dtype) -> torch.Tensor:
 
 def _rank(rank: int, buffers, results, grid):
     from nanovllm.kernels.all_reduce import PeerAllReduce
-    ar = PeerAllReduce(rank, buffers, slot_bytes=SLOT_BYTES, **grid)
+    ar = PeerAllReduce(rank, [b.data_ptr() for b in buffers], torch.device("cpu"), slot_bytes=SLOT_BYTES,
+                       **grid)
     ar.max_bytes = 1 << 30   # larger than a slot too: in chunks
     outs = []
     for call, (n, dtype) in enumerate(CALLS):
@@ -74,7 +75,7 @@ def test_interp_every_rank_gets_the_rank_ordered_sum(world, grid):
 def test_interp_abort_ends_a_wait_for_a_missing_peer():
     from nanovllm.kernels.all_reduce import PeerAllReduce, buffer_bytes
     buffers = [torch.zeros(buffer_bytes(2, SLOT_BYTES), dtype=torch.uint8) for _ in range(2)]
-    ar = PeerAllReduce(0, buffers, slot_bytes=SLOT_BYTES, **GRID)
+    ar = PeerAllReduce(0, [b.data_ptr() for b in buffers], torch.device("cpu"), slot_bytes=SLOT_BYTES, **GRID)
     threading.Timer(0.5, ar.abort).start()   # rank 1 never calls: only the abort ends the wait
     start = time.monotonic()
     ar(torch.ones(100, dtype=torch.bfloat16))

@@ -17,7 +17,8 @@ from nanovllm.config import Config
 from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.tp_worker import HEARTBEAT_S, TRACEBACK_BYTES, use_cuda
 from nanovllm.utils import command_pipe
-from nanovllm.utils.distributed import abort_tp_group, init_tp_group, reset_captured_graphs, worker_store
+from nanovllm.utils.distributed import (abort_tp_group, close_peer_all_reduce, init_tp_group,
+                                        reset_captured_graphs, worker_store)
 from nanovllm.utils.heartbeat import Heartbeats
 
 
@@ -82,7 +83,7 @@ def _serve(config: Config, rank: int, port: int, commands: int, check_parent):
             # seconds in the driver's teardown.
             reset_captured_graphs(group)
             abort_tp_group(group)
-            group.peer = None   # unmaps rank 0's all-reduce buffer, so rank 0 can free it
+            close_peer_all_reduce(group)
             return
         if runner.forward_step(step) is not None:
             runner.share_sampled(sum(step.samples))   # rank 0's sampled tokens, for later steps

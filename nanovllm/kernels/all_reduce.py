@@ -24,12 +24,11 @@ abort_tp_group sets it and the kernel ends (with garbage) instead of holding the
 
 The Triton interpreter runs it too (tests/test_all_reduce.py: two ranks as two threads over host
 buffers), so the protocol is tested on CPU."""
-import pickle
+import ctypes
 
 import torch
 import triton
 import triton.language as tl
-from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
 from nanovllm.kernels.common import rounded
 
@@ -97,26 +96,24 @@ def _peer_all_reduce_kernel(x_ptr, n, addrs_ptr, epochs_ptr, abort_ptr, RANK: tl
 
 
 class PeerAllReduce:
-    """One rank's side: its buffer, the addresses of every rank's buffer (peers' mapped here), the
+    """One rank's side: the address of every rank's buffer (the peers' mapped here), the
     per-program epochs and the abort word. `fits(x)` says whether it should reduce x (up to
     max_bytes: by default one launch); `x = ar(x)` reduces in place, a tensor larger than a slot in
     slot-sized chunks (every rank must call it with the same shapes in the same order, as with
-    NCCL). Make one with connect() (CUDA IPC between processes) or directly from buffers every
-    rank can address (the interpreter's test: host tensors shared by processes). programs and
-    block (the grid, and the elements a program moves per iteration) are fixed for its life."""
+    NCCL). Make one with connect() (CUDA IPC between processes) or from buffers every rank can
+    address (the interpreter's test: host memory shared by processes). programs and block (the
+    grid, and the elements a program moves per iteration) are fixed for its life. close() (or
+    garbage collection) unmaps the peers' buffers and frees this rank's."""
 
-    def __init__(self, rank: int, buffers: list[torch.Tensor], slot_bytes: int = SLOT_BYTES,
-                 programs: int = PROGRAMS, block: int = BLOCK):
-        self.rank, self.world, self.slot_bytes = rank, len(buffers), slot_bytes
-        self.programs, self.block, self.max_bytes = programs, block, slot_bytes
-        own = buffers[rank]
-        assert own.numel() == buffer_bytes(self.world, slot_bytes) and own.dtype == torch.uint8
+    def __init__(self, rank: int, addresses: list[int], device: torch.device, slot_bytes: int = SLOT_BYTES,
+                 programs: int = PROGRAMS, block: int = BLOCK, release=None):
         assert programs <= MAX_PROGRAMS
-        self.device = own.device
-        self.addrs = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64, device=self.device)
-        self.epochs = torch.zeros(programs, dtype=torch.int64, device=self.device)
-        self.abort_word = torch.zeros(1, dtype=torch.int32, pin_memory=self.device.type == "cuda")
-        self.buffers = buffers   # the peers' mappings live as long as this object
+        self.rank, self.world, self.device, self.slot_bytes = rank, len(addresses), device, slot_bytes
+        self.programs, self.block, self.max_bytes = programs, block, slot_bytes
+        self.addrs = torch.tensor(addresses, dtype=torch.int64, device=device)
+        self.epochs = torch.zeros(programs, dtype=torch.int64, device=device)
+        self.abort_word = torch.zeros(1, dtype=torch.int32, pin_memory=device.type == "cuda")
+        self._release = release
 
     def fits(self, x: torch.Tensor) -> bool:
         return (x.device == self.device and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
@@ -135,25 +132,94 @@ class PeerAllReduce:
         return x
 
     def abort(self):
-        """End every spinning kernel (a peer is gone): they return garbage from then on."""
+        """End every spinning kernel (a peer is gone): they return garbage from then on. A plain
+        store to host memory: no driver call, so a thread can do it while another is stuck in one."""
         self.abort_word[0] = 1
+
+    def close(self):
+        release, self._release = self._release, None
+        if release is not None:
+            release()
+
+    def __del__(self):
+        self.close()
 
     @classmethod
     def connect(cls, rank: int, world: int, device: torch.device, exchange, **options) -> "PeerAllReduce":
-        """Allocate this rank's buffer on `device`, share it with the other ranks and map theirs.
-        exchange(payload: bytes) -> every rank's payload in rank order (through the group's store)."""
-        own = torch.zeros(buffer_bytes(world, SLOT_BYTES), dtype=torch.uint8, device=device)
-        torch.cuda.synchronize(device)   # zeroed flags before any peer can write them
-        _, args = reduce_tensor(own)
-        buffers = []
-        for r, payload in enumerate(exchange(pickle.dumps(args))):
-            if r == rank:
-                buffers.append(own)
-                continue
-            args = list(pickle.loads(payload))
-            args[6] = device.index   # map the peer's memory into this GPU's context (peer access)
-            buffers.append(rebuild_cuda_tensor(*args))
-        return cls(rank, buffers, **options)
+        """Allocate this rank's buffer on `device` (outside torch's caching allocator: the peers
+        write into it, so it must never be handed to another tensor while they can), share it with
+        the other ranks through CUDA IPC and map theirs. exchange(payload: bytes) -> every rank's
+        payload in rank order (through the group's store). Driver calls through ctypes: torch's own
+        IPC (torch.multiprocessing) keeps reference counts in /dev/shm files, which a killed process
+        would leave behind."""
+        cuda = _Driver()
+        nbytes = buffer_bytes(world, options.get("slot_bytes", SLOT_BYTES))
+        own = cuda.alloc(nbytes)
+        opened = []
+        try:
+            cuda.zero(own, nbytes)   # the flags start at 0 before any peer can write them
+            addresses = []
+            for r, handle in enumerate(exchange(cuda.ipc_handle(own))):
+                if r != rank:
+                    opened.append(cuda.ipc_open(handle))
+                addresses.append(own if r == rank else opened[-1])
+        except BaseException:
+            cuda.release(own, opened)
+            raise
+        return cls(rank, addresses, device, release=lambda: cuda.release(own, opened), **options)
+
+
+class _IpcHandle(ctypes.Structure):
+    """CUipcMemHandle: 64 opaque bytes, passed by value (a ctypes array would go as a pointer)."""
+    _fields_ = [("bytes", ctypes.c_ubyte * 64)]
+
+
+class _Driver:
+    """The few CUDA driver calls the buffers need (libcuda, in the calling thread's context: the
+    device's primary context, which torch made current)."""
+    LAZY_ENABLE_PEER_ACCESS = 1   # CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
+
+    def __init__(self):
+        self.lib = ctypes.CDLL("libcuda.so.1")
+
+    def call(self, name: str, *args):
+        fn = getattr(self.lib, name + "_v2", None) or getattr(self.lib, name)   # cuda.h's #defines
+        status = fn(*args)
+        if status != 0:
+            raise RuntimeError(f"CUDA driver call {name} failed with error {status}")
+
+    def alloc(self, nbytes: int) -> int:
+        ptr = ctypes.c_uint64()
+        self.call("cuMemAlloc", ctypes.byref(ptr), ctypes.c_size_t(nbytes))
+        return ptr.value
+
+    def zero(self, ptr: int, nbytes: int):
+        self.call("cuMemsetD8", ctypes.c_uint64(ptr), ctypes.c_ubyte(0), ctypes.c_size_t(nbytes))
+        self.call("cuCtxSynchronize")
+
+    def ipc_handle(self, ptr: int) -> bytes:
+        handle = _IpcHandle()
+        self.call("cuIpcGetMemHandle", ctypes.byref(handle), ctypes.c_uint64(ptr))
+        return bytes(handle.bytes)
+
+    def ipc_open(self, handle: bytes) -> int:
+        ptr = ctypes.c_uint64()
+        self.call("cuIpcOpenMemHandle", ctypes.byref(ptr), _IpcHandle.from_buffer_copy(handle),
+                  ctypes.c_uint(self.LAZY_ENABLE_PEER_ACCESS))
+        return ptr.value
+
+    def release(self, own: int, opened: list[int]):
+        """Unmap the peers' buffers and free this rank's; errors ignored (at the process's end the
+        context may be gone already)."""
+        for ptr in opened:
+            try:
+                self.call("cuIpcCloseMemHandle", ctypes.c_uint64(ptr))
+            except RuntimeError:
+                pass
+        try:
+            self.call("cuMemFree", ctypes.c_uint64(own))
+        except RuntimeError:
+            pass
 
 
 def buffer_bytes(world: int, slot_bytes: int) -> int:

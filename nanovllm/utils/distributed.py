@@ -118,9 +118,16 @@ def destroy_tp_group(group: TPGroup | None):
     if group is None:
         return
     reset_captured_graphs(group)
-    group.peer = None
+    close_peer_all_reduce(group)
     if not group.aborted and hasattr(group.backend, "shutdown"):
         group.backend.shutdown()
+
+
+def close_peer_all_reduce(group: TPGroup):
+    """Unmap the peers' all-reduce buffers and free this rank's (nothing may run that uses them)."""
+    if group.peer is not None:
+        group.peer.close()
+        group.peer = None
 
 
 def tp_rank() -> int:
