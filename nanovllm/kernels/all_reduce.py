@@ -183,19 +183,19 @@ class _Driver:
         self.lib = ctypes.CDLL("libcuda.so.1")
 
     def call(self, name: str, *args):
-        fn = getattr(self.lib, name + "_v2", None) or getattr(self.lib, name)   # cuda.h's #defines
-        status = fn(*args)
+        """name: the exported symbol, as cuda.h's #defines pick it (cuMemAlloc is cuMemAlloc_v2)."""
+        status = getattr(self.lib, name)(*args)
         if status != 0:
             raise RuntimeError(f"CUDA driver call {name} failed with error {status}")
 
     def alloc(self, nbytes: int) -> int:
         ptr = ctypes.c_uint64()
-        self.call("cuMemAlloc", ctypes.byref(ptr), ctypes.c_size_t(nbytes))
+        self.call("cuMemAlloc_v2", ctypes.byref(ptr), ctypes.c_size_t(nbytes))
         return ptr.value
 
     def zero(self, ptr: int, nbytes: int):
-        self.call("cuMemsetD8", ctypes.c_uint64(ptr), ctypes.c_ubyte(0), ctypes.c_size_t(nbytes))
-        self.call("cuCtxSynchronize")
+        self.call("cuMemsetD8_v2", ctypes.c_uint64(ptr), ctypes.c_ubyte(0), ctypes.c_size_t(nbytes))
+        torch.cuda.synchronize()
 
     def ipc_handle(self, ptr: int) -> bytes:
         handle = _IpcHandle()
@@ -204,7 +204,7 @@ class _Driver:
 
     def ipc_open(self, handle: bytes) -> int:
         ptr = ctypes.c_uint64()
-        self.call("cuIpcOpenMemHandle", ctypes.byref(ptr), _IpcHandle.from_buffer_copy(handle),
+        self.call("cuIpcOpenMemHandle_v2", ctypes.byref(ptr), _IpcHandle.from_buffer_copy(handle),
                   ctypes.c_uint(self.LAZY_ENABLE_PEER_ACCESS))
         return ptr.value
 
@@ -217,7 +217,7 @@ class _Driver:
             except RuntimeError:
                 pass
         try:
-            self.call("cuMemFree", ctypes.c_uint64(own))
+            self.call("cuMemFree_v2", ctypes.c_uint64(own))
         except RuntimeError:
             pass
 
