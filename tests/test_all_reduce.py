@@ -119,3 +119,23 @@ def test_all_reduce_uses_the_peer_kernel_for_sums_that_fit_and_the_backend_other
         all_reduce(torch.ones(4, dtype=torch.int64), torch.distributed.ReduceOp.MIN)   # not a sum
     assert peer.seen == [4]
     assert [n for n, _ in calls] == [11, 4]
+
+
+def test_exchange_gives_every_rank_all_payloads_in_rank_order():
+    """connect()'s handle exchange through the group's store: 3 ranks as threads, each its own group."""
+    from nanovllm.utils.distributed import exchange, master_store, worker_store
+    master = master_store(3)
+    got = {}
+
+    def rank(r):
+        group = TPGroup(r, 3, backend=None, store=worker_store(master.port, 3))
+        with tp_group(group):
+            got[r] = exchange("handles", bytes([r, 255, r]))
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (2, 0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    expected = [bytes([r, 255, r]) for r in range(3)]
+    assert got == {r: expected for r in range(3)}
