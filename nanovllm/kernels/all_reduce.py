@@ -22,8 +22,8 @@ each peer sent after its call k (which read half h) had finished: no overwrite o
 A spin also reads an abort word in pinned host memory every ABORT_POLL spins: when a peer dies,
 abort_tp_group sets it and the kernel ends (with garbage) instead of holding the GPU forever.
 
-The Triton interpreter runs it too (tests/test_all_reduce.py: two ranks as two threads over host
-buffers), so the protocol is tested on CPU."""
+The Triton interpreter runs it too (tests/test_all_reduce.py: two and three ranks as processes over
+shared host buffers), so the protocol is tested on CPU."""
 import ctypes
 
 import torch
