@@ -2,7 +2,7 @@
 # The peer-memory all-reduce on two GPUs, in one device call (about 8 minutes on nvidia-h200-x2):
 #   1. benchmarks/all_reduce_bench.py: NCCL against the kernel per size, over a few grids;
 #   2. bench.py on the Qwen3-8B shapes at TP=2, with the kernel (the default) and NCCL only;
-#   3. the TP tests that exercise it (its check against NCCL, TP=2 == TP=1 with and without it,
+#   3. the TP tests that exercise it (its check against NCCL, TP=2 == TP=1 with it,
 #      a worker killed in the middle of a generate with CUDA graphs, the TP=2 lifecycle);
 #   4. with the time left (PROFILE=0 skips it): profile_bench.py of the 8B shapes at TP=2.
 # Outputs under $OUT (default /tmp/out).     PYTHONPATH=. bash benchmarks/all_reduce_gpu.sh
@@ -22,7 +22,7 @@ for run in "custom" "nccl --disable-custom-all-reduce"; do
   echo "[bench 8b tp2 $label exit $? at ${SECONDS}s] $(grep -E '^Total' "$OUT/bench_8b_tp2_$label.log")"
 done
 timeout 300 python -m pytest -q -p no:cacheprovider --timeout 200 -rfE tests/test_tp_gpu.py \
-  -k "peer or without_custom or (tp1 and 2) or mid_generate" \
+  -k "peer or (tp1 and 2) or mid_generate" \
   tests/test_gpu_lifecycle.py::test_tp2_shutdown_frees_the_gpu_and_engines_start_again > "$OUT/tp_tests.log" 2>&1
 echo "[pytest exit $? at ${SECONDS}s] $(tail -1 "$OUT/tp_tests.log")"
 grep -E "^(FAILED|ERROR)" "$OUT/tp_tests.log"

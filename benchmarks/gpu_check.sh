@@ -4,7 +4,7 @@
 # tensor-parallel GPU tests (tests/test_tp_gpu.py and the TP=2 lifecycle test: TP=2 with 2 or more
 # GPUs, skipped with one), the other test files that use CUDA (they skip without it) with one GPU
 # visible, as on the one-GPU machine, and all the rest with CUDA hidden, as CI runs them (two
-# processes, half the files each). Prints a short table that names every failed test (and, for a stage cut off at its
+# processes, half the files each; the TP file is split in two as well). Prints a short table that names every failed test (and, for a stage cut off at its
 # limit, the test it was in); the full logs (`pytest -v`: one line per test as it ends) and
 # bench.py's JSON records go to $OUT (default /tmp/out).
 #
@@ -75,7 +75,9 @@ suite() {  # label, then what to run; writes tests_LABEL.{log,xml,rc,s}
   echo $? > "$OUT/tests_$label.rc"; echo $(( SECONDS - start )) > "$OUT/tests_$label.s"
 }
 # The other CUDA files see one GPU, as on the one-GPU machine; their two-GPU test runs with TP's.
-suite tp tests/test_tp_gpu.py tests/test_gpu_lifecycle.py::test_tp2_shutdown_frees_the_gpu_and_engines_start_again &
+# The TP file in two processes (its NCCL fault scenarios, and the rest): alone it took ~340 s.
+suite tp tests/test_tp_gpu.py -k "not test_nccl" tests/test_gpu_lifecycle.py::test_tp2_shutdown_frees_the_gpu_and_engines_start_again &
+suite tpfaults tests/test_tp_gpu.py -k test_nccl &
 CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} suite gpu "${gpu_files[@]}" &
 CUDA_VISIBLE_DEVICES= suite cpu1 "${cpu_half1[@]}" &
 CUDA_VISIBLE_DEVICES= suite cpu2 "${cpu_half2[@]}"
@@ -131,7 +133,8 @@ def from_log(path):
 
 print(f"\n{'check':36s} result")
 ok, failures = True, []
-for label, name in (("tp", "pytest, tests/test_tp_gpu.py"), ("gpu", "pytest, other CUDA test files"),
+for label, name in (("tp", "pytest, tests/test_tp_gpu.py"), ("tpfaults", "pytest, test_tp_gpu.py NCCL faults"),
+                    ("gpu", "pytest, other CUDA test files"),
                     ("cpu1", "pytest, the rest (CUDA hidden), 1/2"), ("cpu2", "pytest, the rest (CUDA hidden), 2/2")):
     rc = int(open(os.path.join(out, f"tests_{label}.rc")).read())
     seconds = open(os.path.join(out, f"tests_{label}.s")).read().strip()

@@ -140,13 +140,3 @@ def test_peer_all_reduce_equals_nccl_and_aborts():
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     assert "sums equal the rank-ordered sum and NCCL's" in result.stdout
 
-
-def test_tp2_without_custom_all_reduce_matches(model_8_heads):
-    """disable_custom_all_reduce=True (NCCL for every sum) gives the default's greedy tokens (fp32)."""
-    outs = []
-    for disable in (False, True):
-        llm = LLM(model_8_heads, tensor_parallel_size=2, dtype="float32", disable_custom_all_reduce=disable,
-                  **OPTIONS)
-        outs.append([o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)])
-        llm.shutdown()
-    assert outs[0] == outs[1]
