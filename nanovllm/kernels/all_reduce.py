@@ -1,8 +1,9 @@
 """A one-shot all-reduce over peer GPU memory, for the decode-sized tensors of tensor parallelism.
 
-NCCL's all-reduce of a decode step's hidden state (256 x 4096 bf16, 2 MB) took about 54 us on two
-H200s, most of it latency: 72 of them were 35% of the Qwen3-8B TP=2 decode step. Here each rank
-owns a buffer that every other rank maps (CUDA IPC), and one kernel does the whole all-reduce:
+A decode step's sums are small (256 x 4096 bf16: 2 MB, a few microseconds over NVLink) and many
+(72 a step for Qwen3-8B), so latency decides; NCCL's took roughly 8-12 us each inside the TP=2
+decode graphs on two H200s. Here each rank owns a buffer that every other rank maps (CUDA IPC),
+and one kernel does the whole all-reduce:
 
   1. push: every program copies its slices of this rank's partial sum into this rank's slot of
      each peer's buffer (plain stores over NVLink);
