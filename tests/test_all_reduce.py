@@ -139,3 +139,61 @@ def test_exchange_gives_every_rank_all_payloads_in_rank_order():
         t.join(30)
     expected = [bytes([r, 255, r]) for r in range(3)]
     assert got == {r: expected for r in range(3)}
+
+
+class _FakeDriver:
+    """Stands in for the CUDA driver calls of PeerAllReduce.connect: rank FAIL's allocation fails."""
+    FAIL = None
+    released = []
+
+    def alloc(self, nbytes):
+        if threading.current_thread().name == f"rank{self.FAIL}":
+            raise RuntimeError("CUDA driver call cuMemAlloc_v2 failed with error 2")
+        return 4096
+
+    def zero(self, ptr, nbytes):
+        pass
+
+    def ipc_handle(self, ptr):
+        return bytes(64)
+
+    def ipc_open(self, handle):
+        return 8192
+
+    def release(self, own, opened):
+        _FakeDriver.released.append((threading.current_thread().name, own, list(opened)))
+
+
+@pytest.mark.parametrize("fail", [None, 0, 1])
+def test_connect_fails_on_every_rank_when_one_rank_cannot_share_and_nobody_waits(monkeypatch, fail):
+    """A rank whose buffer cannot be made still answers the exchange, so every rank raises at once
+    (and frees what it made) instead of waiting for it; with no failure both connect."""
+    from nanovllm.kernels import all_reduce
+    from nanovllm.utils.distributed import exchange, master_store, worker_store
+    monkeypatch.setattr(all_reduce, "_Driver", _FakeDriver)
+    monkeypatch.setattr(_FakeDriver, "FAIL", fail)
+    monkeypatch.setattr(_FakeDriver, "released", [])
+    master, outcome = master_store(2), {}
+
+    def rank(r):
+        group = TPGroup(r, 2, backend=None, store=worker_store(master.port, 2))
+        with tp_group(group):
+            try:
+                peer = all_reduce.PeerAllReduce.connect(r, 2, torch.device("cpu"),
+                                                        lambda b: exchange("buf", b))
+                outcome[r] = peer.addrs.tolist()
+            except RuntimeError as e:
+                outcome[r] = str(e)
+
+    threads = [threading.Thread(target=rank, args=(r,), name=f"rank{r}") for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not any(t.is_alive() for t in threads)
+    if fail is None:
+        assert outcome == {0: [4096, 8192], 1: [8192, 4096]}
+        return
+    assert "cuMemAlloc_v2 failed" in outcome[fail]
+    assert "another rank could not allocate" in outcome[1 - fail]
+    assert (f"rank{1 - fail}", 4096, []) in _FakeDriver.released   # the other rank freed its buffer

@@ -153,19 +153,29 @@ class PeerAllReduce:
         payload in rank order (through the group's store). Driver calls through ctypes: torch's own
         IPC (torch.multiprocessing) keeps reference counts in /dev/shm files, which a killed process
         would leave behind."""
-        cuda = _Driver()
-        nbytes = buffer_bytes(world, options.get("slot_bytes", SLOT_BYTES))
-        own = cuda.alloc(nbytes)
-        opened = []
-        try:
+        cuda, own, opened, handle = None, None, [], b""
+        try:   # a rank that fails here still takes part in the exchange: the others must not wait
+            cuda = _Driver()
+            nbytes = buffer_bytes(world, options.get("slot_bytes", SLOT_BYTES))
+            own = cuda.alloc(nbytes)
             cuda.zero(own, nbytes)   # the flags start at 0 before any peer can write them
+            handle = cuda.ipc_handle(own)
+        except (RuntimeError, OSError) as e:   # OSError: no libcuda
+            error = e
+        handles = exchange(handle)
+        try:
+            if not handle:
+                raise error
+            if not all(handles):
+                raise RuntimeError("another rank could not allocate or share its all-reduce buffer")
             addresses = []
-            for r, handle in enumerate(exchange(cuda.ipc_handle(own))):
+            for r, peer_handle in enumerate(handles):
                 if r != rank:
-                    opened.append(cuda.ipc_open(handle))
+                    opened.append(cuda.ipc_open(peer_handle))
                 addresses.append(own if r == rank else opened[-1])
         except BaseException:
-            cuda.release(own, opened)
+            if cuda is not None:
+                cuda.release(own, opened)
             raise
         return cls(rank, addresses, device, release=lambda: cuda.release(own, opened), **options)
 
@@ -209,7 +219,7 @@ class _Driver:
                   ctypes.c_uint(self.LAZY_ENABLE_PEER_ACCESS))
         return ptr.value
 
-    def release(self, own: int, opened: list[int]):
+    def release(self, own: int | None, opened: list[int]):
         """Unmap the peers' buffers and free this rank's; errors ignored (at the process's end the
         context may be gone already)."""
         for ptr in opened:
@@ -218,7 +228,8 @@ class _Driver:
             except RuntimeError:
                 pass
         try:
-            self.call("cuMemFree_v2", ctypes.c_uint64(own))
+            if own is not None:
+                self.call("cuMemFree_v2", ctypes.c_uint64(own))
         except RuntimeError:
             pass
 

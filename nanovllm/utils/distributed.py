@@ -242,8 +242,9 @@ def exchange(name: str, payload: bytes) -> list[bytes]:
 
 def connect_peer_all_reduce(device: torch.device):
     """Give the current group a one-shot all-reduce over peer memory (kernels/all_reduce.py) when
-    every GPU of it can address every other's memory; otherwise keep NCCL for every sum. Every
-    rank decides the same, from what all of them report."""
+    every GPU of it can address every other's memory and every rank could map the others'
+    buffers; otherwise keep NCCL for every sum (with a warning). Every rank decides the same,
+    from what all of them report."""
     from nanovllm.kernels.all_reduce import PeerAllReduce
     group = _current.get()
     if group is None or group.size == 1 or device.type != "cuda":
@@ -253,8 +254,18 @@ def connect_peer_all_reduce(device: torch.device):
     if not all(answer == b"1" for answer in exchange("peer_access", b"1" if ok else b"0")):
         logger.info("tensor parallel: a GPU cannot address its peers' memory; NCCL does every all-reduce")
         return
-    group.peer = PeerAllReduce.connect(group.rank, group.size, device,
-                                       lambda payload: exchange("peer_buffer", payload))
+    try:
+        peer = PeerAllReduce.connect(group.rank, group.size, device,
+                                     lambda payload: exchange("peer_buffer", payload))
+    except (RuntimeError, OSError) as e:   # a driver call failed (here or on another rank)
+        logger.warning("tensor parallel: the peer-memory all-reduce could not start (%s)", e)
+        peer = None
+    if not all(answer == b"1" for answer in exchange("peer_ready", b"1" if peer else b"0")):
+        if peer is not None:
+            peer.close()
+        logger.warning("tensor parallel: NCCL does every all-reduce (a rank could not map its peers' memory)")
+        return
+    group.peer = peer
 
 
 def min_across_ranks(n: int, device: torch.device) -> int:
