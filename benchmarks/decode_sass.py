@@ -27,7 +27,7 @@ from nanovllm.kernels import decode_attention  # noqa: E402
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 16, 8, 128, 256
 
 
-def compile_kernel(fp8: bool, block_n: int, warps: int, stages: int, maxnreg: int | None, k_convert: str):
+def compile_kernel(fp8: bool, block_n: int, warps: int, stages: int, maxnreg: int | None):
     fn = decode_attention._decode_split_kernel
     kv = "*fp8e4nv" if fp8 else "*bf16"
     sig = dict(q_ptr="*bf16", k_cache_ptr=kv, v_cache_ptr=kv, block_tables_ptr="*i32",
@@ -40,7 +40,7 @@ def compile_kernel(fp8: bool, block_n: int, warps: int, stages: int, maxnreg: in
     const = dict(GROUP=HEADS // KV_HEADS, BLOCK_G=16, HEAD_DIM=HEAD_DIM, BLOCK_D=HEAD_DIM,
                  BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=block_n, DIRECT=False, DOT_FP32=False, PRECISION=None,
                  FP8=fp8, FP8_DOT_DTYPE=tl.float16, V_CVT_ASM=fp8 and config.v_convert == "asm",
-                 K_CVT_ASM=fp8 and k_convert == "asm", MASK_LAST_TILE_ONLY=mask_last, INTERPRETED=False)
+                 MASK_LAST_TILE_ONLY=mask_last, INTERPRETED=False)
     missing = set(fn.arg_names) - set(sig) - set(const)
     if missing:
         raise SystemExit(f"the kernel has arguments this script does not know: {sorted(missing)}; update it")
@@ -63,8 +63,6 @@ def main():
     p.add_argument("--warps", type=int)
     p.add_argument("--stages", type=int)
     p.add_argument("--maxnreg", type=int, help="0: no cap (default: FP8_DECODE's, none for bf16)")
-    p.add_argument("--k-convert", choices=["asm", "triton"],
-                   help="FP8 K's conversion (default: FP8_DECODE's)")
     p.add_argument("--dump", help="write the kernel's ttgir, ptx and sass here")
     args = p.parse_args()
     fp8 = not args.bf16
@@ -72,7 +70,7 @@ def main():
     warps = args.warps or (config.num_warps if fp8 else decode_attention.NUM_WARPS)
     stages = args.stages or (config.num_stages if fp8 else decode_attention.NUM_STAGES)
     maxnreg = (config.max_registers if fp8 else None) if args.maxnreg is None else (args.maxnreg or None)
-    kernel = compile_kernel(fp8, block_n, warps, stages, maxnreg, args.k_convert or config.k_convert)
+    kernel = compile_kernel(fp8, block_n, warps, stages, maxnreg)
     tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     cubin = "/tmp/decode_sass.cubin"
     with open(cubin, "wb") as f:

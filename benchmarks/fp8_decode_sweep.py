@@ -61,12 +61,6 @@ FP8_VARIANTS = {
     "64x2 asm": Fp8Decode(64, 2),
     "32x2 asm": Fp8Decode(32, 2),
     "256x8 asm": Fp8Decode(256, 8),
-    # K converted as loaded too (re-read as fp16 through shared memory): no register moves for Q's
-    # operand (537-555 instructions a tile against 604), more shared memory
-    "128x4 asm-k regs168": Fp8Decode(128, 4, k_convert="asm", max_registers=168),
-    "128x4 asm-k regs168 st1": Fp8Decode(128, 4, num_stages=1, k_convert="asm", max_registers=168),
-    "64x4 asm-k": Fp8Decode(64, 4, k_convert="asm"),
-    "64x4 asm-k st3": Fp8Decode(64, 4, num_stages=3, k_convert="asm"),
 }
 QUICK = ["old default 256x8 triton-cvt", "128x4 asm masked", "128x4 asm regs168", "64x4 asm"]
 # bf16 variants: (name, module constants); the first is the default.

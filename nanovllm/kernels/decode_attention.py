@@ -65,7 +65,7 @@ def _attend_tile(q, k_cache_ptr, v_cache_ptr, table, tile, end, offs_n, offs_d, 
                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                  BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DOT_FP32: tl.constexpr,
                  PRECISION: tl.constexpr, FP8: tl.constexpr, FP8_DOT_DTYPE: tl.constexpr,
-                 V_CVT_ASM: tl.constexpr, K_CVT_ASM: tl.constexpr):
+                 V_CVT_ASM: tl.constexpr):
     """The online softmax over the context tokens [tile, tile + BLOCK_N). MASKED: tokens from end on
     are not loaded and weigh 0; otherwise the whole tile lies before end (no masks to compute)."""
     tokens = tile + offs_n
@@ -91,10 +91,7 @@ def _attend_tile(q, k_cache_ptr, v_cache_ptr, table, tile, end, offs_n, offs_d, 
     elif FP8:
         # K's dot sums over head_dim, contiguous in the cache: Triton's own cast converts it in the
         # dot's registers, four bytes per shared-memory read.
-        if K_CVT_ASM:
-            k = _e4m3_to_f16(k.to(tl.uint8, bitcast=True)).to(FP8_DOT_DTYPE)
-        else:
-            k = k.to(FP8_DOT_DTYPE)
+        k = k.to(FP8_DOT_DTYPE)
         if V_CVT_ASM:
             v = _e4m3_to_f16(v.to(tl.uint8, bitcast=True)).to(FP8_DOT_DTYPE)
         else:
@@ -123,8 +120,7 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, DOT_FP32: tl.constexpr,
     PRECISION: tl.constexpr, FP8: tl.constexpr, FP8_DOT_DTYPE: tl.constexpr,
-    V_CVT_ASM: tl.constexpr, K_CVT_ASM: tl.constexpr, MASK_LAST_TILE_ONLY: tl.constexpr,
-    INTERPRETED: tl.constexpr,
+    V_CVT_ASM: tl.constexpr, MASK_LAST_TILE_ONLY: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -170,20 +166,20 @@ def _decode_split_kernel(
             m_i, l_i, acc = _attend_tile(
                 q, k_cache_ptr, v_cache_ptr, table, tile, end, offs_n, offs_d, kv_off, tile_off,
                 scale_log2e, m_i, l_i, acc, stride_kb, stride_kt, HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N,
-                not MASK_LAST_TILE_ONLY, DOT_FP32, PRECISION, FP8, FP8_DOT_DTYPE, V_CVT_ASM, K_CVT_ASM)
+                not MASK_LAST_TILE_ONLY, DOT_FP32, PRECISION, FP8, FP8_DOT_DTYPE, V_CVT_ASM)
             tile += BLOCK_N
     else:
         for tile in range(start, whole_end, BLOCK_N):
             m_i, l_i, acc = _attend_tile(
                 q, k_cache_ptr, v_cache_ptr, table, tile, end, offs_n, offs_d, kv_off, tile_off,
                 scale_log2e, m_i, l_i, acc, stride_kb, stride_kt, HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N,
-                not MASK_LAST_TILE_ONLY, DOT_FP32, PRECISION, FP8, FP8_DOT_DTYPE, V_CVT_ASM, K_CVT_ASM)
+                not MASK_LAST_TILE_ONLY, DOT_FP32, PRECISION, FP8, FP8_DOT_DTYPE, V_CVT_ASM)
     if MASK_LAST_TILE_ONLY:
         if whole_end < end:
             m_i, l_i, acc = _attend_tile(
                 q, k_cache_ptr, v_cache_ptr, table, whole_end, end, offs_n, offs_d, kv_off, tile_off,
                 scale_log2e, m_i, l_i, acc, stride_kb, stride_kt, HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N,
-                True, DOT_FP32, PRECISION, FP8, FP8_DOT_DTYPE, V_CVT_ASM, K_CVT_ASM)
+                True, DOT_FP32, PRECISION, FP8, FP8_DOT_DTYPE, V_CVT_ASM)
 
     safe_l = tl.where(l_i > 0, l_i, 1.0)
     out = acc / safe_l[:, None]
@@ -248,10 +244,6 @@ class Fp8Decode:
     # "asm": V converted to fp16 as loaded (_e4m3_to_f16); "triton": Triton's cast, which it moves to
     # the dot's shared-memory read (one byte per read).
     v_convert: str = "asm"
-    # "triton": K converted by Triton's cast in the dot's registers (Q's operand then arrives in a
-    # layout ptxas copies into each HMMA's registers: 82 moves a tile); "asm": as V, converted as
-    # loaded and re-read as fp16 through shared memory (32 KB more of it a stage; no moves).
-    k_convert: str = "triton"
     mask_last_tile_only: bool = True   # masks computed for the last, partial tile only
     dot_dtype: str = "fp16"     # "bf16" to compare: e4m3 -> bf16 takes more conversions
     # A cap on registers per thread (None: the compiler's choice), to fit more programs on an SM:
@@ -259,9 +251,8 @@ class Fp8Decode:
     max_registers: int | None = None
 
     def __post_init__(self):
-        for name in ("v_convert", "k_convert"):
-            if getattr(self, name) not in ("asm", "triton"):
-                raise ValueError(f"{name} must be 'asm' or 'triton', not {getattr(self, name)!r}")
+        if self.v_convert not in ("asm", "triton"):
+            raise ValueError(f"v_convert must be 'asm' or 'triton', not {self.v_convert!r}")
         if self.dot_dtype not in ("fp16", "bf16"):
             raise ValueError(f"dot_dtype must be 'fp16' or 'bf16', not {self.dot_dtype!r}")
 
@@ -321,8 +312,6 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
         part_out = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
     block_d = max(16, triton.next_power_of_2(head_dim))   # tl.dot needs K >= 16; masks cover the padding
-    # The inline assembly needs the GPU, and whole groups of 4 values per thread.
-    cvt_asm = fp8_tiles and not interpreted and block_n * block_d >= 4 * 32 * num_warps
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse,
         k_scale if fp8 else q, v_scale if fp8 else q, scale * 1.4426950408889634,
@@ -336,8 +325,9 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
         DOT_FP32=dot_fp32,
         PRECISION="ieee" if q.dtype == torch.float32 else None,  # ieee: fp32 tests need exact fp32
         FP8=fp8, FP8_DOT_DTYPE=fp8_dot_dtype,
-        V_CVT_ASM=cvt_asm and FP8_DECODE.v_convert == "asm",
-        K_CVT_ASM=cvt_asm and FP8_DECODE.k_convert == "asm",
+        # The inline assembly needs the GPU, and whole groups of 4 values per thread.
+        V_CVT_ASM=fp8_tiles and FP8_DECODE.v_convert == "asm" and not interpreted
+        and block_n * block_d >= 4 * 32 * num_warps,
         MASK_LAST_TILE_ONLY=FP8_DECODE.mask_last_tile_only if fp8 else MASK_LAST_TILE_ONLY,
         INTERPRETED=interpreted,
         num_warps=num_warps, num_stages=FP8_DECODE.num_stages if fp8_tiles else NUM_STAGES,
