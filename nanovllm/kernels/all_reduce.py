@@ -26,6 +26,7 @@ abort_tp_group sets it and the kernel ends (with garbage) instead of holding the
 The Triton interpreter runs it too (tests/test_all_reduce.py: two and three ranks as processes over
 shared host buffers), so the protocol is tested on CPU."""
 import ctypes
+import os
 
 import torch
 import triton
@@ -46,7 +47,7 @@ SLOT_BYTES = 8 << 20    # one launch's most bytes (a decode step of 512 x 8192 b
 def _peer_all_reduce_kernel(x_ptr, n, addrs_ptr, epochs_ptr, abort_ptr, RANK: tl.constexpr,
                             WORLD: tl.constexpr, SLOT: tl.constexpr, FLAGS_AT: tl.constexpr,
                             PROGRAMS: tl.constexpr, MAX_PROGRAMS: tl.constexpr, BLOCK: tl.constexpr,
-                            ABORT_POLL: tl.constexpr):
+                            ABORT_POLL: tl.constexpr, INTERPRETED: tl.constexpr):
     # addrs_ptr: each rank's buffer address (int64), rank order: [2 halves][WORLD slots][SLOT
     # elements], then WORLD x MAX_PROGRAMS int64 flags from element FLAGS_AT (in int64 units).
     pid = tl.program_id(0)
@@ -54,14 +55,16 @@ def _peer_all_reduce_kernel(x_ptr, n, addrs_ptr, epochs_ptr, abort_ptr, RANK: tl
     epoch = tl.load(epochs_ptr + pid) + 1
     half = (epoch % 2) * (WORLD * SLOT)
     span = PROGRAMS * BLOCK
-    for start in range(pid * BLOCK, n, span):                       # 1. push
-        offs = start + tl.arange(0, BLOCK)
-        mask = offs < n
-        x = tl.load(x_ptr + offs, mask=mask)
-        for r in tl.static_range(WORLD):
-            if r != RANK:
-                peer = tl.load(addrs_ptr + r).to(tl.pointer_type(dtype))
-                tl.store(peer + half + RANK * SLOT + offs, x, mask=mask)
+    # 1. push. (Triton 3.6's interpreter cannot run range() over a program id's bounds under
+    # numpy 2: it loops with while there; the compiled kernel keeps its for loops.)
+    if INTERPRETED:
+        start = pid * BLOCK
+        while start < n:
+            _push(x_ptr, addrs_ptr, start, n, half, RANK, WORLD, SLOT, BLOCK)
+            start += span
+    else:
+        for start in range(pid * BLOCK, n, span):
+            _push(x_ptr, addrs_ptr, start, n, half, RANK, WORLD, SLOT, BLOCK)
     tl.debug_barrier()                                              # 2. signal, then wait
     for r in tl.static_range(WORLD):
         if r != RANK:
@@ -82,18 +85,45 @@ def _peer_all_reduce_kernel(x_ptr, n, addrs_ptr, epochs_ptr, abort_ptr, RANK: tl
                     aborted = tl.load(abort_ptr, volatile=True)
     tl.debug_barrier()
     own_buf = own.to(tl.pointer_type(dtype)) + half
-    for start in range(pid * BLOCK, n, span):                       # 3. sum, in rank order
-        offs = start + tl.arange(0, BLOCK)
-        mask = offs < n
-        acc = tl.zeros([BLOCK], tl.float32)
-        for r in tl.static_range(WORLD):
-            if r == RANK:
-                part = tl.load(x_ptr + offs, mask=mask)
-            else:
-                part = tl.load(own_buf + r * SLOT + offs, mask=mask, cache_modifier=".cg")
-            acc += part.to(tl.float32)
-        tl.store(x_ptr + offs, rounded(acc, dtype).to(dtype), mask=mask)
+    if INTERPRETED:                                                 # 3. sum, in rank order
+        start = pid * BLOCK
+        while start < n:
+            _sum(x_ptr, own_buf, start, n, RANK, WORLD, SLOT, BLOCK)
+            start += span
+    else:
+        for start in range(pid * BLOCK, n, span):
+            _sum(x_ptr, own_buf, start, n, RANK, WORLD, SLOT, BLOCK)
     tl.store(epochs_ptr + pid, epoch)
+
+
+@triton.jit
+def _push(x_ptr, addrs_ptr, start, n, half, RANK: tl.constexpr, WORLD: tl.constexpr, SLOT: tl.constexpr,
+          BLOCK: tl.constexpr):
+    """This rank's partial [start, start + BLOCK) into its slot of every peer's buffer."""
+    offs = start + tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(x_ptr + offs, mask=mask)
+    for r in tl.static_range(WORLD):
+        if r != RANK:
+            peer = tl.load(addrs_ptr + r).to(tl.pointer_type(x_ptr.dtype.element_ty))
+            tl.store(peer + half + RANK * SLOT + offs, x, mask=mask)
+
+
+@triton.jit
+def _sum(x_ptr, own_buf, start, n, RANK: tl.constexpr, WORLD: tl.constexpr, SLOT: tl.constexpr,
+         BLOCK: tl.constexpr):
+    """Every rank's partial [start, start + BLOCK) added in rank order in fp32, over x's."""
+    offs = start + tl.arange(0, BLOCK)
+    mask = offs < n
+    acc = tl.zeros([BLOCK], tl.float32)
+    for r in tl.static_range(WORLD):
+        if r == RANK:
+            part = tl.load(x_ptr + offs, mask=mask)
+        else:
+            part = tl.load(own_buf + r * SLOT + offs, mask=mask, cache_modifier=".cg")
+        acc += part.to(tl.float32)
+    dtype = x_ptr.dtype.element_ty
+    tl.store(x_ptr + offs, rounded(acc, dtype).to(dtype), mask=mask)
 
 
 class PeerAllReduce:
@@ -115,6 +145,7 @@ class PeerAllReduce:
         self.epochs = torch.zeros(programs, dtype=torch.int64, device=device)
         self.abort_word = torch.zeros(1, dtype=torch.int32, pin_memory=device.type == "cuda")
         self._release = release
+        self.interpreted = device.type == "cpu" or os.environ.get("TRITON_INTERPRET") == "1"
 
     def fits(self, x: torch.Tensor) -> bool:
         return (x.device == self.device and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
@@ -129,7 +160,7 @@ class PeerAllReduce:
                 chunk, chunk.numel(), self.addrs, self.epochs, self.abort_word, RANK=self.rank,
                 WORLD=self.world, SLOT=slot, FLAGS_AT=2 * self.world * self.slot_bytes // 8,
                 PROGRAMS=self.programs, MAX_PROGRAMS=MAX_PROGRAMS, BLOCK=self.block,
-                ABORT_POLL=ABORT_POLL, num_warps=4)
+                ABORT_POLL=ABORT_POLL, INTERPRETED=self.interpreted, num_warps=4)
         return x
 
     def abort(self):
