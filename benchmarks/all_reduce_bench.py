@@ -20,23 +20,15 @@ import threading
 import time
 
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from nanovllm.kernels.all_reduce import BLOCK, PROGRAMS, PeerAllReduce  # noqa: E402
-from nanovllm.utils.distributed import (TPGroup, exchange, init_tp_group, master_store, tp_group,  # noqa: E402
-                                        worker_store)
+from nanovllm.utils.distributed import (TPGroup, all_reduce, exchange, init_tp_group,  # noqa: E402
+                                        master_store, tp_group, worker_store)
 
 CALLS = 50     # all-reduces in one graph
 REPLAYS = 20   # timed replays (after 3 warm-ups)
-
-
-def nccl_sum(group, x):
-    opts = dist.AllreduceOptions()
-    opts.reduceOp = dist.ReduceOp.SUM
-    group.backend.allreduce([x], opts).wait()
-    return x
 
 
 def per_call_us(fn, x) -> float:
@@ -89,7 +81,7 @@ def check_sums(peer, group, x, expected, same_gpu, what):
         got.append(buf.clone())
     graph.reset()
     if not same_gpu:
-        got.append(nccl_sum(group, x.clone()))
+        got.append(all_reduce(x.clone()))   # NCCL: the group has no peer kernel
     torch.cuda.synchronize()
     if not all(torch.equal(g, expected) for g in got):
         equal = [torch.equal(g, expected) for g in got]
@@ -122,7 +114,7 @@ def rank_main(rank, world, port, args, results):
                 if args.check:
                     continue
                 if rows not in nccl_us:
-                    nccl_us[rows] = per_call_us(lambda t: nccl_sum(group, t), x)
+                    nccl_us[rows] = per_call_us(all_reduce, x)
                 if rank == 0:
                     results.put((programs, block, rows, x.numel() * x.element_size(), nccl_us[rows],
                                  per_call_us(peer, x)))

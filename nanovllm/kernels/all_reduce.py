@@ -26,13 +26,12 @@ abort_tp_group sets it and the kernel ends (with garbage) instead of holding the
 The Triton interpreter runs it too (tests/test_all_reduce.py: two and three ranks as processes over
 shared host buffers), so the protocol is tested on CPU."""
 import ctypes
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.common import rounded
+from nanovllm.kernels.common import interpreted, rounded
 
 # A decode step's 2 MB in two iterations of every program, each thread's four 16-byte loads in
 # flight at once (the loops are not pipelined: fewer, wider iterations hide the latency).
@@ -145,7 +144,7 @@ class PeerAllReduce:
         self.epochs = torch.zeros(programs, dtype=torch.int64, device=device)
         self.abort_word = torch.zeros(1, dtype=torch.int32, pin_memory=device.type == "cuda")
         self._release = release
-        self.interpreted = device.type == "cpu" or os.environ.get("TRITON_INTERPRET") == "1"
+        self.interpreted = interpreted(device)
 
     def fits(self, x: torch.Tensor) -> bool:
         return (x.device == self.device and x.dtype in (torch.bfloat16, torch.float16, torch.float32)

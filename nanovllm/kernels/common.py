@@ -1,6 +1,8 @@
-"""Helpers shared by the Triton kernels: the device's SM count (for sizing grids) and the fp32 ->
-dtype rounding that reproduces eager torch's intermediate casts."""
+"""Helpers shared by the Triton kernels: the device's SM count (for sizing grids), whether a
+launch runs in the Triton interpreter, and the fp32 -> dtype rounding that reproduces eager torch's
+intermediate casts."""
 import functools
+import os
 
 import torch
 import triton
@@ -14,6 +16,11 @@ def num_sms(device: torch.device) -> int:
         return 4
     index = device.index if device.index is not None else torch.cuda.current_device()
     return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def interpreted(device: torch.device) -> bool:
+    """Kernels on this device run in the Triton interpreter: CPU tensors (or TRITON_INTERPRET=1 on any)."""
+    return device.type == "cpu" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit

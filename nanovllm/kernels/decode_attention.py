@@ -21,13 +21,13 @@ calculate_kv_scales sets them still see them.
 Everything launched here depends only on tensor shapes, so a decode step can be captured in a CUDA
 graph: no host syncs, no branch on tensor values.
 """
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from nanovllm.kernels.common import interpreted as runs_interpreted
 from nanovllm.kernels.common import num_sms
 
 # Log-sum-exp of an empty split. Finite so that merging all-empty splits (context_len 0) gives 0, not NaN.
@@ -289,8 +289,7 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     fp8 = k_cache.dtype == torch.float8_e4m3fn
     assert not fp8 or (k_scale is not None and v_scale is not None), "an FP8 cache needs k_scale and v_scale"
     group = num_heads // num_kv_heads
-    # The Triton interpreter: CPU tensors (or TRITON_INTERPRET=1 on any).
-    interpreted = q.device.type == "cpu" or os.environ.get("TRITON_INTERPRET") == "1"
+    interpreted = runs_interpreted(q.device)
     fp8_dot_dtype = {"fp16": tl.float16, "bf16": tl.bfloat16}[FP8_DECODE.dot_dtype]
     # The interpreter's tl.dot is wrong on bf16 (fp32 there instead), right on fp16 (FP8's dots).
     dot_fp32 = q.dtype == torch.float32 or (interpreted and not (fp8 and fp8_dot_dtype == tl.float16))

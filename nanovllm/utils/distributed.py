@@ -214,20 +214,12 @@ def host_barrier(name: str):
     has got here. Used before a group's first collective: NCCL sets its communicator up there and
     blocks the host until every rank arrives, so a rank that failed earlier (loading its shard)
     would leave the others waiting there for good."""
-    group = _current.get()
-    if group is None or group.size == 1:
-        return
-    group.store.set(f"{name}{group.rank}", "1")
-    keys = [f"{name}{rank}" for rank in range(group.size)]
-    while not group.store.check(keys):
-        if group.watch is not None:
-            group.watch()
-        time.sleep(0.01)
+    exchange(name, b"1")
 
 
 def exchange(name: str, payload: bytes) -> list[bytes]:
     """Every rank of the current group publishes payload under name; returns all of them, in rank
-    order, once every rank has (waiting through the group's watch, as host_barrier)."""
+    order, once every rank has (waiting in short sleeps, calling the group's watch between them)."""
     group = _current.get()
     if group is None or group.size == 1:
         return [payload]
@@ -260,7 +252,7 @@ def connect_peer_all_reduce(device: torch.device):
     except (RuntimeError, OSError) as e:   # a driver call failed (here or on another rank)
         logger.warning("tensor parallel: the peer-memory all-reduce could not start (%s)", e)
         peer = None
-    if not all(answer == b"1" for answer in exchange("peer_ready", b"1" if peer else b"0")):
+    if not all(answer == b"1" for answer in exchange("peer_ready", b"1" if peer is not None else b"0")):
         if peer is not None:
             peer.close()
         logger.warning("tensor parallel: NCCL does every all-reduce (a rank could not map its peers' memory)")
