@@ -63,6 +63,7 @@ def main():
     p.add_argument("--warps", type=int)
     p.add_argument("--stages", type=int)
     p.add_argument("--maxnreg", type=int, help="0: no cap (default: FP8_DECODE's, none for bf16)")
+    p.add_argument("--top", type=int, default=16, help="instruction kinds to list")
     p.add_argument("--dump", help="write the kernel's ttgir, ptx and sass here")
     args = p.parse_args()
     fp8 = not args.bf16
@@ -106,7 +107,7 @@ def main():
     total = sum(loop.values())
     print(f"main loop: {total} instructions per warp per tile = {total * warps / block_n:.1f} "
           "warp-instructions per context token (per KV head)")
-    for op, n in loop.most_common(16):
+    for op, n in loop.most_common(args.top):
         print(f"  {n:5d}  {op}")
 
 

@@ -11,7 +11,7 @@ variants ranked by their mean fraction of copy over the cases, and the line that
 correct one the default (decode_attention.FP8_DECODE). About 3 minutes on one H200, most of it
 compiling.
 
-    PYTHONPATH=. python benchmarks/fp8_decode_sweep.py [--json PATH] [--quick] [--only asm]
+    PYTHONPATH=. python benchmarks/fp8_decode_sweep.py [--json PATH] [--quick] [--only asm regs168 ...]
 
 --by-batch instead times bench.py's mixed contexts at each batch size its decode graphs replay
 (256 down to 8), for a few tile shapes x split counts, each call inside a CUDA graph (an eager call
@@ -200,14 +200,15 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--quick", action="store_true", help=f"only {QUICK} and the bf16 default")
-    parser.add_argument("--only", help="only the FP8 variants whose names contain this (and bf16)")
+    parser.add_argument("--only", nargs="+", help="only the FP8 variants whose names contain one of these "
+                        "(and bf16)")
     parser.add_argument("--by-batch", action="store_true", help="tiles x splits per batch size, in graphs")
     args = parser.parse_args()
     t0 = time.perf_counter()
     if args.by_batch:
         return by_batch(roofline.measure_copy_bandwidth(nbytes=2 << 30), args.json)
     fp8_names = QUICK if args.quick else list(FP8_VARIANTS)
-    fp8_names = [name for name in fp8_names if args.only is None or args.only in name]
+    fp8_names = [name for name in fp8_names if args.only is None or any(o in name for o in args.only)]
     bf16_variants = BF16_VARIANTS[:1] if args.quick else BF16_VARIANTS
     copy_bw = roofline.measure_copy_bandwidth(nbytes=2 << 30)
     print(f"{torch.cuda.get_device_name()}, triton {triton.__version__}; "
