@@ -67,17 +67,19 @@ def decode_case(batch, ctx, fn, graph=False, fp8=False):
 
 
 def mixed_decode_case(batch, num_splits=None, lo=100, hi=2048, table_blocks=16, seed=0, fp8=False):
-    """As the engine runs bench.py's decode: contexts spread over [lo, hi], block tables as wide as
-    the CUDA graphs' (max_model_len 4096 / 256), inside a CUDA graph. num_splits None: the kernel's
-    own choice (choose_num_splits)."""
+    """As the engine runs bench.py's decode: contexts spread over [lo, hi], launched longest first,
+    block tables as wide as the CUDA graphs' (max_model_len 4096 / 256), inside a CUDA graph.
+    num_splits None: the kernel's own choice (choose_num_splits)."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
     lens = torch.randint(lo, hi + 1, (batch,), device="cuda", generator=gen, dtype=torch.int32)
     k_cache, v_cache, scales = kv_cache_pair(batch * table_blocks, fp8)
     tables = torch.randperm(batch * table_blocks, device="cuda").int().view(batch, table_blocks)
     q = torch.randn(batch, H, D, device="cuda", dtype=torch.bfloat16)
+    order = torch.argsort(lens, descending=True, stable=True).int()
+
     def decode():
         return paged_decode_attention_triton(q, k_cache, v_cache, tables, lens, D ** -0.5,
-                                             num_splits=num_splits, **scales)
+                                             num_splits=num_splits, order=order, **scales)
     decode()   # compile (or fail to) outside the graph capture
     ms = median_ms(decode, graph=True)
     nbytes = int(lens.sum()) * HKV * D * 2 * k_cache.element_size() + 2 * q.numel() * 2

@@ -31,8 +31,8 @@ def compile_kernel(fp8: bool, block_n: int, warps: int, stages: int, maxnreg: in
     fn = decode_attention._decode_split_kernel
     kv = "*fp8e4nv" if fp8 else "*bf16"
     sig = dict(q_ptr="*bf16", k_cache_ptr=kv, v_cache_ptr=kv, block_tables_ptr="*i32",
-               context_lens_ptr="*i32", out_ptr="*bf16", part_out_ptr="*fp32", part_lse_ptr="*fp32",
-               k_scale_ptr="*fp32", v_scale_ptr="*fp32", scale_log2e="fp32")
+               context_lens_ptr="*i32", order_ptr="*i32", out_ptr="*bf16", part_out_ptr="*fp32",
+               part_lse_ptr="*fp32", k_scale_ptr="*fp32", v_scale_ptr="*fp32", scale_log2e="fp32")
     sig.update({name: "i32" for name in ("stride_qb", "stride_qh", "stride_kb", "stride_kt", "stride_kh",
                                          "stride_bt", "stride_ob", "stride_oh", "num_splits")})
     config = decode_attention.FP8_DECODE
@@ -40,7 +40,7 @@ def compile_kernel(fp8: bool, block_n: int, warps: int, stages: int, maxnreg: in
     const = dict(GROUP=HEADS // KV_HEADS, BLOCK_G=16, HEAD_DIM=HEAD_DIM, BLOCK_D=HEAD_DIM,
                  BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=block_n, DIRECT=False, DOT_FP32=False, PRECISION=None,
                  FP8=fp8, FP8_DOT_DTYPE=tl.float16, V_CVT_ASM=fp8 and config.v_convert == "asm",
-                 MASK_LAST_TILE_ONLY=mask_last, INTERPRETED=False)
+                 MASK_LAST_TILE_ONLY=mask_last, INTERPRETED=False, ORDERED=True)
     missing = set(fn.arg_names) - set(sig) - set(const)
     if missing:
         raise SystemExit(f"the kernel has arguments this script does not know: {sorted(missing)}; update it")

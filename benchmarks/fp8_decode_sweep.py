@@ -40,6 +40,7 @@ K_SCALE, V_SCALE = 1 / 64, 1 / 128   # not 1.0, so the scales' folding is checke
 # (batch, context), or ("mixed", batch): bench.py's contexts; its batch shrinks to a few sequences
 # at the end of the run, where the split count matters.
 CASES = [(256, 1024), (64, 4096), (16, 8192), ("mixed", 256), ("mixed", 32)]
+LAUNCH_ORDER = True   # --no-order: batch order
 # The largest error allowed, relative to the largest output: a few bf16 roundings (2^-8 each).
 MAX_REL_ERR = 2e-2
 
@@ -61,8 +62,13 @@ FP8_VARIANTS = {
     "64x2 asm": Fp8Decode(64, 2),
     "32x2 asm": Fp8Decode(32, 2),
     "256x8 asm": Fp8Decode(256, 8),
+    # one warp a program: no barrier waits on other warps, more programs per SM
+    "32x1 asm": Fp8Decode(32, 1),
+    "32x1 asm regs168": Fp8Decode(32, 1, max_registers=168),
+    "64x1 asm": Fp8Decode(64, 1),
+    "64x2 asm regs168": Fp8Decode(64, 2, max_registers=168),
 }
-QUICK = ["old default 256x8 triton-cvt", "128x4 asm masked", "128x4 asm regs168", "64x4 asm"]
+QUICK = ["old default 256x8 triton-cvt", "128x4 asm regs168", "64x4 asm", "64x1 asm"]
 # bf16 variants: (name, module constants); the first is the default.
 BF16_VARIANTS = [("bf16 default 128x4", {}),
                  ("bf16 128x4 mask-last-tile", dict(MASK_LAST_TILE_ONLY=True)),
@@ -119,9 +125,12 @@ def run_variant(case, kind, copy_bw, num_splits=None, in_graph=False):
     """Check and time the kernel with the module's current constants ({"error": ...} when it fails);
     in_graph: time it inside a CUDA graph (graph_ms), as the engine runs it."""
     k_cache, v_cache, scales = case.caches[kind]
+    # the engine's launch order: the longest contexts first
+    order = torch.argsort(case.lens, descending=True, stable=True).int() if LAUNCH_ORDER else None
+
     def call():
         return paged_decode_attention_triton(case.q, k_cache, v_cache, case.tables, case.lens, SCALE,
-                                             num_splits=num_splits, **scales)
+                                             num_splits=num_splits, order=order, **scales)
     try:
         out = call()
         torch.cuda.synchronize()
@@ -152,8 +161,10 @@ def fastest(rows, names):
 
 
 BY_BATCH = [256, 128, 64, 32, 16, 8]
-BY_BATCH_TILES = {"fp8": {"128x4 regs168": Fp8Decode(128, 4, max_registers=168), "64x4": Fp8Decode(64, 4),
-                          "64x2": Fp8Decode(64, 2), "256x8": Fp8Decode(256, 8)},
+BY_BATCH_TILES = {"fp8": {"64x1": Fp8Decode(64, 1), "128x4 regs168": Fp8Decode(128, 4, max_registers=168),
+                          "64x1 st1": Fp8Decode(64, 1, num_stages=1),
+                          "64x1 st3": Fp8Decode(64, 1, num_stages=3),
+                          "32x1 regs168": Fp8Decode(32, 1, max_registers=168)},
                   "bf16": {"128x4": dict(BLOCK_N=128, NUM_WARPS=4), "64x4": dict(BLOCK_N=64, NUM_WARPS=4)}}
 BY_BATCH_SPLITS = [None, 1, 2, 4, 8, 16, 32]   # None: choose_num_splits (the default)
 
@@ -202,6 +213,12 @@ def main():
     parser.add_argument("--quick", action="store_true", help=f"only {QUICK} and the bf16 default")
     parser.add_argument("--only", nargs="+", help="only the FP8 variants whose names contain one of these "
                         "(and bf16)")
+    parser.add_argument("--cases", nargs="+",
+                        help="instead of the default cases: BxCTX or mixed:B (bench.py's contexts)")
+    parser.add_argument("--no-order", action="store_true", help="launch the sequences in batch order, not "
+                        "longest context first (the engine's order)")
+    parser.add_argument("--graph", action="store_true", help="time each call inside a CUDA graph "
+                        "(as the engine runs it; eager calls at small batches time their launch)")
     parser.add_argument("--by-batch", action="store_true", help="tiles x splits per batch size, in graphs")
     args = parser.parse_args()
     t0 = time.perf_counter()
@@ -214,7 +231,13 @@ def main():
     print(f"{torch.cuda.get_device_name()}, triton {triton.__version__}; "
           f"device copy {copy_bw / 1e12:.2f} TB/s; FP8 default now: {decode_attention.FP8_DECODE}")
     rows = []
-    for spec in CASES:
+    cases = CASES
+    if args.cases:
+        cases = [(c.split(":")[0], int(c.split(":")[1])) if ":" in c else tuple(map(int, c.split("x")))
+                 for c in args.cases]
+    global LAUNCH_ORDER
+    LAUNCH_ORDER = not args.no_order
+    for spec in cases:
         case = make_case(spec)
         print(f"\n{case.name}   ({case.nbytes('fp8') / 1e6:.0f} MB FP8, "
               f"{case.nbytes('bf16') / 1e6:.0f} MB bf16)")
@@ -223,7 +246,7 @@ def main():
         runs += [(name, "fp8", dict(FP8_DECODE=FP8_VARIANTS[name])) for name in fp8_names]
         for name, kind, constants in runs:
             with knobs(decode_attention, **constants):
-                r = run_variant(case, kind, copy_bw)
+                r = run_variant(case, kind, copy_bw, in_graph=args.graph)
             rows.append(dict(case=case.name, variant=name, kind=kind, **r))
             if "error" in r:
                 print(f"  {name:32s} n/a ({r['error']})")

@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench import DEFAULT_MODEL  # noqa: E402
 from bench_timing import median_ms  # noqa: E402
 from nanovllm import LLM  # noqa: E402
-from nanovllm.engine.decode_graphs import PADDING, DecodeInputs  # noqa: E402
+from nanovllm.engine.decode_graphs import DecodeInputs  # noqa: E402
 
 BATCHES = [256, 128, 64, 32, 16, 8]
 
@@ -54,11 +54,12 @@ def kernels_per_call(fn, calls=5) -> tuple[float, float, dict[str, tuple[float, 
 def fill(graphs, bs: int, contexts: list[int] | None, num_blocks: int):
     """Set the static inputs of graph bs: padding rows, or sequences of the given contexts."""
     inputs = DecodeInputs.view(graphs.inputs, bs, graphs.max_blocks)
-    for name, view in inputs._asdict().items():
-        view.fill_(PADDING[name])
+    inputs.fill_padding()
     if contexts:
         rng, block, n = random.Random(1), graphs.block_size, len(contexts)
         inputs.context_lens[:n] = torch.tensor(contexts, dtype=torch.int32)
+        inputs.order[:n] = torch.tensor(sorted(range(n), key=contexts.__getitem__, reverse=True),
+                                        dtype=torch.int32)
         inputs.positions[:n] = torch.tensor([c - 1 for c in contexts], dtype=torch.int32)
         tables = [[rng.randrange(num_blocks) for _ in range(graphs.max_blocks)] for _ in contexts]
         inputs.block_tables[:n] = torch.tensor(tables, dtype=torch.int32)

@@ -223,6 +223,31 @@ def test_interp_decode_more_splits_than_tiles():
 
 
 @interp
+@pytest.mark.parametrize("fp8", [False, True])
+def test_interp_decode_launch_order_changes_nothing_but_the_order(fp8):
+    # order: the rows in the order their programs start (the engine's: longest context first). Every
+    # row must still get its own attention, exactly as without an order.
+    from nanovllm.kernels.decode_attention import paged_decode_attention_triton
+    lens = [3, 0, 37, 12, 20]
+    scales = dict(k_scale=torch.tensor([0.03]), v_scale=torch.tensor([0.004])) if fp8 else {}
+    if fp8:
+        k_cache, v_cache, tables = fp8_paged(lens, 8, 2, 16, scales["k_scale"], scales["v_scale"], seed=8)
+    else:
+        k_cache, v_cache, tables = make_paged(lens, 8, num_kv_heads=2, head_dim=16, seed=8)
+    ctx = torch.tensor(lens, dtype=torch.int32)
+    q = torch.randn(len(lens), 4, 16)
+    order = torch.tensor([2, 4, 3, 0, 1], dtype=torch.int32)
+    for splits in (1, 2):
+        plain = paged_decode_attention_triton(q, k_cache, v_cache, tables, ctx, 0.25, num_splits=splits,
+                                              block_n=16, **scales)
+        ordered = paged_decode_attention_triton(q, k_cache, v_cache, tables, ctx, 0.25, num_splits=splits,
+                                                block_n=16, order=order, **scales)
+        assert torch.equal(ordered, plain)
+        ref = paged_decode_attention_ref(q, k_cache, v_cache, tables, ctx, 0.25, *scales.values())
+        torch.testing.assert_close(ordered[ctx > 0], ref[ctx > 0], atol=1e-5, rtol=1e-5)
+
+
+@interp
 @pytest.mark.parametrize("block_size", [4, 16])
 @pytest.mark.parametrize("mask_last_tile_only", [False, True])
 def test_interp_decode_head_dim_below_16_is_padded(monkeypatch, block_size, mask_last_tile_only):

@@ -19,6 +19,8 @@ class DecodeInputs(NamedTuple):
     context_lens: torch.Tensor   # [rows] tokens attended to, the new one included
     token_rows: torch.Tensor     # [rows] row of the previous step's sampled tokens that holds the
                                  # input token (still pending on the host); -1: it is input_ids
+    order: torch.Tensor          # [rows] the rows by context length, longest first, padding last:
+                                 # the order the attention kernel starts the sequences in
     block_tables: torch.Tensor   # [rows, width] the sequence's KV blocks
 
     @staticmethod
@@ -29,22 +31,32 @@ class DecodeInputs(NamedTuple):
     def pack(step: StepInput, rows: int, width: int, block_size: int, pin: bool = False) -> torch.Tensor:
         """The step's inputs laid out for `rows` rows and block tables `width` wide, in one int32
         host tensor (pinned: it can be copied to the device asynchronously)."""
-        bs, starts, tables = block_size, step.starts, step.block_tables
+        bs, starts, tables, n = block_size, step.starts, step.block_tables, step.num_seqs
         vectors = {"input_ids": [ids[0] for ids in step.token_ids],
                    "positions": starts,
                    "slots": [table[pos // bs] * bs + pos % bs for pos, table in zip(starts, tables)],
                    "context_lens": [pos + 1 for pos in starts],
-                   "token_rows": step.token_rows or [-1] * step.num_seqs}
-        pad = rows - step.num_seqs
+                   "token_rows": step.token_rows or [-1] * n,
+                   "order": sorted(range(n), key=starts.__getitem__, reverse=True) + list(range(n, rows))}
+        pad = rows - n
         flat = []
         for name in _VECTORS:
             flat += vectors[name]
-            flat += [PADDING[name]] * pad
+            if name != "order":   # the order covers the padding rows already
+                flat += [PADDING[name]] * pad
         for table in tables:
             flat += table
             flat += [PADDING["block_tables"]] * (width - len(table))
         flat += [PADDING["block_tables"]] * (pad * width)
         return torch.tensor(flat, dtype=torch.int32, pin_memory=pin)
+
+    def fill_padding(self):
+        """Make every row padding (in place)."""
+        for name, view in self._asdict().items():
+            if name == "order":
+                view.copy_(torch.arange(view.numel(), dtype=view.dtype))
+            else:
+                view.fill_(PADDING[name])
 
     @classmethod
     def view(cls, flat: torch.Tensor, rows: int, width: int) -> "DecodeInputs":
@@ -56,6 +68,7 @@ class DecodeInputs(NamedTuple):
 _VECTORS = DecodeInputs._fields[:-1]   # the [rows] fields, before block_tables
 _NUM_VECTORS = len(_VECTORS)
 # What padding holds, per field: the kernels write no K/V for slot -1 and skip a row of length 0.
+# (order is a permutation: a padding row holds its own index there.)
 PADDING = {"input_ids": 0, "positions": 0, "slots": -1, "context_lens": 0, "token_rows": -1,
            "block_tables": 0}
 
@@ -90,8 +103,7 @@ class DecodeGraphs:
 
     def _capture(self, forward, bs: int, group) -> Callable[[], None]:
         inputs = DecodeInputs.view(self.inputs, bs, self.max_blocks)
-        for name, view in inputs._asdict().items():
-            view.fill_(PADDING[name])   # all rows padding: capture writes no K/V, reads no pending token
+        inputs.fill_padding()   # all rows padding: capture writes no K/V, reads no pending token
 
         def step():
             self.outputs[:bs] = forward(inputs)

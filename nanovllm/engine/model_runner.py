@@ -267,7 +267,7 @@ class ModelRunner:
         pending = self.sampled_tokens.index_select(0, inputs.token_rows.clamp(min=0))
         input_ids = torch.where(inputs.token_rows >= 0, pending, inputs.input_ids)
         ctx = Context(is_prefill=False, slot_mapping=inputs.slots, context_lens=inputs.context_lens,
-                      block_tables=inputs.block_tables)
+                      block_tables=inputs.block_tables, decode_order=inputs.order)
         with forward_context(ctx):
             return self.model(input_ids, inputs.positions)
 

@@ -87,14 +87,16 @@ def qk_norm_rope_store(qkv: torch.Tensor, q_weight: torch.Tensor | None, k_weigh
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor,
                            scale: float, k_scale: torch.Tensor | None = None,
-                           v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                           v_scale: torch.Tensor | None = None,
+                           order: torch.Tensor | None = None) -> torch.Tensor:
     # q: [batch, num_heads, head_dim] -> [batch, num_heads, head_dim]; CUDA-graph safe on CUDA
-    # k_scale, v_scale: [1] fp32, an FP8 cache's scales
+    # k_scale, v_scale: [1] fp32, an FP8 cache's scales; order: [batch] int32, the rows in the order
+    # the kernel should start them (a speed hint: the result is the same)
     if not _fast(q):
         return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale,
                                           k_scale, v_scale)
     return paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale,
-                                         k_scale=k_scale, v_scale=v_scale)
+                                         k_scale=k_scale, v_scale=v_scale, order=order)
 
 
 def paged_kv_slots(block_tables: torch.Tensor, cu_seqlens_k: torch.Tensor, total_k: int,

@@ -13,10 +13,19 @@ two values (cvt.rn.f16x2.e4m3x2), e4m3 -> bf16 three (through fp16). So the quer
 fp16 too (finer than bf16; it must stay below 65504, as in any fp16 model) and so are the softmax
 weights (finer than the bf16 kernel's). Where each tile is converted decides the speed: K as
 Triton places it, in the dot's registers, V as it is loaded (_e4m3_to_f16); and with half the bytes
-per token the loop's other work counts twice as much, so whole tiles skip the masks and a register
-cap fits three programs per SM. FP8_DECODE holds these choices; benchmarks/fp8_decode_sweep.py
-times the alternatives. The scales are read on the device, so graphs captured before
-calculate_kv_scales sets them still see them.
+per token the loop's other work counts twice as much, so whole tiles skip the masks, and programs
+are one warp of 64-token tiles: no warp of a program waits at a barrier for the others (4-warp
+programs of 128 tokens, the bf16 tiles, ran 11-14% slower). FP8_DECODE holds these choices;
+benchmarks/fp8_decode_sweep.py times the alternatives. The scales are read on the device, so
+graphs captured before calculate_kv_scales sets them still see them.
+
+Launch order. A decode batch mixes short and long contexts, and a sequence's programs take time in
+proportion to its context: launched in batch order, the last long ones run nearly alone at the end
+of the kernel while most SMs idle. The grid's slowest axis is therefore the sequence, and the caller
+may pass the order to launch the sequences in (the engine: longest context first, computed on the
+host with the step's inputs), the classic longest-first schedule. On bench.py's contexts at batch
+256 this made the bf16 kernel 1.06x faster, and the FP8 kernel, with one-warp programs, 1.26x
+(benchmarks/RESULTS.md).
 
 Everything launched here depends only on tensor shapes, so a decode step can be captured in a CUDA
 graph: no host syncs, no branch on tensor values.
@@ -109,7 +118,7 @@ def _attend_tile(q, k_cache_ptr, v_cache_ptr, table, tile, end, offs_n, offs_d, 
 
 @triton.jit
 def _decode_split_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, order_ptr,
     out_ptr, part_out_ptr, part_lse_ptr, k_scale_ptr, v_scale_ptr,
     scale_log2e,
     stride_qb, stride_qh,
@@ -121,10 +130,15 @@ def _decode_split_kernel(
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, DOT_FP32: tl.constexpr,
     PRECISION: tl.constexpr, FP8: tl.constexpr, FP8_DOT_DTYPE: tl.constexpr,
     V_CVT_ASM: tl.constexpr, MASK_LAST_TILE_ONLY: tl.constexpr, INTERPRETED: tl.constexpr,
+    ORDERED: tl.constexpr,
 ):
-    seq = tl.program_id(0)
+    # The grid's slowest axis is the sequence, so a sequence's programs start together, in the
+    # order of order_ptr (ORDERED: the longest contexts first) or of the batch.
+    seq = tl.program_id(2)
+    if ORDERED:
+        seq = tl.load(order_ptr + seq)
     kv_head = tl.program_id(1)
-    split = tl.program_id(2)
+    split = tl.program_id(0)
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
@@ -258,7 +272,7 @@ class Fp8Decode:
 
 
 # The FP8 default: the one line to change (fp8_decode_sweep.py prints it for its fastest variant).
-FP8_DECODE = Fp8Decode(block_n=128, num_warps=4, max_registers=168)
+FP8_DECODE = Fp8Decode(block_n=64, num_warps=1)
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, block_n: int,
@@ -276,11 +290,14 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
                                   block_tables: torch.Tensor, context_lens: torch.Tensor,
                                   scale: float, num_splits: int | None = None,
                                   block_n: int | None = None, k_scale: torch.Tensor | None = None,
-                                  v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                                  v_scale: torch.Tensor | None = None,
+                                  order: torch.Tensor | None = None) -> torch.Tensor:
     # q: [batch, num_heads, head_dim]; k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
     # block_tables: [batch, max_blocks] int32; context_lens: [batch] int32 (0 allowed)
     # -> [batch, num_heads, head_dim]
     # k_scale, v_scale: [1] fp32 (an FP8 cache's scales; unused otherwise)
+    # order: [batch] int32, a permutation of the rows: the order the sequences' programs are launched
+    # in (longest context first is fastest: no long program is left to run alone at the end)
     batch, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     assert num_heads % num_kv_heads == 0
@@ -311,8 +328,9 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
         part_out = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
     block_d = max(16, triton.next_power_of_2(head_dim))   # tl.dot needs K >= 16; masks cover the padding
-    _decode_split_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse,
+    _decode_split_kernel[(num_splits, num_kv_heads, batch)](
+        q, k_cache, v_cache, block_tables, context_lens, context_lens if order is None else order,
+        out, part_out, part_lse,
         k_scale if fp8 else q, v_scale if fp8 else q, scale * 1.4426950408889634,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -328,7 +346,7 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
         V_CVT_ASM=fp8_tiles and FP8_DECODE.v_convert == "asm" and not interpreted
         and block_n * block_d >= 4 * 32 * num_warps,
         MASK_LAST_TILE_ONLY=FP8_DECODE.mask_last_tile_only if fp8 else MASK_LAST_TILE_ONLY,
-        INTERPRETED=interpreted,
+        INTERPRETED=interpreted, ORDERED=order is not None,
         num_warps=num_warps, num_stages=FP8_DECODE.num_stages if fp8_tiles else NUM_STAGES,
         maxnreg=FP8_DECODE.max_registers if fp8_tiles else None,
     )

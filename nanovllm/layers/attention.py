@@ -54,7 +54,7 @@ class Attention(nn.Module):
                                           ctx.block_tables, self.scale, ctx.kv_slots, self.k_scale,
                                           self.v_scale)
         return paged_decode_attention(q, self.k_cache, self.v_cache, ctx.block_tables, ctx.context_lens,
-                                      self.scale, self.k_scale, self.v_scale)
+                                      self.scale, self.k_scale, self.v_scale, ctx.decode_order)
 
     def store_with_new_scales(self, qkv, q_weight, k_weight, eps, rotary_emb, positions, ctx):
         """Once, at the first prefill into the cache: the scales from this batch's largest |K| and

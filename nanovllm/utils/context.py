@@ -16,6 +16,7 @@ class Context:
     slot_mapping: torch.Tensor | None = None   # [num_tokens] int32 cache slot of each new token; -1 = skip
     context_lens: torch.Tensor | None = None   # [num_seqs] int32 tokens to attend to (decode)
     block_tables: torch.Tensor | None = None   # [num_seqs, max_blocks] int32; None in prefill: no prefix
+    decode_order: torch.Tensor | None = None   # [num_seqs] int32 rows by context, longest first (decode)
     kv_slots: torch.Tensor | None = None       # [total_k] int64 slot of each key (prefill with block_tables)
 
 
