@@ -399,6 +399,22 @@ def test_interp_decode_fp8_matches_reference(monkeypatch, block_size, num_splits
 
 
 @interp
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_interp_gather_dequantize_kv_is_gather_then_dequantize(dtype):
+    # The FP8 prefill's gather: one kernel, the reference's numbers (fp32 product, one rounding).
+    from nanovllm.kernels.flash_prefill import gather_dequantize_kv
+    k_lens = [5, 1, 12]   # 18 rows: not a whole number of the kernel's 4-row tiles
+    k_scale, v_scale = torch.tensor([0.03]), torch.tensor([0.004])
+    k8, v8, tables = fp8_paged(k_lens, 4, 2, 8, k_scale, v_scale, seed=9)
+    slots = paged_kv_slots(tables, torch.tensor([0, 5, 6, 18], dtype=torch.int32), 18, block_size=4)
+    k, v = gather_dequantize_kv(k8, v8, slots, k_scale, v_scale, dtype)
+    k_ref, v_ref = gather_kv_varlen(k8, v8, slots)
+    assert k.dtype == v.dtype == dtype
+    assert torch.equal(k, dequantize_kv(k_ref, k_scale).to(dtype))
+    assert torch.equal(v, dequantize_kv(v_ref, v_scale).to(dtype))
+
+
+@interp
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("scales", [(1.0, 1.0), (0.005, 0.004)])   # the small scales saturate some values
 def test_interp_qk_norm_rope_store_fp8_quantizes_like_the_reference(dtype, scales):

@@ -4,6 +4,8 @@ shapes (16 query heads, 8 KV heads, head_dim 128, hidden 1024, intermediate 3072
 bf16 attention against the fp32 reference; the elementwise kernels against eager torch in the same
 dtype (transformers' roundings); decode and the elementwise kernels also under CUDA-graph capture.
 """
+import itertools
+
 import pytest
 import torch
 
@@ -11,7 +13,8 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 from conftest import assert_nearly_equal  # noqa: E402
 from nanovllm.kernels import (ATTENTION_BACKEND, add_rms_norm, paged_decode_attention,  # noqa: E402
-                              prefill_attention, qk_norm_rope_store, rms_norm, silu_and_mul)
+                              paged_kv_slots, prefill_attention, qk_norm_rope_store, rms_norm,
+                              silu_and_mul)
 from nanovllm.kernels.reference import (add_rms_norm_ref, gather_paged_kv,  # noqa: E402
                                         paged_decode_attention_ref, prefill_attention_ref,
                                         qk_norm_rope_store_ref, rms_norm_ref, silu_and_mul_ref)
@@ -564,3 +567,16 @@ def test_prefill_fp8_with_cached_prefix_matches_reference(block_size):
     ref = prefill_attention_ref(q.float(), new_k, new_v, k_deq, v_deq, cu_q, cu_k, max_q, max_k, tables,
                                 SCALE)
     torch.testing.assert_close(out.float(), ref, **BF16_TOL)
+
+
+def test_gather_dequantize_kv_equals_the_torch_ops():
+    from nanovllm.kernels.flash_prefill import gather_dequantize_kv, gather_kv_varlen
+    from nanovllm.kernels.reference import dequantize_kv
+    k_lens = [600, 2048, 100, 3]
+    k8, v8, tables, k_scale, v_scale, _, _ = fp8_paged(k_lens, 256, seed=3)
+    cu_k = torch.tensor([0, *itertools.accumulate(k_lens)], dtype=torch.int32, device="cuda")
+    slots = paged_kv_slots(tables, cu_k, sum(k_lens), 256)
+    k, v = gather_dequantize_kv(k8, v8, slots, k_scale, v_scale, torch.bfloat16)
+    k_ref, v_ref = gather_kv_varlen(k8, v8, slots)
+    assert torch.equal(k, dequantize_kv(k_ref, k_scale).bfloat16())
+    assert torch.equal(v, dequantize_kv(v_ref, v_scale).bfloat16())

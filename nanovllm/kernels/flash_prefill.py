@@ -4,13 +4,17 @@
 releases, so the wrapper reads the op's schema once and only passes what it accepts. Its causal mask is
 bottom-right aligned for varlen inputs, as ours is. It wants fp16/bf16 and head_dim <= 256.
 With a paged cache the keys are first gathered into a contiguous varlen buffer (from an FP8 cache,
-dequantized into the query's dtype).
+dequantized into the query's dtype by one Triton kernel: gather, scale and cast in one pass, where
+torch's ops took four over fp32 copies).
 """
 import functools
 
 import torch
+import triton
+import triton.language as tl
 
-from nanovllm.kernels.reference import dequantize_kv, prefill_attention_ref
+from nanovllm.kernels.common import rounded
+from nanovllm.kernels.reference import prefill_attention_ref
 
 
 def _aten_flash_op():
@@ -81,6 +85,39 @@ def gather_kv_varlen(k_cache: torch.Tensor, v_cache: torch.Tensor,
     return k, v
 
 
+@triton.jit
+def _gather_dequantize_kernel(cache_ptr, slots_ptr, scale_ptr, out_ptr, total, ROW: tl.constexpr,
+                              BLOCK_T: tl.constexpr, BLOCK_ROW: tl.constexpr):
+    # Program i fills rows [i * BLOCK_T, (i + 1) * BLOCK_T) of the varlen buffer: row t is the cache
+    # row of slot slots[t] (ROW values: every KV head of one token), times the scale, cast to out's dtype.
+    tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.arange(0, BLOCK_ROW)
+    mask = (tokens < total)[:, None] & (cols < ROW)[None, :]
+    slots = tl.load(slots_ptr + tokens, mask=tokens < total, other=0)
+    rows = tl.load(cache_ptr + slots[:, None] * ROW + cols[None, :], mask=mask, other=0.0)
+    out = rounded(rows.to(tl.float32) * tl.load(scale_ptr), out_ptr.dtype.element_ty)
+    tl.store(out_ptr + tokens[:, None].to(tl.int64) * ROW + cols[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=mask)
+
+
+def gather_dequantize_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, kv_slots: torch.Tensor,
+                         k_scale: torch.Tensor, v_scale: torch.Tensor,
+                         dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """gather_kv_varlen from an FP8 cache, each value times its scale in fp32 and rounded to dtype
+    (reference.dequantize_kv's numbers): k, v [total_k, num_kv_heads, head_dim] in dtype."""
+    _, _, num_kv_heads, head_dim = k_cache.shape
+    total, row = kv_slots.numel(), num_kv_heads * head_dim
+    k, v = (torch.empty(total, num_kv_heads, head_dim, dtype=dtype, device=k_cache.device) for _ in range(2))
+    if total == 0:
+        return k, v
+    block_t = 4
+    grid = (triton.cdiv(total, block_t),)
+    for cache, scale, out in ((k_cache, k_scale, k), (v_cache, v_scale, v)):
+        _gather_dequantize_kernel[grid](cache, kv_slots, scale, out, total, ROW=row, BLOCK_T=block_t,
+                                        BLOCK_ROW=triton.next_power_of_2(row), num_warps=4)
+    return k, v
+
+
 def prefill_attention_aten(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            k_cache: torch.Tensor, v_cache: torch.Tensor,
                            cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
@@ -89,9 +126,10 @@ def prefill_attention_aten(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            kv_slots: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
                            v_scale: torch.Tensor | None = None) -> torch.Tensor:
     # The interface of backend.prefill_attention; only when aten_flash_usable(q).
-    if block_tables is not None:
+    if block_tables is not None and k_cache.dtype == torch.float8_e4m3fn:
+        k, v = gather_dequantize_kv(k_cache, v_cache, kv_slots, k_scale, v_scale, q.dtype)
+    elif block_tables is not None:
         k, v = gather_kv_varlen(k_cache, v_cache, kv_slots)
-        k, v = dequantize_kv(k, k_scale).to(q.dtype), dequantize_kv(v, v_scale).to(q.dtype)
     group = q.shape[1] // k.shape[1]
     if group > 1 and aten_flash_mode(q.device) == "expand":
         k = k.repeat_interleave(group, dim=1)

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.common import rounded
+from nanovllm.kernels.common import interpreted, rounded
 
 
 @triton.jit
@@ -54,12 +54,14 @@ def _norm_rope_heads(src_ptr, w_ptr, dst_ptr, cos, sin, eps, NUM_HEADS: tl.const
 
 
 @triton.jit
-def _fp8_e4m3(x, scale):
-    """x / scale (IEEE division) saturated to +-448 and rounded to e4m3, to nearest with ties to even
-    and subnormals kept (torch's cast), as an fp32 value that e4m3 holds exactly. Rounded by
-    arithmetic: the Triton interpreter's fp8 cast rounds ties up and flushes subnormals; on the GPU
-    the final cast (cvt.rn.satfinite) of such a value is exact."""
+def _fp8_e4m3(x, scale, INTERPRETED: tl.constexpr):
+    """x / scale (IEEE division) saturated to +-448, for a cast to e4m3 that rounds it to nearest
+    with ties to even and keeps subnormals (torch's cast): on the GPU the cast itself does
+    (cvt.rn.satfinite); in the Triton interpreter, whose fp8 cast rounds ties up and flushes
+    subnormals, the value is rounded here by arithmetic, to one that e4m3 holds exactly."""
     x = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -448.0), 448.0)
+    if not INTERPRETED:
+        return x
     bits = x.to(tl.uint32, bitcast=True)
     # Normal range (|x| >= 2^-6): round the 23-bit mantissa to 3 bits (to nearest even, as for bf16).
     normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000).to(tl.float32, bitcast=True)
@@ -72,7 +74,7 @@ def _fp8_e4m3(x, scale):
 @triton.jit
 def _store_kv_rows(k1, k2, v_ptr, k_dst_ptr, v_dst_ptr, k_scale_ptr, v_scale_ptr, NUM_KV_HEADS: tl.constexpr,
                    HEAD_DIM: tl.constexpr, BLOCK_KV_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                   FP8: tl.constexpr):
+                   FP8: tl.constexpr, INTERPRETED: tl.constexpr):
     """Write one token's rotated key halves and its values (from v_ptr) into its cache rows
     (FP8: quantized with the layer's scales)."""
     half: tl.constexpr = HEAD_DIM // 2
@@ -80,16 +82,16 @@ def _store_kv_rows(k1, k2, v_ptr, k_dst_ptr, v_dst_ptr, k_scale_ptr, v_scale_ptr
     cache_dtype = k_dst_ptr.dtype.element_ty
     if FP8:
         k_scale = tl.load(k_scale_ptr)
-        k1 = _fp8_e4m3(k1.to(tl.float32), k_scale)
-        k2 = _fp8_e4m3(k2.to(tl.float32), k_scale)
+        k1 = _fp8_e4m3(k1.to(tl.float32), k_scale, INTERPRETED)
+        k2 = _fp8_e4m3(k2.to(tl.float32), k_scale, INTERPRETED)
     tl.store(k_dst_ptr + offs, k1.to(cache_dtype), mask=mask)
     tl.store(k_dst_ptr + offs + half, k2.to(cache_dtype), mask=mask)
     v1 = tl.load(v_ptr + offs, mask=mask)
     v2 = tl.load(v_ptr + offs + half, mask=mask)
     if FP8:
         v_scale = tl.load(v_scale_ptr)
-        v1 = _fp8_e4m3(v1.to(tl.float32), v_scale)
-        v2 = _fp8_e4m3(v2.to(tl.float32), v_scale)
+        v1 = _fp8_e4m3(v1.to(tl.float32), v_scale, INTERPRETED)
+        v2 = _fp8_e4m3(v2.to(tl.float32), v_scale, INTERPRETED)
     tl.store(v_dst_ptr + offs, v1.to(cache_dtype), mask=mask)
     tl.store(v_dst_ptr + offs + half, v2.to(cache_dtype), mask=mask)
 
@@ -100,7 +102,7 @@ def _qk_norm_rope_store_kernel(qkv_ptr, q_ptr, k_ptr, q_w_ptr, k_w_ptr, cos_sin_
                                cos_sin_stride, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
                                HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_KV_H: tl.constexpr,
                                BLOCK_HALF: tl.constexpr, HAS_NORM: tl.constexpr, STORE: tl.constexpr,
-                               FP8: tl.constexpr):
+                               FP8: tl.constexpr, INTERPRETED: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     half: tl.constexpr = HEAD_DIM // 2
     q_size: tl.constexpr = NUM_HEADS * HEAD_DIM
@@ -124,7 +126,7 @@ def _qk_norm_rope_store_kernel(qkv_ptr, q_ptr, k_ptr, q_w_ptr, k_w_ptr, cos_sin_
             if slot >= 0:   # -1: a padding row, written nowhere
                 _store_kv_rows(k1, k2, k_row + kv_size, k_cache_ptr + slot * kv_size,
                                v_cache_ptr + slot * kv_size, k_scale_ptr, v_scale_ptr,
-                               NUM_KV_HEADS, HEAD_DIM, BLOCK_KV_H, BLOCK_HALF, FP8)
+                               NUM_KV_HEADS, HEAD_DIM, BLOCK_KV_H, BLOCK_HALF, FP8, INTERPRETED)
 
 
 def qk_norm_rope_store_triton(qkv: torch.Tensor, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
@@ -164,6 +166,6 @@ def qk_norm_rope_store_triton(qkv: torch.Tensor, q_weight: torch.Tensor | None, 
         v_cache if store else qkv, k_scale if fp8 else qkv, v_scale if fp8 else qkv, eps, qkv.stride(0),
         cos_sin_cache.stride(0), NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_H=block_h, BLOCK_KV_H=triton.next_power_of_2(num_kv_heads),
-        BLOCK_HALF=block_half, HAS_NORM=has_norm, STORE=store, FP8=fp8,
+        BLOCK_HALF=block_half, HAS_NORM=has_norm, STORE=store, FP8=fp8, INTERPRETED=interpreted(qkv.device),
         num_warps=min(8, max(1, block_h * block_half // 512)), enable_fp_fusion=False)
     return q, k, v
