@@ -35,6 +35,9 @@ def capture_halves(runner, graphs, bs: int, streams: int, priority: int = 0):
     inputs = DecodeInputs.view(graphs.inputs, bs, graphs.max_blocks)
     split = bs // 2
     halves = [DecodeInputs(*(t[:split] for t in inputs)), DecodeInputs(*(t[split:] for t in inputs))]
+    # each half launches its rows in its own order (the batch's order holds rows of both halves)
+    halves = [h._replace(order=torch.arange(h.order.numel(), dtype=h.order.dtype, device=h.order.device))
+              for h in halves]
     out = torch.empty(bs, graphs.outputs.size(1), dtype=graphs.outputs.dtype, device=graphs.outputs.device)
     side = torch.cuda.Stream(priority=priority)
 
