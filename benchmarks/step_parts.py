@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench import DEFAULT_MODEL  # noqa: E402
 from bench_timing import median_ms  # noqa: E402
 from nanovllm import LLM  # noqa: E402
-from nanovllm.engine.decode_graphs import DecodeInputs  # noqa: E402
+from nanovllm.engine.decode_graphs import DecodeInputs, longest_first  # noqa: E402
 
 BATCHES = [256, 128, 64, 32, 16, 8]
 
@@ -58,8 +58,7 @@ def fill(graphs, bs: int, contexts: list[int] | None, num_blocks: int):
     if contexts:
         rng, block, n = random.Random(1), graphs.block_size, len(contexts)
         inputs.context_lens[:n] = torch.tensor(contexts, dtype=torch.int32)
-        inputs.order[:n] = torch.tensor(sorted(range(n), key=contexts.__getitem__, reverse=True),
-                                        dtype=torch.int32)
+        inputs.order[:n] = torch.tensor(longest_first(contexts), dtype=torch.int32)
         inputs.positions[:n] = torch.tensor([c - 1 for c in contexts], dtype=torch.int32)
         tables = [[rng.randrange(num_blocks) for _ in range(graphs.max_blocks)] for _ in contexts]
         inputs.block_tables[:n] = torch.tensor(tables, dtype=torch.int32)

@@ -12,6 +12,7 @@ import torch
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 from conftest import assert_nearly_equal  # noqa: E402
+from nanovllm.engine.decode_graphs import longest_first  # noqa: E402
 from nanovllm.kernels import (ATTENTION_BACKEND, add_rms_norm, paged_decode_attention,  # noqa: E402
                               paged_kv_slots, prefill_attention, qk_norm_rope_store, rms_norm,
                               silu_and_mul)
@@ -93,15 +94,14 @@ def test_decode_fp32_matches_reference():
 def test_decode_launch_order_gives_the_same_output(fp8):
     # The engine passes the rows longest context first; the output must be bit-identical.
     lens = [5, 0, 2000, 300, 1024, 77, 1500]
-    k_cache, v_cache, tables = make_paged(lens, 256)
     scales = {}
     if fp8:
-        scales = dict(k_scale=torch.tensor([0.05], device="cuda"),
-                      v_scale=torch.tensor([0.02], device="cuda"))
-        k_cache = (k_cache.float() / scales["k_scale"]).to(torch.float8_e4m3fn)
-        v_cache = (v_cache.float() / scales["v_scale"]).to(torch.float8_e4m3fn)
+        k_cache, v_cache, tables, k_scale, v_scale, _, _ = fp8_paged(lens, 256)
+        scales = dict(k_scale=k_scale, v_scale=v_scale)
+    else:
+        k_cache, v_cache, tables = make_paged(lens, 256)
     ctx = torch.tensor(lens, dtype=torch.int32, device="cuda")
-    order = torch.argsort(ctx, descending=True, stable=True).int()
+    order = torch.tensor(longest_first(lens), dtype=torch.int32, device="cuda")   # the engine's rule
     q = torch.randn(len(lens), H, D, device="cuda").bfloat16()
     plain = paged_decode_attention(q, k_cache, v_cache, tables, ctx, SCALE, **scales)
     ordered = paged_decode_attention(q, k_cache, v_cache, tables, ctx, SCALE, **scales, order=order)

@@ -37,7 +37,7 @@ class DecodeInputs(NamedTuple):
                    "slots": [table[pos // bs] * bs + pos % bs for pos, table in zip(starts, tables)],
                    "context_lens": [pos + 1 for pos in starts],
                    "token_rows": step.token_rows or [-1] * n,
-                   "order": sorted(range(n), key=starts.__getitem__, reverse=True) + list(range(n, rows))}
+                   "order": longest_first(starts) + list(range(n, rows))}
         pad = rows - n
         flat = []
         for name in _VECTORS:
@@ -71,6 +71,12 @@ _NUM_VECTORS = len(_VECTORS)
 # (order is a permutation: a padding row holds its own index there.)
 PADDING = {"input_ids": 0, "positions": 0, "slots": -1, "context_lens": 0, "token_rows": -1,
            "block_tables": 0}
+
+
+def longest_first(lengths: list[int]) -> list[int]:
+    """The rows by length, longest first (ties in row order): the order the decode attention kernel
+    starts the sequences in (kernels/decode_attention.py, "Launch order")."""
+    return sorted(range(len(lengths)), key=lengths.__getitem__, reverse=True)
 
 
 def graph_batch_sizes(max_bs: int) -> list[int]:
