@@ -236,8 +236,9 @@ def _decode_reduce_kernel(part_out_ptr, part_lse_ptr, out_ptr, stride_ob, stride
 
 
 # Programs per SM that the split count aims for: more splits fill the SMs at small batches, but each
-# adds a partial result to merge; 8 ran bench.py fastest (the sweeps are in benchmarks/RESULTS.md).
-PROGRAMS_PER_SM = 8
+# adds a partial result to merge. 8 ran bench.py fastest in batch order; launched longest first,
+# fewer splits balance as well, and 4 ran it fastest (benchmarks/RESULTS.md, twelfth session).
+PROGRAMS_PER_SM = 4
 NUM_STAGES = 2   # software-pipelining depth of the K/V loads in the split kernel
 # Context tokens per loop step and warps per program of the split kernel: the fastest pair of a sweep
 # of (32|64|128) x (2|4|8) (benchmarks/RESULTS.md).
