@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.testing
 
+from nanovllm.engine.decode_graphs import longest_first
 from nanovllm.kernels import ATTENTION_BACKEND, paged_decode_attention, prefill_attention
 from nanovllm.kernels.decode_attention import paged_decode_attention_triton
 from nanovllm.kernels.norm_act import add_rms_norm_triton, rms_norm_triton, silu_and_mul_triton
@@ -66,6 +67,12 @@ def decode_case(batch, ctx, fn, graph=False, fp8=False):
     return ms, nbytes / (ms * 1e-3)
 
 
+def launch_order(lens: torch.Tensor) -> torch.Tensor:
+    """The engine's launch order for these context lengths (decode_graphs.longest_first), as an
+    int32 tensor on their device."""
+    return torch.tensor(longest_first(lens.tolist()), dtype=torch.int32, device=lens.device)
+
+
 def mixed_decode_case(batch, num_splits=None, lo=100, hi=2048, table_blocks=16, seed=0, fp8=False):
     """As the engine runs bench.py's decode: contexts spread over [lo, hi], launched longest first,
     block tables as wide as the CUDA graphs' (max_model_len 4096 / 256), inside a CUDA graph.
@@ -75,7 +82,7 @@ def mixed_decode_case(batch, num_splits=None, lo=100, hi=2048, table_blocks=16, 
     k_cache, v_cache, scales = kv_cache_pair(batch * table_blocks, fp8)
     tables = torch.randperm(batch * table_blocks, device="cuda").int().view(batch, table_blocks)
     q = torch.randn(batch, H, D, device="cuda", dtype=torch.bfloat16)
-    order = torch.argsort(lens, descending=True, stable=True).int()
+    order = launch_order(lens)
 
     def decode():
         return paged_decode_attention_triton(q, k_cache, v_cache, tables, lens, D ** -0.5,

@@ -27,7 +27,7 @@ import time
 import torch
 import triton
 
-from bench_kernels import knobs
+from bench_kernels import knobs, launch_order
 from bench_timing import median_ms
 from nanovllm.kernels import decode_attention
 from nanovllm.kernels.decode_attention import Fp8Decode, paged_decode_attention_triton
@@ -126,7 +126,7 @@ def run_variant(case, kind, copy_bw, num_splits=None, in_graph=False):
     in_graph: time it inside a CUDA graph (graph_ms), as the engine runs it."""
     k_cache, v_cache, scales = case.caches[kind]
     # the engine's launch order: the longest contexts first
-    order = torch.argsort(case.lens, descending=True, stable=True).int() if LAUNCH_ORDER else None
+    order = launch_order(case.lens) if LAUNCH_ORDER else None
 
     def call():
         return paged_decode_attention_triton(case.q, k_cache, v_cache, case.tables, case.lens, SCALE,

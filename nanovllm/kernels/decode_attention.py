@@ -36,8 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.common import interpreted as runs_interpreted
-from nanovllm.kernels.common import num_sms
+from nanovllm.kernels.common import interpreted as runs_interpreted, num_sms
 
 # Log-sum-exp of an empty split. Finite so that merging all-empty splits (context_len 0) gives 0, not NaN.
 _EMPTY_LSE = tl.constexpr(-1.0e30)
