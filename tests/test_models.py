@@ -33,11 +33,13 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 def randomize_biases(path: str, seed: int = 1):
     """HF initialises biases to zero, which would hide a bias loaded into the wrong place."""
     g = torch.Generator().manual_seed(seed)
+    randomize(path, lambda name, t: torch.randn(t.shape, generator=g) * 0.5 if name.endswith(".bias") else t)
+
+
+def randomize(path: str, new):
+    """Every checkpoint tensor replaced by new(name, tensor)."""
     for file in glob.glob(os.path.join(path, "*.safetensors")):
-        tensors = load_file(file)
-        for name, t in tensors.items():
-            if name.endswith(".bias"):
-                tensors[name] = torch.randn(t.shape, generator=g) * 0.5
+        tensors = {name: new(name, t) for name, t in load_file(file).items()}
         save_file(tensors, file, metadata={"format": "pt"})
 
 
@@ -84,6 +86,23 @@ def _record_prefill_tokens(llm) -> list[int]:
     return computed
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_norm_weights_folded_into_the_gemms_match_transformers(tmp_path, arch):
+    # RMSNorm weights far from HF's initial ones: the layers fold them into qkv_proj and
+    # gate_up_proj at load (LlamaDecoderLayer.fold_norms), the kernels after those GEMMs apply
+    # rstd, and the residual adds ride in o_proj and down_proj.
+    path = make_model(str(tmp_path), arch)
+    g = torch.Generator().manual_seed(5)
+    randomize(path, lambda name, t: 0.5 + torch.rand(t.shape, generator=g) * 1.5
+              if name.endswith("layernorm.weight") else t)
+    llm = LLM(path, kvcache_block_size=16, num_kvcache_blocks=64)
+    assert all(layer.folded for layer in llm.model_runner.model.model.layers)
+    oracle = HFOracle(path)
+    prompts = random_prompts(4, [1, 9, 17, 40], seed=6)
+    for prompt, out in zip(prompts, llm.generate(prompts, GREEDY, use_tqdm=False)):
+        oracle.assert_greedy(prompt, out.outputs[0].token_ids)
+
+
 def test_config_variant_is_built(variant):
     """The variant's config reached the model (so the comparison above covered it)."""
     name, _, llm, _ = variant
@@ -96,6 +115,9 @@ def test_config_variant_is_built(variant):
     assert (attn.q_norm is not None) == name.startswith("qwen3")
     assert attn.head_dim == (32 if name == "qwen3-head-dim-32" else 16)
     assert (model.model.layers[0].mlp.down_proj.bias is not None) == (name == "llama-biases")
+    # the norms are folded into the GEMMs wherever no bias sits on them
+    assert model.model.layers[0].folded == (attn.qkv_proj.bias is None and attn.o_proj.bias is None
+                                            and name != "llama-biases")
 
 
 def test_llama3_rope_scaling_changes_frequencies(tmp_path):

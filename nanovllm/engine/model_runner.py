@@ -92,6 +92,8 @@ class ModelRunner:
                     load_dummy_weights(self.model, config.seed)
                 else:
                     load_model(self.model, config.model)
+                if hasattr(self.model, "fold_norms"):
+                    self.model.fold_norms()
             host_barrier("loaded")   # every rank has its shard: only now the first collective
             if not config.disable_custom_all_reduce:
                 connect_peer_all_reduce(self.device)   # decode-sized sums over peer memory (CUDA TP)

@@ -64,24 +64,28 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     return fn(x, residual, weight, eps)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """x: [..., 2 * d] = gate | up -> silu(gate) * up: [..., d]; one kernel on CUDA."""
-    return silu_and_mul_triton(x) if _fast(x) else silu_and_mul_ref(x)
+def silu_and_mul(x: torch.Tensor, norm_of: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
+    """x: [..., 2 * d] = gate | up -> silu(gate) * up: [..., d]; one kernel on CUDA. norm_of
+    [..., hidden]: gate and up first scaled by rstd(norm_of) row by row (an RMSNorm folded into the
+    GEMM that made x)."""
+    return (silu_and_mul_triton if _fast(x) else silu_and_mul_ref)(x, norm_of, eps)
 
 
 def qk_norm_rope_store(qkv: torch.Tensor, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
                        eps: float, cos_sin_cache: torch.Tensor, positions: torch.Tensor,
                        slot_mapping: torch.Tensor | None, k_cache: torch.Tensor, v_cache: torch.Tensor,
                        num_heads: int, num_kv_heads: int, head_dim: int,
-                       k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None):
-    """Per-head q/k RMSNorm (weights None: none), rotary, and the K/V write into the cache (skipped
+                       k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                       norm_of: torch.Tensor | None = None, norm_eps: float = 0.0):
+    """qkv scaled by rstd(norm_of) row by row (norm_of given: the input RMSNorm folded into
+    qkv_proj), per-head q/k RMSNorm (weights None: none), rotary, and the K/V write into the cache (skipped
     while the cache is empty; an FP8 cache stores K / k_scale, V / v_scale); one fused kernel on
     CUDA. CUDA-graph safe.
     qkv: [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]
     -> q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]"""
     fn = qk_norm_rope_store_triton if _fast(qkv) else qk_norm_rope_store_ref
     return fn(qkv, q_weight, k_weight, eps, cos_sin_cache, positions, slot_mapping, k_cache, v_cache,
-              num_heads, num_kv_heads, head_dim, k_scale, v_scale)
+              num_heads, num_kv_heads, head_dim, k_scale, v_scale, norm_of, norm_eps)
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

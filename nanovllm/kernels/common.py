@@ -35,3 +35,13 @@ def rounded(x, DTYPE: tl.constexpr):
         return tl.where(x == x, bits.to(tl.float32, bitcast=True), x)
     else:
         return x.to(DTYPE).to(tl.float32)
+
+
+@triton.jit
+def row_rstd(row_ptr, eps, HIDDEN: tl.constexpr, BLOCK: tl.constexpr):
+    """rsqrt(mean(x^2) + eps) of the HIDDEN contiguous values at row_ptr, in fp32 (the sum of
+    squares in fp32, the mean by an exact division, as the RMSNorm kernels do)."""
+    cols = tl.arange(0, BLOCK)
+    x = tl.load(row_ptr + cols, mask=cols < HIDDEN, other=0.0).to(tl.float32)
+    sum_sq = tl.sum(x * x, axis=0)
+    return tl.math.rsqrt(tl.math.div_rn(sum_sq, tl.full(sum_sq.shape, HIDDEN, tl.float32)) + eps)

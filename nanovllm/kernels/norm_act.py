@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from nanovllm.kernels.common import rounded
+from nanovllm.kernels.common import rounded, row_rstd
 
 
 @triton.jit(do_not_specialize=["num_rows"])   # one compiled variant whatever the step's token count
@@ -85,15 +85,21 @@ def add_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor, weight: torch.T
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, x_stride, D: tl.constexpr, BLOCK: tl.constexpr,
-                         LIBDEVICE_EXP: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, norm_ptr, x_stride, norm_stride, eps, D: tl.constexpr,
+                         BLOCK: tl.constexpr, LIBDEVICE_EXP: tl.constexpr, HIDDEN: tl.constexpr,
+                         BLOCK_HIDDEN: tl.constexpr, SCALED: tl.constexpr):
     # Grid (rows, column blocks): program (t, j) computes out[t, j * BLOCK:(j + 1) * BLOCK].
+    # SCALED: gate and up first times rstd of row t of norm_ptr (HIDDEN wide), rounded to the dtype.
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < D
     dtype = x_ptr.dtype.element_ty
     gate = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * x_stride + D + cols, mask=mask, other=0.0).to(tl.float32)
+    if SCALED:
+        rstd = row_rstd(norm_ptr + row * norm_stride, eps, HIDDEN, BLOCK_HIDDEN)
+        gate = rounded(gate * rstd, dtype)
+        up = rounded(up * rstd, dtype)
     if LIBDEVICE_EXP:   # CUDA's expf, as torch's silu calls it; tl.exp is a faster approximation
         e = libdevice.exp(-gate)
     else:               # the interpreter has no libdevice
@@ -102,15 +108,21 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, x_stride, D: tl.constexpr, BLOCK: tl.co
     tl.store(out_ptr + row * D + cols, rounded(silu * up, dtype).to(dtype), mask=mask)
 
 
-def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
-    """x: [..., 2 * d] holding gate | up -> silu(gate) * up: [..., d]. CUDA-graph safe."""
+def silu_and_mul_triton(x: torch.Tensor, norm_of: torch.Tensor | None = None,
+                        eps: float = 0.0) -> torch.Tensor:
+    """x: [..., 2 * d] holding gate | up -> silu(gate) * up: [..., d]. norm_of: [..., hidden], gate
+    and up first scaled by its rows' rstd (reference.scale_by_rstd_ref). CUDA-graph safe."""
     d = x.shape[-1] // 2
     assert x.shape[-1] == 2 * d
     x2 = _rows(x)
+    h2 = _rows(norm_of) if norm_of is not None else x2
+    assert norm_of is None or h2.shape[0] == x2.shape[0]
     out = torch.empty(*x.shape[:-1], d, dtype=x.dtype, device=x.device)
     if x2.shape[0] and d:
         block = min(1024, triton.next_power_of_2(d))
+        hidden = h2.shape[-1] if norm_of is not None else 1
         _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(d, block))](
-            x2, out, x2.stride(0), D=d, BLOCK=block, LIBDEVICE_EXP=x.is_cuda,
+            x2, out, h2, x2.stride(0), h2.stride(0), eps, D=d, BLOCK=block, LIBDEVICE_EXP=x.is_cuda,
+            HIDDEN=hidden, BLOCK_HIDDEN=triton.next_power_of_2(hidden), SCALED=norm_of is not None,
             num_warps=max(1, block // 256), enable_fp_fusion=False)   # 8 values a thread
     return out

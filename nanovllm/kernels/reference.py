@@ -43,8 +43,18 @@ def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tens
     return rms_norm_ref(x, weight, eps), x
 
 
-def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
-    # x: [..., 2 * d] = gate | up -> [..., d]
+def scale_by_rstd_ref(x: torch.Tensor, norm_of: torch.Tensor, eps: float) -> torch.Tensor:
+    """x times rstd(norm_of) row by row, rounded to x's dtype: what remains of an RMSNorm whose weight
+    was folded into the GEMM that made x from norm_of (x = norm_of W^T, W's columns times the
+    norm's weight). norm_of: [..., hidden]; x: [..., n] with the same leading shape."""
+    h = norm_of.float()
+    return (x.float() * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def silu_and_mul_ref(x: torch.Tensor, norm_of: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
+    # x: [..., 2 * d] = gate | up -> [..., d]; norm_of: gate | up first scaled by its rows' rstd
+    if norm_of is not None:
+        x = scale_by_rstd_ref(x, norm_of, eps)
     gate, up = x.chunk(2, -1)
     return F.silu(gate) * up
 
@@ -53,13 +63,17 @@ def qk_norm_rope_store_ref(qkv: torch.Tensor, q_weight: torch.Tensor | None, k_w
                            eps: float, cos_sin_cache: torch.Tensor, positions: torch.Tensor,
                            slot_mapping: torch.Tensor | None, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            num_heads: int, num_kv_heads: int, head_dim: int,
-                           k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None):
-    """The layers' own ops, one after another: per-head RMSNorm of q and k (when weights are given),
+                           k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                           norm_of: torch.Tensor | None = None, norm_eps: float = 0.0):
+    """The layers' own ops, one after another: qkv scaled by rstd(norm_of) row by row (when given:
+    the input RMSNorm folded into qkv_proj), per-head RMSNorm of q and k (when weights are given),
     rotary, then the K/V store (skipped while the cache is empty, as in the warm-up run; an FP8
     cache stores K / k_scale and V / v_scale).
     qkv: [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]
     -> q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]"""
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    if norm_of is not None:
+        qkv = scale_by_rstd_ref(qkv, norm_of, norm_eps)
     q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
     q = q.view(-1, num_heads, head_dim)
     k = k.view(-1, num_kv_heads, head_dim)

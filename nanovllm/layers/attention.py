@@ -35,19 +35,25 @@ class Attention(nn.Module):
         self.prefill_attention = prefill_attention   # kernels.prefill_attention's interface
 
     def forward(self, positions: torch.Tensor, qkv: torch.Tensor, rotary_emb: RotaryEmbedding,
-                q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None) -> torch.Tensor:
+                q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None,
+                norm_of: torch.Tensor | None = None, norm_eps: float = 0.0) -> torch.Tensor:
         # qkv: [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim] -> [num_tokens, num_heads, head_dim]
+        # norm_of: [num_tokens, hidden], qkv_proj's input when the RMSNorm before it was folded into
+        # its weight: q, k, v are first scaled by its rows' rstd (eps norm_eps)
         ctx = get_context()
+        scale_rows = dict(norm_of=norm_of, norm_eps=norm_eps)
         if q_norm is None:
             q_weight, k_weight, eps = None, None, 0.0
         else:
             q_weight, k_weight, eps = q_norm.weight, k_norm.weight, q_norm.eps
         if self.calculate_kv_scales and ctx.is_prefill and self.k_cache.numel():
-            q, k, v = self.store_with_new_scales(qkv, q_weight, k_weight, eps, rotary_emb, positions, ctx)
+            q, k, v = self.store_with_new_scales(qkv, q_weight, k_weight, eps, rotary_emb, positions, ctx,
+                                                 scale_rows)
         else:
             q, k, v = qk_norm_rope_store(qkv, q_weight, k_weight, eps, rotary_emb.cos_sin_cache, positions,
                                          ctx.slot_mapping, self.k_cache, self.v_cache, self.num_heads,
-                                         self.num_kv_heads, self.head_dim, self.k_scale, self.v_scale)
+                                         self.num_kv_heads, self.head_dim, self.k_scale, self.v_scale,
+                                         **scale_rows)
         if ctx.is_prefill:
             return self.prefill_attention(q, k, v, self.k_cache, self.v_cache, ctx.cu_seqlens_q,
                                           ctx.cu_seqlens_k, ctx.max_seqlen_q, ctx.max_seqlen_k,
@@ -56,12 +62,13 @@ class Attention(nn.Module):
         return paged_decode_attention(q, self.k_cache, self.v_cache, ctx.block_tables, ctx.context_lens,
                                       self.scale, self.k_scale, self.v_scale, ctx.decode_order)
 
-    def store_with_new_scales(self, qkv, q_weight, k_weight, eps, rotary_emb, positions, ctx):
+    def store_with_new_scales(self, qkv, q_weight, k_weight, eps, rotary_emb, positions, ctx, scale_rows):
         """Once, at the first prefill into the cache: the scales from this batch's largest |K| and
         |V| (on the device, no sync), then the store with them (the torch store: a one-off)."""
         empty = torch.tensor([], device=qkv.device)
         q, k, v = qk_norm_rope_store(qkv, q_weight, k_weight, eps, rotary_emb.cos_sin_cache, positions,
-                                     None, empty, empty, self.num_heads, self.num_kv_heads, self.head_dim)
+                                     None, empty, empty, self.num_heads, self.num_kv_heads, self.head_dim,
+                                     **scale_rows)
         for scale, x, divisor in ((self.k_scale, k, K_SCALE_DIVISOR), (self.v_scale, v, V_SCALE_DIVISOR)):
             amax = x.abs().amax().float()
             scale.copy_(torch.where(amax > 0, amax / divisor, 1.0))   # all zeros: keep 1.0, not 0

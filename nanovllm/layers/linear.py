@@ -97,8 +97,12 @@ class RowParallelLinear(LinearBase):
     def __init__(self, input_size: int, output_size: int, bias: bool = False):
         super().__init__(_divide(input_size, tp_size(), "input size"), output_size, bias, tp_dim=1)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # The bias is added once, after the sum, not on every rank.
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        # The bias is added once, after the sum, not on every rank. residual: added to the output;
+        # on one rank without a bias it is the GEMM's C (beta 1), updated in place: no add kernel.
+        if residual is not None and self.tp_size == 1 and self.bias is None:
+            return residual.addmm_(x, self.weight.t())
         y = F.linear(x, self.weight)
         y = all_reduce(y)
-        return y + self.bias if self.bias is not None else y
+        y = y + self.bias if self.bias is not None else y
+        return y if residual is None else y + residual

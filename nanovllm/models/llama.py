@@ -4,12 +4,18 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from nanovllm.kernels import silu_and_mul
 from nanovllm.layers.activation import SiluAndMul
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from nanovllm.layers.rotary_embedding import get_rope
+
+
+# Fold each layer's RMSNorm weights into the GEMM after them at load (fold_norms): two kernels a
+# layer fewer. A module constant, so benchmarks/bench_with.py can compare both.
+FOLD_NORMS = True
 
 
 def head_dim_of(config: PretrainedConfig) -> int:
@@ -76,7 +82,36 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
+    folded = False   # set by fold_norms
+
+    def fold_norms(self) -> bool:
+        """Fold both RMSNorm weights into the weights of the GEMM after them, once, after loading:
+        norm(h) W^T = rstd(h) * h (W diag(w))^T. The layer then runs on the un-normalised residual
+        stream h: qkv_proj and gate_up_proj take h, the q/k norm + rotary + store kernel and
+        SiLU-and-mul apply rstd(h) row by row, o_proj and down_proj add their output to h in their
+        GEMM (C = h, beta 1): no RMSNorm or add kernel in the layer (two launches fewer). Only a
+        dense MLP on one rank, with no bias on the folded or residual GEMMs; False: left as it is."""
+        attn, mlp = self.self_attn, self.mlp
+        if (self.folded or not isinstance(mlp, LlamaMLP) or attn.o_proj.tp_size != 1
+                or any(p.bias is not None for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
+                                                    mlp.down_proj))):
+            return False
+        with torch.no_grad():
+            attn.qkv_proj.weight.mul_(self.input_layernorm.weight)
+            mlp.gate_up_proj.weight.mul_(self.post_attention_layernorm.weight)
+        self.folded = True
+        return True
+
     def forward(self, positions, x, residual):
+        if self.folded:
+            # x + residual is the residual stream h; each GEMM into it updates it in place.
+            h = x if residual is None else x + residual
+            attn = self.self_attn
+            out = attn.attn(positions, attn.qkv_proj(h), attn.rotary_emb, attn.q_norm, attn.k_norm,
+                            norm_of=h, norm_eps=self.input_layernorm.eps)
+            h = attn.o_proj(out.flatten(1), residual=h)
+            act = silu_and_mul(self.mlp.gate_up_proj(h), norm_of=h, eps=self.post_attention_layernorm.eps)
+            return self.mlp.down_proj(act, residual=h), None
         # The residual stream is carried separately so each RMSNorm fuses the preceding add.
         x, residual = (self.input_layernorm(x), x) if residual is None else self.input_layernorm(x, residual)
         x = self.self_attn(positions, x)
@@ -97,8 +132,7 @@ class LlamaModel(nn.Module):
         x, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
             x, residual = layer(positions, x, residual)
-        x, _ = self.norm(x, residual)
-        return x
+        return self.norm(x) if residual is None else self.norm(x, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):
@@ -134,6 +168,11 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden_states)
+
+    def fold_norms(self) -> int:
+        """After loading: fold the layers' RMSNorm weights into their GEMMs where it applies
+        (LlamaDecoderLayer.fold_norms; FOLD_NORMS off: none). Returns the layers folded."""
+        return sum(layer.fold_norms() for layer in self.model.layers) if FOLD_NORMS else 0
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
