@@ -265,20 +265,25 @@ def test_interp_decode_head_dim_below_16_is_padded(monkeypatch, block_size, mask
                                atol=1e-5, rtol=1e-5)
 
 
-def check_qk_norm_rope_store(args, num_heads, num_kv_heads, head_dim):
+def check_qk_norm_rope_store(args, num_heads, num_kv_heads, head_dim, **scale_rows):
     """The Triton kernel against the reference: outputs, and the cache written exactly at the
-    slots of the rows that are not -1, untouched elsewhere."""
+    slots of the rows that are not -1, untouched elsewhere. scale_rows: norm_of, norm_eps."""
     from nanovllm.kernels.qk_norm_rope import qk_norm_rope_store_triton
     *inputs, k_cache, v_cache = args
     slots = inputs[6]
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
     q_ref, kk_ref, v_view_ref = qk_norm_rope_store_ref(*inputs, k_ref, v_ref, num_heads, num_kv_heads,
-                                                       head_dim)
+                                                       head_dim, **scale_rows)
     k_out, v_out = k_cache.clone(), v_cache.clone()
-    q, k, v = qk_norm_rope_store_triton(*inputs, k_out, v_out, num_heads, num_kv_heads, head_dim)
+    q, k, v = qk_norm_rope_store_triton(*inputs, k_out, v_out, num_heads, num_kv_heads, head_dim,
+                                        **scale_rows)
     assert q.shape == (len(slots), num_heads, head_dim) and k.shape == (len(slots), num_kv_heads, head_dim)
     assert_nearly_equal(q, q_ref)
     assert_nearly_equal(k, kk_ref)
+    if scale_rows:   # v scaled by rstd: its own tensor, rounded as the reference rounds it
+        assert_nearly_equal(v, v_view_ref)
+        assert_nearly_equal(v_out, v_ref)
+        return
     assert torch.equal(v, v_view_ref)
     written = torch.zeros(k_cache.shape[0] * k_cache.shape[1], dtype=torch.bool)
     written[slots[slots >= 0].long()] = True
@@ -306,6 +311,30 @@ def test_interp_qk_norm_rope_store_odd_shapes(num_heads, num_kv_heads, head_dim)
     # head counts and half head_dims that are not powers of two fill a masked tile; Qwen3's head_dim
     check_qk_norm_rope_store(qk_case(5, num_heads, num_kv_heads, head_dim, torch.bfloat16, seed=1),
                              num_heads, num_kv_heads, head_dim)
+
+
+@interp
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("norm", [True, False])
+def test_interp_qk_norm_rope_store_scales_rows_by_the_folded_norms_rstd(dtype, norm):
+    # norm_of: the input RMSNorm folded into qkv_proj; q, k and v times rstd(norm_of) first.
+    args = qk_case(7, 4, 2, 16, dtype, norm)
+    h = (torch.randn(7, 24, generator=torch.Generator().manual_seed(2)) * 30).to(dtype)   # hidden 24
+    check_qk_norm_rope_store(args, 4, 2, 16, norm_of=h, norm_eps=1e-6)
+
+
+@interp
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scaled", [False, True])
+def test_interp_silu_and_mul_matches_reference(dtype, scaled):
+    from nanovllm.kernels.norm_act import silu_and_mul_triton
+    from nanovllm.kernels.reference import silu_and_mul_ref
+    g = torch.Generator().manual_seed(4)
+    x = (torch.randn(5, 2 * 40, generator=g) * 3).to(dtype)
+    scale_rows = dict(norm_of=(torch.randn(5, 24, generator=g) * 20).to(dtype), eps=1e-6) if scaled else {}
+    out = silu_and_mul_triton(x, **scale_rows)
+    assert out.shape == (5, 40)
+    assert_nearly_equal(out, silu_and_mul_ref(x, **scale_rows))
 
 
 @interp

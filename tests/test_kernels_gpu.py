@@ -219,6 +219,21 @@ def test_qk_norm_rope_store_matches_reference(num_tokens, dtype, norm):
         assert torch.equal(v, inputs[0][:, (H + HKV) * D:].view(-1, HKV, D))
 
 
+@pytest.mark.parametrize("num_tokens", [1, 256, 16384])
+def test_qk_norm_rope_store_with_a_folded_norm_matches_reference(num_tokens):
+    """norm_of (the input RMSNorm folded into qkv_proj): q, k, v times rstd of norm_of's rows first;
+    v comes back scaled, in its own tensor, and so reaches the cache."""
+    from nanovllm.kernels.qk_norm_rope import qk_norm_rope_store_triton
+    *inputs, k_cache, v_cache = qk_case(num_tokens, torch.bfloat16, True)
+    h = (torch.randn(num_tokens, 1024, device="cuda") * 20).bfloat16()
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    q_ref, kk_ref, v_want = qk_norm_rope_store_ref(*inputs, k_ref, v_ref, H, HKV, D, norm_of=h, norm_eps=1e-6)
+    k_out, v_out = k_cache.clone(), v_cache.clone()
+    q, k, v = qk_norm_rope_store_triton(*inputs, k_out, v_out, H, HKV, D, norm_of=h, norm_eps=1e-6)
+    for got, want in ((q, q_ref), (k, kk_ref), (v, v_want), (k_out, k_ref), (v_out, v_ref)):
+        assert_nearly_equal(got, want, max_fraction=1e-3)
+
+
 def test_qk_norm_rope_store_cuda_graph_replay_matches_eager():
     from nanovllm.kernels.qk_norm_rope import qk_norm_rope_store_triton
     *inputs, k_cache, v_cache = qk_case(64, torch.bfloat16, True)
@@ -273,6 +288,9 @@ def test_norm_and_silu_kernels_match_eager_torch(num_tokens, dtype):
         torch.testing.assert_close(silu, silu_and_mul_ref(gate_up), atol=1e-6, rtol=1e-6)
     else:
         assert torch.equal(silu, silu_and_mul_ref(gate_up))
+    # a folded post-attention RMSNorm: gate and up times rstd(x) first (rstd: up to an ulp, as above)
+    scaled = silu_and_mul_triton(gate_up, norm_of=x, eps=1e-6)
+    assert_nearly_equal(scaled, silu_and_mul_ref(gate_up, norm_of=x, eps=1e-6), max_fraction=1e-3)
 
 
 def test_norm_and_silu_entry_points_take_the_kernels():
