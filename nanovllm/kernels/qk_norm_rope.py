@@ -130,22 +130,22 @@ def _qk_norm_rope_store_kernel(qkv_ptr, q_ptr, k_ptr, v_ptr, q_w_ptr, k_w_ptr, c
     else:
         k1, k2 = _norm_rope_heads(k_row, k_w_ptr, k_ptr + token * kv_size, cos, sin, eps, row_scale,
                                   NUM_KV_HEADS, HEAD_DIM, BLOCK_KV_H, BLOCK_HALF, HAS_NORM, SCALED)
-        v_offs, v_mask, _ = _head_halves(NUM_KV_HEADS, HEAD_DIM, BLOCK_KV_H, BLOCK_HALF)
-        v_row = k_row + kv_size
-        v1 = tl.load(v_row + v_offs, mask=v_mask)
-        v2 = tl.load(v_row + v_offs + half, mask=v_mask)
-        if SCALED:
-            dtype = qkv_ptr.dtype.element_ty
-            v1 = rounded(v1.to(tl.float32) * row_scale, dtype).to(dtype)
-            v2 = rounded(v2.to(tl.float32) * row_scale, dtype).to(dtype)
-            tl.store(v_ptr + token * kv_size + v_offs, v1, mask=v_mask)
-            tl.store(v_ptr + token * kv_size + v_offs + half, v2, mask=v_mask)
-        if STORE:
-            slot = tl.load(slot_ptr + token).to(tl.int64)
-            if slot >= 0:   # -1: a padding row, written nowhere
-                _store_kv_rows(k1, k2, v1, v2, k_cache_ptr + slot * kv_size,
-                               v_cache_ptr + slot * kv_size, k_scale_ptr, v_scale_ptr,
-                               NUM_KV_HEADS, HEAD_DIM, BLOCK_KV_H, BLOCK_HALF, FP8, INTERPRETED)
+        if SCALED or STORE:   # the values: scaled into v_ptr, stored into the cache
+            v_offs, v_mask, _ = _head_halves(NUM_KV_HEADS, HEAD_DIM, BLOCK_KV_H, BLOCK_HALF)
+            v1 = tl.load(k_row + kv_size + v_offs, mask=v_mask)
+            v2 = tl.load(k_row + kv_size + v_offs + half, mask=v_mask)
+            if SCALED:
+                dtype = qkv_ptr.dtype.element_ty
+                v1 = rounded(v1.to(tl.float32) * row_scale, dtype).to(dtype)
+                v2 = rounded(v2.to(tl.float32) * row_scale, dtype).to(dtype)
+                tl.store(v_ptr + token * kv_size + v_offs, v1, mask=v_mask)
+                tl.store(v_ptr + token * kv_size + v_offs + half, v2, mask=v_mask)
+            if STORE:
+                slot = tl.load(slot_ptr + token).to(tl.int64)
+                if slot >= 0:   # -1: a padding row, written nowhere
+                    _store_kv_rows(k1, k2, v1, v2, k_cache_ptr + slot * kv_size,
+                                   v_cache_ptr + slot * kv_size, k_scale_ptr, v_scale_ptr,
+                                   NUM_KV_HEADS, HEAD_DIM, BLOCK_KV_H, BLOCK_HALF, FP8, INTERPRETED)
 
 
 def qk_norm_rope_store_triton(qkv: torch.Tensor, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
