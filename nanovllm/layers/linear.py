@@ -98,10 +98,12 @@ class RowParallelLinear(LinearBase):
         super().__init__(_divide(input_size, tp_size(), "input size"), output_size, bias, tp_dim=1)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        # The bias is added once, after the sum, not on every rank. residual: added to the output;
-        # on one rank without a bias it is the GEMM's C (beta 1), updated in place: no add kernel.
-        if residual is not None and self.tp_size == 1 and self.bias is None:
-            return residual.addmm_(x, self.weight.t())
+        # The bias is added once, after the sum, not on every rank. residual (the same on every
+        # rank): added to the output; without a bias it is rank 0's GEMM's C (beta 1), updated in
+        # place, so the sum over ranks holds it once: no add kernel.
+        if residual is not None and self.bias is None:
+            y = residual.addmm_(x, self.weight.t()) if self.tp_rank == 0 else F.linear(x, self.weight)
+            return all_reduce(y)
         y = F.linear(x, self.weight)
         y = all_reduce(y)
         y = y + self.bias if self.bias is not None else y

@@ -89,12 +89,12 @@ class LlamaDecoderLayer(nn.Module):
         norm(h) W^T = rstd(h) * h (W diag(w))^T. The layer then runs on the un-normalised residual
         stream h: qkv_proj and gate_up_proj take h, the q/k norm + rotary + store kernel and
         SiLU-and-mul apply rstd(h) row by row, o_proj and down_proj add their output to h in their
-        GEMM (C = h, beta 1): no RMSNorm or add kernel in the layer (two launches fewer). Only a
-        dense MLP on one rank, with no bias on the folded or residual GEMMs, and not in fp16 (the
-        un-normalised stream through a GEMM could pass fp16's 65504); False: left as it is."""
+        GEMM (C = h, beta 1; under tensor parallelism rank 0's, before the all-reduce): no RMSNorm or
+        add kernel in the layer (two launches fewer). Only a dense MLP, with no bias on the folded or
+        residual GEMMs, and not in fp16 (the un-normalised stream through a GEMM could pass fp16's
+        65504); False: left as it is."""
         attn, mlp = self.self_attn, self.mlp
-        if (self.folded or not isinstance(mlp, LlamaMLP) or attn.o_proj.tp_size != 1
-                or attn.qkv_proj.weight.dtype == torch.float16
+        if (self.folded or not isinstance(mlp, LlamaMLP) or attn.qkv_proj.weight.dtype == torch.float16
                 or any(p.bias is not None for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
                                                     mlp.down_proj))):
             return False
