@@ -19,6 +19,12 @@ from triton.language.extra import libdevice
 
 from nanovllm.kernels.common import rounded, row_rstd
 
+# SiLU-and-mul's column block (output values a program computes), at least. Scaled (norm_of given)
+# each program first reads its whole row of norm_of for rstd, so its block is widened to that row's
+# width: the row is then read at most once per output value (Qwen3-8B: 4096, not 12 reads a row of
+# 1024 outputs each; benchmarks/RESULTS.md has the sweep).
+SILU_BLOCK = 1024
+
 
 @triton.jit(do_not_specialize=["num_rows"])   # one compiled variant whatever the step's token count
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, num_rows, x_stride, res_stride, eps,
@@ -119,10 +125,10 @@ def silu_and_mul_triton(x: torch.Tensor, norm_of: torch.Tensor | None = None,
     assert norm_of is None or h2.shape[0] == x2.shape[0]
     out = torch.empty(*x.shape[:-1], d, dtype=x.dtype, device=x.device)
     if x2.shape[0] and d:
-        block = min(1024, triton.next_power_of_2(d))
         hidden = h2.shape[-1] if norm_of is not None else 1
+        block = min(max(SILU_BLOCK, triton.next_power_of_2(hidden)), triton.next_power_of_2(d))
         _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(d, block))](
             x2, out, h2, x2.stride(0), h2.stride(0), eps, D=d, BLOCK=block, LIBDEVICE_EXP=x.is_cuda,
             HIDDEN=hidden, BLOCK_HIDDEN=triton.next_power_of_2(hidden), SCALED=norm_of is not None,
-            num_warps=max(1, block // 256), enable_fp_fusion=False)   # 8 values a thread
+            num_warps=min(16, max(1, block // 256)), enable_fp_fusion=False)   # 8 values a thread (16 past 4096)
     return out
