@@ -130,5 +130,6 @@ def silu_and_mul_triton(x: torch.Tensor, norm_of: torch.Tensor | None = None,
         _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(d, block))](
             x2, out, h2, x2.stride(0), h2.stride(0), eps, D=d, BLOCK=block, LIBDEVICE_EXP=x.is_cuda,
             HIDDEN=hidden, BLOCK_HIDDEN=triton.next_power_of_2(hidden), SCALED=norm_of is not None,
-            num_warps=min(16, max(1, block // 256)), enable_fp_fusion=False)   # 8 values a thread (16 past 4096)
+            # 8 values a thread (16 above a block of 4096)
+            num_warps=min(16, max(1, block // 256)), enable_fp_fusion=False)
     return out
