@@ -28,6 +28,10 @@ VARIANTS = {
 @pytest.fixture(scope="module", params=list(VARIANTS))
 def moe(request, tmp_path_factory):
     path = make_model(str(tmp_path_factory.mktemp(request.param)), "qwen3_moe", **VARIANTS[request.param])
+    # the layers' RMSNorm weights away from 1: the dense layers fold theirs into their GEMMs
+    g = torch.Generator().manual_seed(5)
+    _edit_checkpoint(path, lambda tensors: [t.copy_(torch.rand(t.shape, generator=g) + 0.5)
+                                            for name, t in tensors.items() if name.endswith("layernorm.weight")])
     return path, HFOracle(path)
 
 
@@ -94,6 +98,9 @@ def test_layer_pattern_follows_the_config(moe):
     assert ours == theirs and True in ours and False in ours
     dense = [layer.mlp for layer, sparse in zip(model.model.layers, ours) if not sparse]
     assert all(isinstance(mlp, LlamaMLP) for mlp in dense)
+    # the dense layers fold their RMSNorm weights into their GEMMs, the sparse ones keep the norms;
+    # the end-to-end tests below run that mix against transformers
+    assert [layer.folded for layer in model.model.layers] == [not sparse for sparse in ours]
 
 
 # ---- end to end against transformers -----------------------------------------------------------
