@@ -30,8 +30,12 @@ def moe(request, tmp_path_factory):
     path = make_model(str(tmp_path_factory.mktemp(request.param)), "qwen3_moe", **VARIANTS[request.param])
     # the layers' RMSNorm weights away from 1: the dense layers fold theirs into their GEMMs
     g = torch.Generator().manual_seed(5)
-    _edit_checkpoint(path, lambda tensors: [t.copy_(torch.rand(t.shape, generator=g) + 0.5)
-                                            for name, t in tensors.items() if name.endswith("layernorm.weight")])
+
+    def norms_away_from_one(tensors):
+        for name, t in tensors.items():
+            if name.endswith("layernorm.weight"):
+                t.copy_(torch.rand(t.shape, generator=g) + 0.5)
+    _edit_checkpoint(path, norms_away_from_one)
     return path, HFOracle(path)
 
 
