@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Folded RMSNorms (nanovllm.models.llama.FOLD_NORMS) off against on, in one device call on one H200
 # (about 7 minutes): the GPU tests the fold touches, then bench.py alternating off / on in the same
-# process tree (benchmarks/bench_with.py): 3 rounds on the default workload, 2 with the FP8 cache, 1
-# on the Qwen3-8B shapes; the medians and on / off. Logs in $OUT (default /tmp/out).
+# tree (benchmarks/knob_ab.py): 3 rounds on the default workload, 2 with the FP8 cache, 1 on the
+# Qwen3-8B shapes; the medians and on / off. Logs in $OUT (default /tmp/out).
 #
 #   bash benchmarks/fold_norms_gpu.sh
 set -uo pipefail
@@ -13,25 +13,11 @@ timeout 220 python -m pytest -q -p no:cacheprovider --timeout 120 -rfE tests/tes
   tests/test_gpu_engine.py tests/test_fp8_kv.py tests/test_triton_engine.py > "$OUT/fold_tests.log" 2>&1
 echo "GPU tests: exit $? ($(tail -1 "$OUT/fold_tests.log"))"
 grep -E "^(FAILED|ERROR)" "$OUT/fold_tests.log" | head -20
+F=nanovllm.models.llama.FOLD_NORMS
 for run in "auto 3" "fp8 2 --kv-cache-dtype fp8" "8b 1 --model configs/qwen3-8b"; do
   set -- $run
   label=$1 rounds=$2; shift 2
-  for ((r = 1; r <= rounds; r++)); do
-    for fold in False True; do
-      log="$OUT/fold_${label}_${fold}_$r.log"
-      timeout 100 python benchmarks/bench_with.py nanovllm.models.llama.FOLD_NORMS=$fold -- "$@" > "$log" 2>&1
-      echo "$label fold=$fold round $r: $(grep -m1 -o 'Throughput: [0-9.]* tok/s' "$log" || echo "no figure, see $log")"
-    done
-  done
+  echo "== $label"
+  python benchmarks/knob_ab.py --rounds "$rounds" --logs "$OUT/$label" --variant off $F=False \
+    --variant on $F=True -- "$@"
 done | tee "$OUT/fold_runs.txt"
-python - "$OUT/fold_runs.txt" <<'EOF'
-import re, statistics, sys
-runs = {}
-for line in open(sys.argv[1]):
-    m = re.match(r"(\S+) fold=(\w+) round \d+: Throughput: ([0-9.]+)", line)
-    if m:
-        runs.setdefault(m[1], {}).setdefault(m[2], []).append(float(m[3]))
-for label, by in runs.items():
-    off, on = (statistics.median(by.get(k, [float("nan")])) for k in ("False", "True"))
-    print(f"{label}: off {off:,.0f}  on {on:,.0f} tok/s  on / off {on / off:.4f}")
-EOF
