@@ -6,7 +6,8 @@ from nanovllm.kernels import silu_and_mul
 
 
 class SiluAndMul(nn.Module):
-    """x: [..., 2 * d] holding gate and up projections -> silu(gate) * up: [..., d]."""
+    """x: [..., 2 * d] holding gate and up projections -> silu(gate) * up: [..., d]; norm_of
+    [..., hidden]: gate and up first scaled by its rows' rstd (a folded RMSNorm, eps)."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return silu_and_mul(x)
+    def forward(self, x: torch.Tensor, norm_of: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
+        return silu_and_mul(x, norm_of, eps)

@@ -4,7 +4,6 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from nanovllm.kernels import silu_and_mul
 from nanovllm.layers.activation import SiluAndMul
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
@@ -51,12 +50,18 @@ class LlamaAttention(nn.Module):
         self.q_norm = RMSNorm(head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, config.rms_norm_eps) if qk_norm else None
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, x: torch.Tensor,
+                norm_eps: float | None = None) -> torch.Tensor:
         # x: [num_tokens, hidden] -> [num_tokens, hidden]
         # The attention layer applies q_norm / k_norm (Qwen3) and rotary itself: on CUDA they are
         # fused with its KV-cache write into one kernel.
-        out = self.attn(positions, self.qkv_proj(x), self.rotary_emb, self.q_norm, self.k_norm)
-        return self.o_proj(out.flatten(1))
+        # norm_eps given: x is the residual stream h, the RMSNorm before this block folded into
+        # qkv_proj (LlamaDecoderLayer.fold_norms): q, k, v are scaled by rstd(h) and the output is
+        # added into h (in place) and returned.
+        h = None if norm_eps is None else x
+        out = self.attn(positions, self.qkv_proj(x), self.rotary_emb, self.q_norm, self.k_norm,
+                        norm_of=h, norm_eps=norm_eps or 0.0)
+        return self.o_proj(out.flatten(1), residual=h)
 
 
 class LlamaMLP(nn.Module):
@@ -70,8 +75,11 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=bias)
         self.act_fn = SiluAndMul()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor, norm_eps: float | None = None) -> torch.Tensor:
+        # norm_eps given: as in LlamaAttention.forward (x the residual stream, the RMSNorm before
+        # folded into gate_up_proj; the output added into x and returned)
+        h = None if norm_eps is None else x
+        return self.down_proj(self.act_fn(self.gate_up_proj(x), norm_of=h, eps=norm_eps or 0.0), residual=h)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -106,14 +114,10 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, positions, x, residual):
         if self.folded:
-            # x + residual is the residual stream h; each GEMM into it updates it in place.
+            # x + residual is the residual stream h; each block adds into it in place.
             h = x if residual is None else x + residual
-            attn = self.self_attn
-            out = attn.attn(positions, attn.qkv_proj(h), attn.rotary_emb, attn.q_norm, attn.k_norm,
-                            norm_of=h, norm_eps=self.input_layernorm.eps)
-            h = attn.o_proj(out.flatten(1), residual=h)
-            act = silu_and_mul(self.mlp.gate_up_proj(h), norm_of=h, eps=self.post_attention_layernorm.eps)
-            return self.mlp.down_proj(act, residual=h), None
+            h = self.self_attn(positions, h, norm_eps=self.input_layernorm.eps)
+            return self.mlp(h, norm_eps=self.post_attention_layernorm.eps), None
         # The residual stream is carried separately so each RMSNorm fuses the preceding add.
         x, residual = (self.input_layernorm(x), x) if residual is None else self.input_layernorm(x, residual)
         x = self.self_attn(positions, x)
