@@ -1,5 +1,6 @@
 """Tiny random Hugging Face models saved to temp folders, the transformers oracle, and helpers
 shared by the test files."""
+import glob
 import os
 import subprocess
 import sys
@@ -7,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import (AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, Qwen2Config,
                           Qwen3Config, Qwen3MoeConfig)
@@ -78,6 +80,23 @@ class HFOracle:
             assert row[tok] >= row.max() - atol, (
                 f"token {i} ({tok}) is not an argmax: logit {row[tok]:.5f} vs max {row.max():.5f} "
                 f"(argmax {row.argmax().item()})")
+
+
+def edit_checkpoint(path: str, edit):
+    """Rewrite a model folder's *.safetensors files after edit(tensors) changed each file's
+    name -> tensor dict in place."""
+    for file in glob.glob(os.path.join(path, "*.safetensors")):
+        tensors = load_file(file)
+        edit(tensors)
+        save_file(tensors, file, metadata={"format": "pt"})
+
+
+def randomize_tensors(path: str, suffix: str, draw):
+    """Each checkpoint tensor whose name ends with suffix replaced by draw(shape): values HF's
+    initialisation would leave trivial (zero biases, unit norm weights), which could hide a tensor
+    loaded into the wrong place or a transformation that drops it."""
+    edit_checkpoint(path, lambda tensors: tensors.update(
+        {name: draw(t.shape) for name, t in tensors.items() if name.endswith(suffix)}))
 
 
 def random_prompts(n: int, lengths, seed: int = 0) -> list[list[int]]:

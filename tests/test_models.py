@@ -1,13 +1,10 @@
 """Llama, Qwen2 and Qwen3 (and their config variants) against transformers on tiny random models:
 every greedy token must be an argmax of transformers' logits, for a batch of mixed prompt lengths
 and for prompts that hit the prefix cache."""
-import glob
-import os
 
 import pytest
 import torch
-from conftest import HFOracle, make_model, random_prompts
-from safetensors.torch import load_file, save_file
+from conftest import HFOracle, make_model, random_prompts, randomize_tensors
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.models import MODEL_REGISTRY, get_model_class
@@ -33,14 +30,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 def randomize_biases(path: str, seed: int = 1):
     """HF initialises biases to zero, which would hide a bias loaded into the wrong place."""
     g = torch.Generator().manual_seed(seed)
-    randomize(path, lambda name, t: torch.randn(t.shape, generator=g) * 0.5 if name.endswith(".bias") else t)
-
-
-def randomize(path: str, new):
-    """Every checkpoint tensor replaced by new(name, tensor)."""
-    for file in glob.glob(os.path.join(path, "*.safetensors")):
-        tensors = {name: new(name, t) for name, t in load_file(file).items()}
-        save_file(tensors, file, metadata={"format": "pt"})
+    randomize_tensors(path, ".bias", lambda shape: torch.randn(shape, generator=g) * 0.5)
 
 
 @pytest.fixture(scope="module", params=list(VARIANTS))
@@ -93,8 +83,7 @@ def test_norm_weights_folded_into_the_gemms_match_transformers(tmp_path, arch):
     # rstd, and the residual adds ride in o_proj and down_proj.
     path = make_model(str(tmp_path), arch)
     g = torch.Generator().manual_seed(5)
-    randomize(path, lambda name, t: 0.5 + torch.rand(t.shape, generator=g) * 1.5
-              if name.endswith("layernorm.weight") else t)
+    randomize_tensors(path, "layernorm.weight", lambda shape: 0.5 + torch.rand(shape, generator=g) * 1.5)
     llm = LLM(path, kvcache_block_size=16, num_kvcache_blocks=64)
     assert all(layer.folded for layer in llm.model_runner.model.model.layers)
     oracle = HFOracle(path)

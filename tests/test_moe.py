@@ -6,8 +6,8 @@ import os
 
 import pytest
 import torch
-from conftest import CONFIGS, HFOracle, interp, make_model, random_prompts, run_interpreted_tests
-from safetensors.torch import load_file, save_file
+from conftest import (CONFIGS, HFOracle, edit_checkpoint, interp, make_model, random_prompts,
+                      randomize_tensors, run_interpreted_tests)
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.kernels.moe_reference import fused_moe_ref, select_experts
@@ -30,12 +30,7 @@ def moe(request, tmp_path_factory):
     path = make_model(str(tmp_path_factory.mktemp(request.param)), "qwen3_moe", **VARIANTS[request.param])
     # the layers' RMSNorm weights away from 1: the dense layers fold theirs into their GEMMs
     g = torch.Generator().manual_seed(5)
-
-    def norms_away_from_one(tensors):
-        for name, t in tensors.items():
-            if name.endswith("layernorm.weight"):
-                t.copy_(torch.rand(t.shape, generator=g) + 0.5)
-    _edit_checkpoint(path, norms_away_from_one)
+    randomize_tensors(path, "layernorm.weight", lambda shape: torch.rand(shape, generator=g) + 0.5)
     return path, HFOracle(path)
 
 
@@ -204,16 +199,9 @@ def test_limit_of_qwen3_30b_a3b():
 
 # ---- the loader --------------------------------------------------------------------------------
 
-def _edit_checkpoint(path: str, edit):
-    file = os.path.join(path, "model.safetensors")
-    tensors = load_file(file)
-    edit(tensors)
-    save_file(tensors, file, metadata={"format": "pt"})
-
-
 def test_loader_names_a_missing_expert_tensor(tmp_path):
     path = make_model(str(tmp_path), "qwen3_moe", tokenizer=False)
-    _edit_checkpoint(path, lambda t: t.pop("model.layers.2.mlp.experts.5.up_proj.weight"))
+    edit_checkpoint(path, lambda t: t.pop("model.layers.2.mlp.experts.5.up_proj.weight"))
     missing = r"no tensor for: model\.layers\.2\.mlp\.experts\.5\.up_proj\.weight$"
     with pytest.raises(ValueError, match=missing):
         LLM(path, num_kvcache_blocks=4, kvcache_block_size=16)
@@ -222,7 +210,7 @@ def test_loader_names_a_missing_expert_tensor(tmp_path):
 def test_loader_refuses_an_expert_past_num_experts(tmp_path):
     path = make_model(str(tmp_path), "qwen3_moe", tokenizer=False)
     name = "model.layers.0.mlp.experts.8.gate_proj.weight"   # experts 0-7
-    _edit_checkpoint(path, lambda t: t.update({name: torch.zeros(32, 64)}))
+    edit_checkpoint(path, lambda t: t.update({name: torch.zeros(32, 64)}))
     with pytest.raises(ValueError, match=rf"{name}.*expert 8 is past the config's num_experts \(8\)"):
         LLM(path, num_kvcache_blocks=4, kvcache_block_size=16)
 
@@ -230,7 +218,7 @@ def test_loader_refuses_an_expert_past_num_experts(tmp_path):
 def test_loader_refuses_a_misshapen_expert_tensor(tmp_path):
     path = make_model(str(tmp_path), "qwen3_moe", tokenizer=False)
     name = "model.layers.0.mlp.experts.1.down_proj.weight"
-    _edit_checkpoint(path, lambda t: t.update({name: torch.zeros(64, 31)}))
+    edit_checkpoint(path, lambda t: t.update({name: torch.zeros(64, 31)}))
     with pytest.raises(ValueError, match=rf"{name}.*shape"):
         LLM(path, num_kvcache_blocks=4, kvcache_block_size=16)
 
