@@ -5,6 +5,7 @@ measurements of the GPU's figures."""
 import json
 import math
 import os
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -134,6 +135,20 @@ def test_measurements_run_on_cpu():
     assert math.isfinite(copy) and copy > 1e6 and math.isfinite(peak) and peak > 1e5
     cpu = roofline.device_limits("cpu")   # no GPU: the documented figures, and it says so
     assert (cpu.copy_bytes_per_s, cpu.bf16_flop_per_s) == (4.3e12, 770e12) and "no GPU" in cpu.source
+
+
+def test_timing_warms_up_for_its_seconds_then_times_repeats():
+    calls = []
+
+    def fn():
+        calls.append(time.perf_counter())
+        time.sleep(0.002)
+
+    median = roofline._median_seconds(fn, torch.device("cpu"), repeats=5, warmup=1, warmup_seconds=0.05)
+    assert 0.002 <= median < 0.05
+    timed_from = calls[-5]
+    assert timed_from - calls[0] >= 0.05   # the repeats start only after the warm-up's time
+    assert len(calls) > 1 + 5              # more warm-up calls than its count of 1
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -55,10 +55,17 @@ class DeviceLimits:
 H200 = DeviceLimits(4.3e12, 770e12, "documented H200 figures")
 
 
-def _median_seconds(fn, device: torch.device, repeats: int, warmup: int = 3) -> float:
-    """Median wall time of fn() on `device`: CUDA events around each call on CUDA, after warm-up."""
+def _median_seconds(fn, device: torch.device, repeats: int, warmup: int = 3,
+                    warmup_seconds: float = 0.0) -> float:
+    """Median wall time of fn() on `device`: CUDA events around each call on CUDA, after `warmup`
+    calls and then more until `warmup_seconds` have passed."""
     for _ in range(warmup):
         fn()
+    deadline = time.perf_counter() + warmup_seconds
+    while time.perf_counter() < deadline:
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
     times = []
     if device.type == "cuda":
         with torch.cuda.device(device):   # the events go on this device's current stream
@@ -78,14 +85,19 @@ def _median_seconds(fn, device: torch.device, repeats: int, warmup: int = 3) -> 
     return statistics.median(times)
 
 
-def measure_copy_bandwidth(device="cuda", nbytes: int = 1 << 30, repeats: int = 10) -> float:
+def measure_copy_bandwidth(device="cuda", nbytes: int = 1 << 30, repeats: int = 30,
+                           warmup_seconds: float = 0.2) -> float:
     """Bytes/s (read + written) of copying `nbytes` from one buffer of `device` to another, median of
-    `repeats`. 1 GiB is far past a GPU's L2 cache (50 MB on an H200), so this is HBM's bandwidth."""
+    `repeats` after copying for `warmup_seconds`. 1 GiB is far past a GPU's L2 cache (50 MB on an
+    H200), so this is HBM's bandwidth. The warm-up matters: on an H200 right after a second of GEMMs
+    the first copies run ~4.02 TB/s and settle at ~4.21 after about a hundred (1 GiB; 4 GiB buffers
+    ~4.28), so a median of a few copies moved with whatever ran before (benchmarks/RESULTS.md)."""
     device = torch.device(device)
     with torch.device(device):
         src = torch.empty(nbytes, dtype=torch.uint8)
         dst = torch.empty_like(src)
-        return 2 * nbytes / _median_seconds(lambda: dst.copy_(src), device, repeats)
+        return 2 * nbytes / _median_seconds(lambda: dst.copy_(src), device, repeats,
+                                            warmup_seconds=warmup_seconds)
 
 
 def measure_bf16_peak(device="cuda", n: int = 8192, repeats: int = 10) -> float:
