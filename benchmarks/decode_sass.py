@@ -27,7 +27,8 @@ from nanovllm.kernels import decode_attention  # noqa: E402
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 16, 8, 128, 256
 
 
-def compile_kernel(fp8: bool, block_n: int, warps: int, stages: int, maxnreg: int | None):
+def compile_kernel(fp8: bool, block_n: int, warps: int, stages: int, maxnreg: int | None,
+                   block_g: int = 16, trans: bool = False):
     fn = decode_attention._decode_split_kernel
     kv = "*fp8e4nv" if fp8 else "*bf16"
     sig = dict(q_ptr="*bf16", k_cache_ptr=kv, v_cache_ptr=kv, block_tables_ptr="*i32",
@@ -37,7 +38,7 @@ def compile_kernel(fp8: bool, block_n: int, warps: int, stages: int, maxnreg: in
                                          "stride_bt", "stride_ob", "stride_oh", "num_splits")})
     config = decode_attention.FP8_DECODE
     mask_last = config.mask_last_tile_only if fp8 else decode_attention.MASK_LAST_TILE_ONLY
-    const = dict(GROUP=HEADS // KV_HEADS, BLOCK_G=16, HEAD_DIM=HEAD_DIM, BLOCK_D=HEAD_DIM,
+    const = dict(GROUP=HEADS // KV_HEADS, BLOCK_G=block_g, TRANS=trans, HEAD_DIM=HEAD_DIM, BLOCK_D=HEAD_DIM,
                  BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=block_n, DIRECT=False, DOT_FP32=False, PRECISION=None,
                  FP8=fp8, FP8_DOT_DTYPE=tl.float16, V_CVT_ASM=fp8 and config.v_convert == "asm",
                  MASK_LAST_TILE_ONLY=mask_last, INTERPRETED=False, ORDERED=True)
@@ -63,6 +64,8 @@ def main():
     p.add_argument("--warps", type=int)
     p.add_argument("--stages", type=int)
     p.add_argument("--maxnreg", type=int, help="0: no cap (default: FP8_DECODE's, none for bf16)")
+    p.add_argument("--block-g", type=int, default=16, help="query rows of a program (GROUP padded)")
+    p.add_argument("--trans", action="store_true", help="the transposed dots (FP8: S^T = K Q^T, O^T = V^T P^T)")
     p.add_argument("--top", type=int, default=16, help="instruction kinds to list")
     p.add_argument("--dump", help="write the kernel's ttgir, ptx and sass here")
     args = p.parse_args()
@@ -71,7 +74,7 @@ def main():
     warps = args.warps or (config.num_warps if fp8 else decode_attention.NUM_WARPS)
     stages = args.stages or (config.num_stages if fp8 else decode_attention.NUM_STAGES)
     maxnreg = (config.max_registers if fp8 else None) if args.maxnreg is None else (args.maxnreg or None)
-    kernel = compile_kernel(fp8, block_n, warps, stages, maxnreg)
+    kernel = compile_kernel(fp8, block_n, warps, stages, maxnreg, args.block_g, args.trans)
     tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     cubin = "/tmp/decode_sass.cubin"
     with open(cubin, "wb") as f:

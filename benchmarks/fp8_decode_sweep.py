@@ -66,6 +66,11 @@ FP8_VARIANTS = {
     "32x1 asm": Fp8Decode(32, 1),
     "32x1 asm regs168": Fp8Decode(32, 1, max_registers=168),
     "64x1 asm": Fp8Decode(64, 1),
+    "64x1 trans": Fp8Decode(64, 1, transposed=True),
+    "32x1 trans": Fp8Decode(32, 1, transposed=True),
+    "64x2 trans": Fp8Decode(64, 2, transposed=True),
+    "128x4 trans": Fp8Decode(128, 4, transposed=True),
+    "128x2 trans": Fp8Decode(128, 2, transposed=True),
     "64x2 asm regs168": Fp8Decode(64, 2, max_registers=168),
 }
 QUICK = ["old default 256x8 triton-cvt", "128x4 asm regs168", "64x4 asm", "64x1 asm"]

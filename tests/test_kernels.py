@@ -410,14 +410,15 @@ def test_decode_and_prefill_refs_read_fp8_as_the_dequantized_cache():
 @interp
 @pytest.mark.parametrize("block_size,num_splits,block_n", [(4, 1, 16), (16, 2, 32), (16, None, 16)])
 @pytest.mark.parametrize("mask_last_tile_only", [False, True])
+@pytest.mark.parametrize("transposed", [False, True])
 def test_interp_decode_fp8_matches_reference(monkeypatch, block_size, num_splits, block_n,
-                                             mask_last_tile_only):
+                                             mask_last_tile_only, transposed):
     import dataclasses
 
     from nanovllm.kernels import decode_attention
     from nanovllm.kernels.decode_attention import paged_decode_attention_triton
     monkeypatch.setattr(decode_attention, "FP8_DECODE", dataclasses.replace(
-        decode_attention.FP8_DECODE, mask_last_tile_only=mask_last_tile_only))
+        decode_attention.FP8_DECODE, mask_last_tile_only=mask_last_tile_only, transposed=transposed))
     lens = [0, 1, block_size + 1, 3 * block_size - 1]
     k_scale, v_scale = torch.tensor([0.03]), torch.tensor([0.004])
     k8, v8, tables = fp8_paged(lens, block_size, 2, 16, k_scale, v_scale, seed=6)

@@ -466,7 +466,9 @@ def test_decode_fp8_matches_reference(batch, max_ctx, block_size, block_n):
 FP8_VARIANTS = [dict(block_n=256, num_warps=8, v_convert="triton", mask_last_tile_only=False),
                 dict(block_n=128, num_warps=4, mask_last_tile_only=False),
                 dict(block_n=64, num_warps=4), dict(block_n=64, num_warps=2, num_stages=3),
-                dict(block_n=128, num_warps=8, dot_dtype="bf16"), dict(block_n=32, num_warps=2)]
+                dict(block_n=128, num_warps=8, dot_dtype="bf16"), dict(block_n=32, num_warps=2),
+                dict(block_n=64, num_warps=1, transposed=True), dict(block_n=32, num_warps=1, transposed=True),
+                dict(block_n=128, num_warps=4, transposed=True, mask_last_tile_only=False)]
 
 
 @pytest.mark.parametrize("variant", FP8_VARIANTS)

@@ -73,9 +73,12 @@ def _attend_tile(q, k_cache_ptr, v_cache_ptr, table, tile, end, offs_n, offs_d, 
                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                  BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DOT_FP32: tl.constexpr,
                  PRECISION: tl.constexpr, FP8: tl.constexpr, FP8_DOT_DTYPE: tl.constexpr,
-                 V_CVT_ASM: tl.constexpr):
+                 V_CVT_ASM: tl.constexpr, TRANS: tl.constexpr):
     """The online softmax over the context tokens [tile, tile + BLOCK_N). MASKED: tokens from end on
-    are not loaded and weigh 0; otherwise the whole tile lies before end (no masks to compute)."""
+    are not loaded and weigh 0; otherwise the whole tile lies before end (no masks to compute).
+    TRANS: everything transposed, the query heads as the dots' N (a few rows, not 16 padded ones):
+    q is Q^T [BLOCK_D, BLOCK_G], S^T = K Q^T [BLOCK_N, BLOCK_G], acc is O^T += V^T P^T
+    [BLOCK_D, BLOCK_G]; m_i, l_i as before."""
     tokens = tile + offs_n
     valid = tokens < end
     if BLOCK_SIZE % BLOCK_N == 0:
@@ -104,14 +107,24 @@ def _attend_tile(q, k_cache_ptr, v_cache_ptr, table, tile, end, offs_n, offs_d, 
             v = _e4m3_to_f16(v.to(tl.uint8, bitcast=True)).to(FP8_DOT_DTYPE)
         else:
             v = v.to(FP8_DOT_DTYPE)
-    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2e  # [BLOCK_G, BLOCK_N], log2 domain
-    if MASKED:
-        s = tl.where(valid[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    if TRANS:
+        s = tl.dot(k, q, input_precision=PRECISION) * scale_log2e   # [BLOCK_N, BLOCK_G]
+        if MASKED:
+            s = tl.where(valid[:, None], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 0))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[None, :])
+        l_i = l_i * alpha + tl.sum(p, 0)
+        acc = acc * alpha[None, :] + tl.dot(tl.trans(v), p.to(v.dtype), input_precision=PRECISION)
+    else:
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2e  # [BLOCK_G, BLOCK_N], log2
+        if MASKED:
+            s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
     return m_new, l_i, acc
 
 
@@ -129,7 +142,7 @@ def _decode_split_kernel(
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, DOT_FP32: tl.constexpr,
     PRECISION: tl.constexpr, FP8: tl.constexpr, FP8_DOT_DTYPE: tl.constexpr,
     V_CVT_ASM: tl.constexpr, MASK_LAST_TILE_ONLY: tl.constexpr, INTERPRETED: tl.constexpr,
-    ORDERED: tl.constexpr,
+    ORDERED: tl.constexpr, TRANS: tl.constexpr,
 ):
     # The grid's slowest axis is the sequence, so a sequence's programs start together, in the
     # order of order_ptr (ORDERED: the longest contexts first) or of the batch.
@@ -163,7 +176,11 @@ def _decode_split_kernel(
 
     m_i = tl.full([BLOCK_G], _EMPTY_LSE, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    if TRANS:
+        q = tl.trans(q)
+        acc = tl.zeros([BLOCK_D, BLOCK_G], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     kv_off = kv_head * stride_kh + offs_d[None, :]
     tile_off = offs_n[:, None] * stride_kt + kv_off   # [BLOCK_N, BLOCK_D], the same in every tile
@@ -179,21 +196,23 @@ def _decode_split_kernel(
             m_i, l_i, acc = _attend_tile(
                 q, k_cache_ptr, v_cache_ptr, table, tile, end, offs_n, offs_d, kv_off, tile_off,
                 scale_log2e, m_i, l_i, acc, stride_kb, stride_kt, HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N,
-                not MASK_LAST_TILE_ONLY, DOT_FP32, PRECISION, FP8, FP8_DOT_DTYPE, V_CVT_ASM)
+                not MASK_LAST_TILE_ONLY, DOT_FP32, PRECISION, FP8, FP8_DOT_DTYPE, V_CVT_ASM, TRANS)
             tile += BLOCK_N
     else:
         for tile in range(start, whole_end, BLOCK_N):
             m_i, l_i, acc = _attend_tile(
                 q, k_cache_ptr, v_cache_ptr, table, tile, end, offs_n, offs_d, kv_off, tile_off,
                 scale_log2e, m_i, l_i, acc, stride_kb, stride_kt, HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N,
-                not MASK_LAST_TILE_ONLY, DOT_FP32, PRECISION, FP8, FP8_DOT_DTYPE, V_CVT_ASM)
+                not MASK_LAST_TILE_ONLY, DOT_FP32, PRECISION, FP8, FP8_DOT_DTYPE, V_CVT_ASM, TRANS)
     if MASK_LAST_TILE_ONLY:
         if whole_end < end:
             m_i, l_i, acc = _attend_tile(
                 q, k_cache_ptr, v_cache_ptr, table, whole_end, end, offs_n, offs_d, kv_off, tile_off,
                 scale_log2e, m_i, l_i, acc, stride_kb, stride_kt, HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N,
-                True, DOT_FP32, PRECISION, FP8, FP8_DOT_DTYPE, V_CVT_ASM)
+                True, DOT_FP32, PRECISION, FP8, FP8_DOT_DTYPE, V_CVT_ASM, TRANS)
 
+    if TRANS:
+        acc = tl.trans(acc)
     safe_l = tl.where(l_i > 0, l_i, 1.0)
     out = acc / safe_l[:, None]
     if FP8:
@@ -263,6 +282,9 @@ class Fp8Decode:
     # A cap on registers per thread (None: the compiler's choice), to fit more programs on an SM:
     # 168 lets three 4-warp programs share one (64K registers).
     max_registers: int | None = None
+    # The dots transposed (S^T = K Q^T, O^T += V^T P^T): the query heads of a KV head (2 for
+    # Qwen3-0.6B) become the dots' N, padded to 8, not their M, padded to 16: half the MMAs.
+    transposed: bool = False
 
     def __post_init__(self):
         if self.v_convert not in ("asm", "triton"):
@@ -328,6 +350,7 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
         part_out = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
     block_d = max(16, triton.next_power_of_2(head_dim))   # tl.dot needs K >= 16; masks cover the padding
+    trans = fp8 and FP8_DECODE.transposed
     _decode_split_kernel[(num_splits, num_kv_heads, batch)](
         q, k_cache, v_cache, block_tables, context_lens, context_lens if order is None else order,
         out, part_out, part_lse,
@@ -337,7 +360,7 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
         block_tables.stride(0),
         out.stride(0), out.stride(1),
         num_splits,
-        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+        GROUP=group, BLOCK_G=max(8 if trans else 16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_D=block_d, BLOCK_SIZE=block_size, BLOCK_N=block_n, DIRECT=direct,
         DOT_FP32=dot_fp32,
         PRECISION="ieee" if q.dtype == torch.float32 else None,  # ieee: fp32 tests need exact fp32
@@ -346,7 +369,7 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
         V_CVT_ASM=fp8_tiles and FP8_DECODE.v_convert == "asm" and not interpreted
         and block_n * block_d >= 4 * 32 * num_warps,
         MASK_LAST_TILE_ONLY=FP8_DECODE.mask_last_tile_only if fp8 else MASK_LAST_TILE_ONLY,
-        INTERPRETED=interpreted, ORDERED=order is not None,
+        INTERPRETED=interpreted, ORDERED=order is not None, TRANS=trans,
         num_warps=num_warps, num_stages=FP8_DECODE.num_stages if fp8_tiles else NUM_STAGES,
         maxnreg=FP8_DECODE.max_registers if fp8_tiles else None,
     )
