@@ -77,7 +77,11 @@ QUICK = ["old default 256x8 triton-cvt", "128x4 asm regs168", "64x4 asm", "64x1 
 # bf16 variants: (name, module constants); the first is the default.
 BF16_VARIANTS = [("bf16 default 128x4", {}),
                  ("bf16 128x4 mask-last-tile", dict(MASK_LAST_TILE_ONLY=True)),
-                 ("bf16 64x4", dict(BLOCK_N=64))]
+                 ("bf16 64x4", dict(BLOCK_N=64)),
+                 ("bf16 128x4 trans", dict(TRANSPOSED=True)),
+                 ("bf16 64x4 trans", dict(BLOCK_N=64, TRANSPOSED=True)),
+                 ("bf16 64x2 trans", dict(BLOCK_N=64, NUM_WARPS=2, TRANSPOSED=True)),
+                 ("bf16 64x1 trans", dict(BLOCK_N=64, NUM_WARPS=1, TRANSPOSED=True))]
 
 
 @dataclasses.dataclass

@@ -15,8 +15,12 @@ weights (finer than the bf16 kernel's). Where each tile is converted decides the
 Triton places it, in the dot's registers, V as it is loaded (_e4m3_to_f16); and with half the bytes
 per token the loop's other work counts twice as much, so whole tiles skip the masks, and programs
 are one warp of 64-token tiles: no warp of a program waits at a barrier for the others (4-warp
-programs of 128 tokens, the bf16 tiles, ran 11-14% slower). FP8_DECODE holds these choices;
-benchmarks/fp8_decode_sweep.py times the alternatives. The scales are read on the device, so
+programs of 128 tokens, the bf16 tiles, ran 11-14% slower). And FP8's dots run transposed: the
+scores as S^T = K Q^T and the output as O^T += V^T P^T, so the group's few query heads (2 for
+Qwen3-0.6B) are the dots' N, which the tensor cores pad to 8, not their M, padded to 16: half the
+MMAs and accumulator registers (no spills in one warp); 1.054x bench.py with the FP8 cache. (bf16
+tiles gain nothing from it: their loop runs at the copy rate, and V^T costs more instructions.)
+FP8_DECODE holds these choices; benchmarks/fp8_decode_sweep.py times the alternatives. The scales are read on the device, so
 graphs captured before calculate_kv_scales sets them still see them.
 
 Launch order. A decode batch mixes short and long contexts, and a sequence's programs take time in
@@ -265,6 +269,8 @@ NUM_WARPS = 4
 # bf16 (and fp16, fp32) caches: the whole tiles without masks, then the last one masked, as FP8
 # does. Off: the bf16 loop already runs at the copy limit (fp8_decode_sweep.py times it on).
 MASK_LAST_TILE_ONLY = False
+# bf16 caches: the dots transposed as Fp8Decode.transposed (the query heads as the dots' N).
+TRANSPOSED = False
 
 
 @dataclass(frozen=True)
@@ -294,7 +300,7 @@ class Fp8Decode:
 
 
 # The FP8 default: the one line to change (fp8_decode_sweep.py prints it for its fastest variant).
-FP8_DECODE = Fp8Decode(block_n=64, num_warps=1)
+FP8_DECODE = Fp8Decode(block_n=64, num_warps=1, transposed=True)
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, block_n: int,
@@ -350,7 +356,7 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
         part_out = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
     block_d = max(16, triton.next_power_of_2(head_dim))   # tl.dot needs K >= 16; masks cover the padding
-    trans = fp8 and FP8_DECODE.transposed
+    trans = FP8_DECODE.transposed if fp8 else TRANSPOSED
     _decode_split_kernel[(num_splits, num_kv_heads, batch)](
         q, k_cache, v_cache, block_tables, context_lens, context_lens if order is None else order,
         out, part_out, part_lse,
