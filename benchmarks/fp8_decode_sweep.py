@@ -73,7 +73,7 @@ FP8_VARIANTS = {
     "128x2 trans": Fp8Decode(128, 2, transposed=True),
     "64x2 asm regs168": Fp8Decode(64, 2, max_registers=168),
 }
-QUICK = ["old default 256x8 triton-cvt", "128x4 asm regs168", "64x4 asm", "64x1 asm"]
+QUICK = ["old default 256x8 triton-cvt", "128x4 asm regs168", "64x1 asm", "64x1 trans"]
 # bf16 variants: (name, module constants); the first is the default.
 BF16_VARIANTS = [("bf16 default 128x4", {}),
                  ("bf16 128x4 mask-last-tile", dict(MASK_LAST_TILE_ONLY=True)),
@@ -170,7 +170,9 @@ def fastest(rows, names):
 
 
 BY_BATCH = [256, 128, 64, 32, 16, 8]
-BY_BATCH_TILES = {"fp8": {"64x1": Fp8Decode(64, 1), "128x4 regs168": Fp8Decode(128, 4, max_registers=168),
+BY_BATCH_TILES = {"fp8": {"64x1": Fp8Decode(64, 1), "64x1 trans": Fp8Decode(64, 1, transposed=True),
+                          "32x1 trans": Fp8Decode(32, 1, transposed=True),
+                          "128x4 regs168": Fp8Decode(128, 4, max_registers=168),
                           "64x1 st1": Fp8Decode(64, 1, num_stages=1),
                           "64x1 st3": Fp8Decode(64, 1, num_stages=3),
                           "32x1 regs168": Fp8Decode(32, 1, max_registers=168)},

@@ -467,7 +467,8 @@ FP8_VARIANTS = [dict(block_n=256, num_warps=8, v_convert="triton", mask_last_til
                 dict(block_n=128, num_warps=4, mask_last_tile_only=False),
                 dict(block_n=64, num_warps=4), dict(block_n=64, num_warps=2, num_stages=3),
                 dict(block_n=128, num_warps=8, dot_dtype="bf16"), dict(block_n=32, num_warps=2),
-                dict(block_n=64, num_warps=1, transposed=True), dict(block_n=32, num_warps=1, transposed=True),
+                dict(block_n=64, num_warps=1), dict(block_n=64, num_warps=1, transposed=True),
+                dict(block_n=32, num_warps=1, transposed=True),
                 dict(block_n=128, num_warps=4, transposed=True, mask_last_tile_only=False)]
 
 
@@ -475,11 +476,9 @@ FP8_VARIANTS = [dict(block_n=256, num_warps=8, v_convert="triton", mask_last_til
 def test_decode_fp8_variants_match_reference(monkeypatch, variant):
     """The configurations benchmarks/fp8_decode_sweep.py times: every one computes the same, also
     at block sizes that split a tile over blocks, and with splits."""
-    import dataclasses
-
     from nanovllm.kernels import decode_attention
-    monkeypatch.setattr(decode_attention, "FP8_DECODE", dataclasses.replace(decode_attention.FP8_DECODE,
-                                                                            **variant))
+    # from the class defaults (transposed off unless the variant says so), not from FP8_DECODE
+    monkeypatch.setattr(decode_attention, "FP8_DECODE", decode_attention.Fp8Decode(**variant))
     for block_size, lens in ((256, [1, 700, 2048, 0, 1500]), (16, [3, 130, 0, 333])):
         k8, v8, tables, k_scale, v_scale, k_deq, v_deq = fp8_paged(lens, block_size, seed=5)
         ctx = torch.tensor(lens, dtype=torch.int32, device="cuda")

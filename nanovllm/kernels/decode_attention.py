@@ -18,8 +18,9 @@ are one warp of 64-token tiles: no warp of a program waits at a barrier for the 
 programs of 128 tokens, the bf16 tiles, ran 11-14% slower). And FP8's dots run transposed: the
 scores as S^T = K Q^T and the output as O^T += V^T P^T, so the group's few query heads (2 for
 Qwen3-0.6B) are the dots' N, which the tensor cores pad to 8, not their M, padded to 16: half the
-MMAs and accumulator registers (no spills in one warp); 1.054x bench.py with the FP8 cache. (bf16
-tiles gain nothing from it: their loop runs at the copy rate, and V^T costs more instructions.)
+MMAs and accumulator registers (no spills in one warp); 1.054x bench.py with the FP8 cache. (The
+bf16 tiles, whose loop already runs at about the copy rate, compile to more instructions a token
+transposed, so TRANSPOSED stays off for them; untimed on a GPU.)
 FP8_DECODE holds these choices; benchmarks/fp8_decode_sweep.py times the alternatives. The scales are read on the device, so
 graphs captured before calculate_kv_scales sets them still see them.
 
@@ -269,7 +270,8 @@ NUM_WARPS = 4
 # bf16 (and fp16, fp32) caches: the whole tiles without masks, then the last one masked, as FP8
 # does. Off: the bf16 loop already runs at the copy limit (fp8_decode_sweep.py times it on).
 MASK_LAST_TILE_ONLY = False
-# bf16 caches: the dots transposed as Fp8Decode.transposed (the query heads as the dots' N).
+# bf16 caches: the dots transposed as Fp8Decode.transposed (the query heads as the dots' N). Off:
+# offline it compiles to more instructions a token (17.9 against 16.5, benchmarks/decode_sass.py).
 TRANSPOSED = False
 
 
