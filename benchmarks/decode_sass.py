@@ -65,7 +65,7 @@ def main():
     p.add_argument("--stages", type=int)
     p.add_argument("--maxnreg", type=int, help="0: no cap (default: FP8_DECODE's, none for bf16)")
     p.add_argument("--block-g", type=int, default=16, help="query rows of a program (GROUP padded)")
-    p.add_argument("--trans", action="store_true", help="the transposed dots (FP8: S^T = K Q^T, O^T = V^T P^T)")
+    p.add_argument("--trans", action="store_true", help="the dots transposed (S^T = K Q^T, O^T = V^T P^T)")
     p.add_argument("--top", type=int, default=16, help="instruction kinds to list")
     p.add_argument("--dump", help="write the kernel's ttgir, ptx and sass here")
     args = p.parse_args()
