@@ -432,6 +432,27 @@ def test_interp_decode_fp8_matches_reference(monkeypatch, block_size, num_splits
 
 
 @interp
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(3, 3, 16), (6, 2, 24), (16, 2, 8), (16, 1, 16)])
+def test_interp_decode_fp8_default_over_group_sizes_and_head_dims(heads, kv_heads, head_dim):
+    # The default FP8 tiles (transposed dots: the group's query heads as the dots' N, padded to 8 or
+    # more) at groups of 1, 3, 8 and 16 query heads a KV head and head_dims that need padding, with
+    # bf16 queries (fp16 dots, as on the GPU), against the reference.
+    from nanovllm.kernels.decode_attention import FP8_DECODE, paged_decode_attention_triton
+    assert FP8_DECODE.transposed
+    lens = [0, 5, 23, 40]
+    k_scale, v_scale = torch.tensor([0.02]), torch.tensor([0.006])
+    k8, v8, tables = fp8_paged(lens, 16, kv_heads, head_dim, k_scale, v_scale, seed=11)
+    ctx = torch.tensor(lens, dtype=torch.int32)
+    q = torch.randn(len(lens), heads, head_dim).bfloat16()
+    for num_splits in (1, 2):
+        out = paged_decode_attention_triton(q, k8, v8, tables, ctx, head_dim ** -0.5, num_splits=num_splits,
+                                            block_n=16, k_scale=k_scale, v_scale=v_scale)
+        ref = paged_decode_attention_ref(q.float(), k8, v8, tables, ctx, head_dim ** -0.5, k_scale, v_scale)
+        assert torch.isfinite(out.float()).all()
+        torch.testing.assert_close(out[1:].float(), ref[1:], atol=2e-2, rtol=2e-2)
+
+
+@interp
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_interp_gather_dequantize_kv_is_gather_then_dequantize(dtype):
     # The FP8 prefill's gather: one kernel, the reference's numbers (fp32 product, one rounding).
