@@ -285,6 +285,27 @@ def test_ctrl_c_unanswered_in_a_step_aborts_the_group(qwen3_dir, monkeypatch):
         llm.shutdown()
 
 
+def test_ctrl_c_in_a_step_rank_0_left_is_not_charged_to_the_next(qwen3_dir, monkeypatch):
+    """Ctrl-C heard in one step that rank 0's thread then left by itself: when the next step began
+    before the watch thread looked again (it looks every WATCH_EVERY_S), the interrupt belongs to
+    the finished step and aborts nothing (it once aborted the group a grace period later)."""
+    from nanovllm.engine import tp_worker
+    monkeypatch.setattr(tp_worker, "INTERRUPT_GRACE_S", 0.0)
+    llm = LLM(qwen3_dir, tensor_parallel_size=2, **OPTIONS)
+    try:
+        workers = llm.executor.workers
+        seen = {}
+        with workers.stepping():
+            workers._watch_once(seen, interrupted=True)
+        with workers.stepping():
+            time.sleep(0.01)
+            workers._watch_once(seen, interrupted=False)
+        assert workers.error is None and not workers.group.aborted
+        assert tokens(llm) == tokens(llm)
+    finally:
+        llm.shutdown()
+
+
 def test_stepping_hands_sigint_to_the_watch_pipe_only_inside_a_step(qwen3_dir):
     """Inside stepping() the main thread's signal wakeup fd is the watch thread's pipe (Ctrl-C still
     raises KeyboardInterrupt as usual), and outside it is left as it was."""

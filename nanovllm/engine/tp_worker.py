@@ -108,6 +108,7 @@ class TPWorkers:
         self._watched_at = time.monotonic()
         self._fail_lock = threading.Lock()
         self.busy = 0   # > 0 while rank 0's thread runs or waits on a step (see stepping)
+        self.steps = 0  # stepping periods begun (busy 0 -> 1): tells the watch thread one step from the next
         self._signals_w = -1   # the watch thread's signal pipe (see stepping)
         atexit.register(self.shutdown)   # unregistered once everything is released
         try:
@@ -173,6 +174,8 @@ class TPWorkers:
             wakeup = previous == -1
             if not wakeup:
                 signal.set_wakeup_fd(previous)   # someone else's (an asyncio loop): theirs stays
+        if not self.busy:
+            self.steps += 1
         self.busy += 1
         try:
             yield
@@ -201,8 +204,10 @@ class TPWorkers:
             elif beat and now - last[1] > self.timeout_s:
                 self._fail(self._quiet_error(w, now - last[1]), reset_graphs=False)
         if interrupted:
-            seen.setdefault("interrupted", now)
-        if "interrupted" in seen and now - seen["interrupted"] > INTERRUPT_GRACE_S:
+            seen.setdefault("interrupted", (now, self.steps))
+        if "interrupted" in seen and seen["interrupted"][1] != self.steps:
+            del seen["interrupted"]   # rank 0 left that step by itself (the next began before this look)
+        if "interrupted" in seen and now - seen["interrupted"][0] > INTERRUPT_GRACE_S:
             self._fail(WorkerError(
                 "a step was interrupted (Ctrl-C) while rank 0 was blocked in it, waiting for a "
                 "tensor-parallel worker: the ranks are out of step and their group was aborted"),
