@@ -17,18 +17,14 @@ grep -E "^(FAILED|ERROR)" "$OUT/trans_tests.log" | head -20
 timeout 240 python benchmarks/fp8_decode_sweep.py --graph --only "64x1 asm" trans \
   --json "$OUT/trans_sweep.json" > "$OUT/trans_sweep.txt" 2>&1
 echo "sweep: exit $?"; grep -v -i warn "$OUT/trans_sweep.txt" | tail -n 48
-# the fastest transposed variant (mean fraction of copy over the cases, correct on all)
+# the fastest transposed variant (fp8_decode_sweep.fastest: correct on every case, best mean of copy)
 best=$(python - "$OUT/trans_sweep.json" <<'PY'
-import json, statistics, sys
+import json, sys
+sys.path.insert(0, "benchmarks")
+from fp8_decode_sweep import fastest
 d = json.load(open(sys.argv[1]))
-by = {}
-for r in d["results"]:
-    if "trans" in r["variant"]:
-        by.setdefault(r["variant"], []).append(r.get("of_copy") if r.get("ok") else None)
-ok = {n: statistics.mean(v) for n, v in by.items() if None not in v}
-name = max(ok, key=ok.get)
-c = d["variants"][name]
-print(f"{c['block_n']} {c['num_warps']}")
+name = fastest(d["results"], [n for n in d["variants"] if "trans" in n])[0][1]
+print(d["variants"][name]["block_n"], d["variants"][name]["num_warps"])
 PY
 )
 read -r bn warps <<< "$best"
