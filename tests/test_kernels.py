@@ -210,21 +210,6 @@ def test_interp_decode_matches_reference(monkeypatch, block_size, num_splits, bl
     torch.testing.assert_close(out[1:], ref[1:], atol=1e-5, rtol=1e-5)
 
 
-def test_choose_num_splits_aims_at_a_programs_per_sm_target(monkeypatch):
-    from nanovllm.kernels import decode_attention as da
-    monkeypatch.setattr(da, "num_sms", lambda device: 132)
-    cpu = torch.device("cpu")
-    # 32 sequences x 8 KV heads = 256 programs a split: 4 a SM needs 3 splits, 8 a SM 5
-    assert da.choose_num_splits(32, 8, 4096, 64, cpu) == 3
-    assert da.choose_num_splits(32, 8, 4096, 64, cpu, programs_per_sm=8) == 5
-    assert da.choose_num_splits(256, 8, 4096, 64, cpu, programs_per_sm=8) == 1
-    # capped by 4 tiles of the longest context and by 32
-    assert da.choose_num_splits(1, 8, 512, 64, cpu, programs_per_sm=8) == 2
-    assert da.choose_num_splits(1, 1, 1 << 20, 64, cpu, programs_per_sm=8) == 32
-    # the FP8 default sets its own target (one-warp programs: more fit an SM)
-    assert da.FP8_DECODE.programs_per_sm > da.PROGRAMS_PER_SM
-
-
 @interp
 def test_interp_decode_more_splits_than_tiles():
     from nanovllm.kernels.decode_attention import paged_decode_attention_triton

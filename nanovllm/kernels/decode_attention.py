@@ -293,10 +293,6 @@ class Fp8Decode:
     # The dots transposed (S^T = K Q^T, O^T += V^T P^T): the query heads of a KV head (2 for
     # Qwen3-0.6B) become the dots' N, padded to 8, not their M, padded to 16: half the MMAs.
     transposed: bool = False
-    # The split count's target programs per SM (None: PROGRAMS_PER_SM, the bf16 cache's). One-warp
-    # programs are small: more of them fit an SM, and twice the bf16 target ran faster at batches
-    # 16-128 (fp8_decode_sweep.py --by-batch).
-    programs_per_sm: int | None = None
 
     def __post_init__(self):
         if self.v_convert not in ("asm", "triton"):
@@ -306,15 +302,14 @@ class Fp8Decode:
 
 
 # The FP8 default: the one line to change (fp8_decode_sweep.py prints it for its fastest variant).
-FP8_DECODE = Fp8Decode(block_n=64, num_warps=1, transposed=True, programs_per_sm=8)
+FP8_DECODE = Fp8Decode(block_n=64, num_warps=1, transposed=True)
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, block_n: int,
-                      device: torch.device, programs_per_sm: int | None = None) -> int:
-    """Enough splits to give every SM about programs_per_sm (default PROGRAMS_PER_SM) programs, from
-    shapes only (graph-safe)."""
+                      device: torch.device) -> int:
+    """Enough splits to give every SM about PROGRAMS_PER_SM programs, from shapes only (graph-safe)."""
     programs = batch * num_kv_heads
-    want = triton.cdiv((programs_per_sm or PROGRAMS_PER_SM) * num_sms(device), programs)
+    want = triton.cdiv(PROGRAMS_PER_SM * num_sms(device), programs)
     # Short splits cost more (merge, loop start) than they win in parallelism: at least 4 tiles of
     # the longest context the block table can hold.
     most = max(1, triton.cdiv(max_context, 4 * block_n))
@@ -352,8 +347,7 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     num_warps = FP8_DECODE.num_warps if fp8_tiles else NUM_WARPS
     max_context = block_tables.shape[1] * block_size
     if num_splits is None:
-        num_splits = choose_num_splits(batch, num_kv_heads, max_context, block_n, q.device,
-                                       FP8_DECODE.programs_per_sm if fp8_tiles else None)
+        num_splits = choose_num_splits(batch, num_kv_heads, max_context, block_n, q.device)
     out = torch.empty_like(q)
     if batch == 0:
         return out
