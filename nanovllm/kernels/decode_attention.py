@@ -20,7 +20,7 @@ scores as S^T = K Q^T and the output as O^T += V^T P^T, so the group's few query
 Qwen3-0.6B) are the dots' N, which the tensor cores pad to 8, not their M, padded to 16: half the
 MMAs and accumulator registers (no spills in one warp); 1.054x bench.py with the FP8 cache. (The
 bf16 tiles, whose loop already runs at about the copy rate, compile to more instructions a token
-transposed, so TRANSPOSED stays off for them; untimed on a GPU.) FP8_DECODE holds these choices;
+transposed and run no faster on an H200, so TRANSPOSED stays off for them.) FP8_DECODE holds these choices;
 benchmarks/fp8_decode_sweep.py times the alternatives. The scales are read on the device, so graphs
 captured before calculate_kv_scales sets them still see them.
 
@@ -271,7 +271,8 @@ NUM_WARPS = 4
 # does. Off: the bf16 loop already runs at the copy limit (fp8_decode_sweep.py times it on).
 MASK_LAST_TILE_ONLY = False
 # bf16 caches: the dots transposed as Fp8Decode.transposed (the query heads as the dots' N). Off:
-# offline it compiles to more instructions a token (17.9 against 16.5, benchmarks/decode_sass.py).
+# more instructions a token (17.9 against 16.5, benchmarks/decode_sass.py) and, timed on an H200,
+# equal at large batches and slower at small ones (benchmarks/RESULTS.md, fifteenth session).
 TRANSPOSED = False
 
 
