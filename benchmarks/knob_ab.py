@@ -41,15 +41,15 @@ def main():
             if m:
                 figures[label].append(float(m[1]))
             print(f"{label} round {r}: {m[1] + ' tok/s' if m else 'no figure, see ' + log}", flush=True)
-    base = None
+    base = None   # (label, median) of the first setting with a figure: the ratios' reference
     for label, runs in figures.items():
         if not runs:
             print(f"{label}: no figure")
             continue
         median = statistics.median(runs)
-        base = base or median
+        base = base or (label, median)
         print(f"{label}: median {median:,.0f} tok/s of {len(runs)} ({min(runs):,.0f}-{max(runs):,.0f}), "
-              f"{median / base:.4f}x the first")
+              f"{median / base[1]:.4f}x {base[0]}")
 
 
 if __name__ == "__main__":

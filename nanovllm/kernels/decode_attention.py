@@ -20,9 +20,9 @@ scores as S^T = K Q^T and the output as O^T += V^T P^T, so the group's few query
 Qwen3-0.6B) are the dots' N, which the tensor cores pad to 8, not their M, padded to 16: half the
 MMAs and accumulator registers (no spills in one warp); 1.054x bench.py with the FP8 cache. (The
 bf16 tiles, whose loop already runs at about the copy rate, compile to more instructions a token
-transposed and run no faster on an H200, so TRANSPOSED stays off for them.) FP8_DECODE holds these choices;
-benchmarks/fp8_decode_sweep.py times the alternatives. The scales are read on the device, so graphs
-captured before calculate_kv_scales sets them still see them.
+transposed and run no faster on an H200, so TRANSPOSED stays off for them.) FP8_DECODE holds these
+choices; benchmarks/fp8_decode_sweep.py times the alternatives. The scales are read on the device,
+so graphs captured before calculate_kv_scales sets them still see them.
 
 Launch order. A decode batch mixes short and long contexts, and a sequence's programs take time in
 proportion to its context: launched in batch order, the last long ones run nearly alone at the end
