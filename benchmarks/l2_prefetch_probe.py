@@ -24,11 +24,12 @@ Attention's K/V traffic is absent, so at large batches this is an upper bound.
 """
 import argparse
 import functools
-import statistics
 
 import torch
 import triton
 import triton.language as tl
+
+from bench_timing import median_ms
 
 LAYERS = 28
 HIDDEN, QKV, Q, INTER = 1024, 4096, 2048, 3072
@@ -95,17 +96,18 @@ def silu(x, out, pf, mode, lanes=128):
     block = 1024
     grid = (m, d // block)
     if mode == "kernel":
-        _pf_kernel[(132,)](*prefetch_args(pf, 132, lanes), LANES=lanes, num_warps=4)
+        sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+        _pf_kernel[(sms,)](*prefetch_args(pf, sms, lanes), LANES=lanes, num_warps=4)
     _silu_pf_kernel[grid](x, out, d, block, *prefetch_args(pf, grid[0] * grid[1], lanes),
                           PREFETCH={"fused": 1, "lines": 2}.get(mode, 0), LANES=lanes, num_warps=4)
 
 
 def layer_weights(hot: bool, gen):
-    def make(n, k):
-        return torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
-    first = [make(QKV, HIDDEN), make(HIDDEN, Q), make(2 * INTER, HIDDEN), make(HIDDEN, INTER)]
-    return [first if hot or i == 0 else [make(QKV, HIDDEN), make(HIDDEN, Q), make(2 * INTER, HIDDEN),
-                                         make(HIDDEN, INTER)] for i in range(LAYERS)]
+    def layer():   # qkv, o, gate_up, down: [out, in]
+        return [torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
+                for n, k in ((QKV, HIDDEN), (HIDDEN, Q), (2 * INTER, HIDDEN), (HIDDEN, INTER))]
+    first = layer()
+    return [first if hot or i == 0 else layer() for i in range(LAYERS)]
 
 
 SIDE = None
@@ -121,7 +123,7 @@ def side_prefetch(pf, ctas, lanes=128):
         _pf_kernel[(ctas,)](*prefetch_args(pf, ctas, lanes), LANES=lanes, num_warps=4)
 
 
-def step(m, weights, mode, bufs):
+def step(weights, mode, bufs):
     h, attn_in, attn_out, act = bufs
     ctas = int(mode[4:]) if mode.startswith("side") else 0
     for i, (wqkv, wo, wgu, wd) in enumerate(weights):
@@ -140,7 +142,8 @@ def step(m, weights, mode, bufs):
         torch.cuda.current_stream().wait_stream(SIDE)
 
 
-def time_graph(fn, replays=30):
+def graph_ms(fn):
+    """Median ms of one replay of a CUDA graph of fn (warmed up on a side stream first)."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -150,18 +153,7 @@ def time_graph(fn, replays=30):
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         fn()
-    for _ in range(5):
-        g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    return median_ms(g.replay, calls=1, timings=30, warmup=5)
 
 
 def main():
@@ -171,7 +163,7 @@ def main():
     gen = torch.Generator(device="cuda").manual_seed(0)
     cold, hot = layer_weights(False, gen), layer_weights(True, gen)
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
-    print("us per layer (median of 30 replays of a 28-layer graph / 28)")
+    print("us per layer (median of 30 timed replays of a 28-layer graph, / 28)")
     modes = ("none", "fused", "lines", "kernel", "side8", "side32", "side132", "hot")
     print(f"{'M':>4} " + " ".join(f"{k:>8}" for k in modes) + "  fused/none lines/none")
     for m in args.batches:
@@ -183,7 +175,7 @@ def main():
         for name in modes:
             weights, mode = (hot, "none") if name == "hot" else (cold, name)
             bufs[0].normal_()
-            row[name] = time_graph(functools.partial(step, m, weights, mode, bufs)) * 1e3 / LAYERS
+            row[name] = graph_ms(functools.partial(step, weights, mode, bufs)) * 1e3 / LAYERS
         print(f"{m:4d} " + " ".join(f"{row[k]:8.2f}" for k in modes)
               + f"  {row['fused'] / row['none']:10.3f} {row['lines'] / row['none']:10.3f}")
 
