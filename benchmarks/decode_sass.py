@@ -5,7 +5,7 @@ it Triton neither vectorises nor pipelines the loads, and the code is not the on
 prints registers, spills and the instruction mix of the main loop per warp and per context token.
 
     PYTHONPATH=. python benchmarks/decode_sass.py [--bf16] [--block-n 128] [--warps 4] [--stages 2]
-                                                  [--maxnreg 168] [--dump DIR]
+                                                  [--maxnreg 168] [--head-dim 128] [--dump DIR]
 
 Needs Triton's bundled ptxas and cuobjdump (any CUDA wheel of triton has them). The main loop is
 taken as the largest backward branch's body."""
@@ -28,7 +28,7 @@ HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 16, 8, 128, 256
 
 
 def compile_kernel(fp8: bool, block_n: int, warps: int, stages: int, maxnreg: int | None,
-                   block_g: int = 16, trans: bool = False):
+                   block_g: int = 16, trans: bool = False, head_dim: int = HEAD_DIM):
     fn = decode_attention._decode_split_kernel
     kv = "*fp8e4nv" if fp8 else "*bf16"
     sig = dict(q_ptr="*bf16", k_cache_ptr=kv, v_cache_ptr=kv, block_tables_ptr="*i32",
@@ -38,7 +38,7 @@ def compile_kernel(fp8: bool, block_n: int, warps: int, stages: int, maxnreg: in
                                          "stride_bt", "stride_ob", "stride_oh", "num_splits")})
     config = decode_attention.FP8_DECODE
     mask_last = config.mask_last_tile_only if fp8 else decode_attention.MASK_LAST_TILE_ONLY
-    const = dict(GROUP=HEADS // KV_HEADS, BLOCK_G=block_g, TRANS=trans, HEAD_DIM=HEAD_DIM, BLOCK_D=HEAD_DIM,
+    const = dict(GROUP=HEADS // KV_HEADS, BLOCK_G=block_g, TRANS=trans, HEAD_DIM=head_dim, BLOCK_D=head_dim,
                  BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=block_n, DIRECT=False, DOT_FP32=False, PRECISION=None,
                  FP8=fp8, FP8_DOT_DTYPE=tl.float16, V_CVT_ASM=fp8 and config.v_convert == "asm",
                  MASK_LAST_TILE_ONLY=mask_last, INTERPRETED=False, ORDERED=True)
@@ -66,6 +66,7 @@ def main():
     p.add_argument("--maxnreg", type=int, help="0: no cap (default: FP8_DECODE's, none for bf16)")
     p.add_argument("--block-g", type=int, default=16, help="query rows of a program (GROUP padded)")
     p.add_argument("--trans", action="store_true", help="the dots transposed (S^T = K Q^T, O^T = V^T P^T)")
+    p.add_argument("--head-dim", type=int, default=HEAD_DIM, help="head_dim (Qwen3-0.6B: 128)")
     p.add_argument("--top", type=int, default=16, help="instruction kinds to list")
     p.add_argument("--dump", help="write the kernel's ttgir, ptx and sass here")
     args = p.parse_args()
@@ -74,7 +75,7 @@ def main():
     warps = args.warps or (config.num_warps if fp8 else decode_attention.NUM_WARPS)
     stages = args.stages or (config.num_stages if fp8 else decode_attention.NUM_STAGES)
     maxnreg = (config.max_registers if fp8 else None) if args.maxnreg is None else (args.maxnreg or None)
-    kernel = compile_kernel(fp8, block_n, warps, stages, maxnreg, args.block_g, args.trans)
+    kernel = compile_kernel(fp8, block_n, warps, stages, maxnreg, args.block_g, args.trans, args.head_dim)
     tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     cubin = "/tmp/decode_sass.cubin"
     with open(cubin, "wb") as f:
@@ -97,8 +98,8 @@ def main():
     back = [(int(t, 16), int(a, 16)) for a, t in branches if int(t, 16) < int(a, 16)]
     regs = re.search(r"REG:(\d+)", usage)
     stack = re.search(r"STACK:(\d+)", usage)
-    print(f"{'FP8' if fp8 else 'bf16'} cache, tiles of {block_n} tokens x {warps} warps, {stages} stages, "
-          f"register cap {maxnreg}; triton {triton.__version__}, sm_90")
+    print(f"{'FP8' if fp8 else 'bf16'} cache, head_dim {args.head_dim}, tiles of {block_n} tokens x {warps} "
+          f"warps, {stages} stages, register cap {maxnreg}; triton {triton.__version__}, sm_90")
     print(f"registers {regs.group(1) if regs else '?'}, stack (spills) {stack.group(1) if stack else '?'} "
           f"bytes, shared memory {kernel.metadata.shared} bytes")
     if not back:

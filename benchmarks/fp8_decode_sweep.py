@@ -72,6 +72,12 @@ FP8_VARIANTS = {
     "128x4 trans": Fp8Decode(128, 4, transposed=True),
     "128x2 trans": Fp8Decode(128, 2, transposed=True),
     "64x2 asm regs168": Fp8Decode(64, 2, max_registers=168),
+    # more warps resident a SM than the one-warp tiles' 6 (decode_sass.py: registers, shared memory)
+    "64x4 trans": Fp8Decode(64, 4, transposed=True),                       # 4 programs: 16 warps
+    "64x4 trans regs96": Fp8Decode(64, 4, transposed=True, max_registers=96),   # 5: 20 warps
+    "128x4 trans st1": Fp8Decode(128, 4, num_stages=1, transposed=True),   # 3: 12 warps
+    "128x4 trans st1 regs128": Fp8Decode(128, 4, num_stages=1, transposed=True, max_registers=128),  # 4: 16
+    "128x8 trans st1": Fp8Decode(128, 8, num_stages=1, transposed=True),   # 2: 16 warps
 }
 QUICK = ["old default 256x8 triton-cvt", "128x4 asm regs168", "64x1 asm", "64x1 trans"]
 # bf16 variants: (name, module constants); the first is the default.
