@@ -36,6 +36,23 @@ def _round(data_ptr, pid, nprog, r, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def grid_barrier(counter_ptr, failed_ptr, target, SPIN_LIMIT: tl.constexpr):
+    """Arrive at counter_ptr (after the whole program's stores), then wait until it reaches target
+    (the programs times the barriers passed so far). Every program must be resident; a spin gives up
+    after SPIN_LIMIT polls and sets failed_ptr."""
+    tl.debug_barrier()
+    tl.atomic_add(counter_ptr, 1, sem="release", scope="gpu")
+    seen = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
+    spins = 0
+    while (seen < target) & (spins < SPIN_LIMIT):
+        seen = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
+        spins += 1
+    if spins >= SPIN_LIMIT:
+        tl.store(failed_ptr, 1)
+    tl.debug_barrier()
+
+
+@triton.jit
 def _step_kernel(data_ptr, r, BLOCK: tl.constexpr):
     _round(data_ptr, tl.program_id(0), tl.num_programs(0), r, BLOCK)
 
@@ -46,17 +63,7 @@ def _persistent_kernel(data_ptr, counter_ptr, failed_ptr, ROUNDS: tl.constexpr, 
     pid, nprog = tl.program_id(0), tl.num_programs(0)
     for r in range(ROUNDS):
         _round(data_ptr, pid, nprog, r, BLOCK)
-        tl.debug_barrier()   # the whole program's stores before its arrival
-        tl.atomic_add(counter_ptr, 1, sem="release", scope="gpu")
-        target = (r + 1) * nprog
-        seen = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
-        spins = 0
-        while (seen < target) & (spins < SPIN_LIMIT):
-            seen = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
-            spins += 1
-        if spins >= SPIN_LIMIT:
-            tl.store(failed_ptr, 1)
-        tl.debug_barrier()
+        grid_barrier(counter_ptr, failed_ptr, (r + 1) * nprog, SPIN_LIMIT)
 
 
 def main():

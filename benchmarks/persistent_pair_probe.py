@@ -5,7 +5,7 @@ then gate_up (g = h Wgu^T, K = 1024, N = 6144), as one kernel of one program per
   1. every program asks L2 for the gate_up weight rows it will use (cp.async.bulk.prefetch.L2, one
      thread a tile), so they arrive while phase 1 runs;
   2. phase 1: 16-column tiles of h += a Wo^T, round-robin over the programs;
-  3. a grid barrier (as benchmarks/grid_barrier_probe.py);
+  3. a grid barrier (benchmarks/grid_barrier_probe.py's);
   4. phase 2: 16-column tiles of g = h Wgu^T.
 
 Against today's two calls (addmm_ and matmul, cuBLAS), each over 28 distinct weight sets in one CUDA
@@ -22,10 +22,10 @@ import triton
 import triton.language as tl
 
 from bench_timing import median_ms
+from grid_barrier_probe import SPIN_LIMIT, grid_barrier
 
 LAYERS = 28
 HIDDEN, Q, INTER = 1024, 2048, 3072
-SPIN_LIMIT = 1 << 22
 
 
 @triton.jit
@@ -69,16 +69,7 @@ def _pair_kernel(a_ptr, wo_ptr, h_ptr, wgu_ptr, g_ptr, counter_ptr, failed_ptr, 
         cols = t * BN + tl.arange(0, BN)[None, :]
         h = tl.load(h_ptr + rows * HIDDEN + cols, mask=rows < M, other=0.0).to(tl.float32)
         tl.store(h_ptr + rows * HIDDEN + cols, (acc + h).to(dtype), mask=rows < M)
-    tl.debug_barrier()                                           # grid barrier
-    tl.atomic_add(counter_ptr, 1, sem="release", scope="gpu")
-    seen = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
-    spins = 0
-    while (seen < nprog) & (spins < SPIN_LIMIT):
-        seen = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
-        spins += 1
-    if spins >= SPIN_LIMIT:
-        tl.store(failed_ptr, 1)
-    tl.debug_barrier()
+    grid_barrier(counter_ptr, failed_ptr, nprog, SPIN_LIMIT)
     for t in range(pid, N2 // BN, nprog):                      # phase 2: g = h Wgu^T
         acc = _tile(h_ptr, wgu_ptr, t * BN, M, HIDDEN, BM, BN, BK)
         cols = t * BN + tl.arange(0, BN)[None, :]
