@@ -20,3 +20,15 @@ def median_ms(fn, calls: int = 10, timings: int = 25, warmup: int = 3) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end) / calls)
     return statistics.median(times)
+
+
+def graph_ms(fn, calls: int = 10, timings: int = 25, warmup: int = 3) -> float:
+    """Median ms per call of fn, `calls` calls recorded in one CUDA graph (fn runs once before the
+    capture, to compile its kernels and allocate), the graph timed by median_ms."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return median_ms(graph.replay, calls=1, timings=timings, warmup=warmup) / calls

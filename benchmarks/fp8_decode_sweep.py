@@ -28,7 +28,7 @@ import torch
 import triton
 
 from bench_kernels import knobs, launch_order
-from bench_timing import median_ms
+from bench_timing import graph_ms, median_ms
 from nanovllm.kernels import decode_attention
 from nanovllm.kernels.decode_attention import Fp8Decode, paged_decode_attention_triton
 from nanovllm.kernels.reference import paged_decode_attention_ref, quantize_fp8
@@ -184,17 +184,6 @@ BY_BATCH_TILES = {"fp8": {"64x1": Fp8Decode(64, 1), "64x1 trans": Fp8Decode(64, 
                           "32x1 regs168": Fp8Decode(32, 1, max_registers=168)},
                   "bf16": {"128x4": dict(BLOCK_N=128, NUM_WARPS=4), "64x4": dict(BLOCK_N=64, NUM_WARPS=4)}}
 BY_BATCH_SPLITS = [None, 1, 2, 4, 8, 16, 32]   # None: choose_num_splits (the default)
-
-
-def graph_ms(fn, calls=10):
-    """Median ms per call of `calls` calls recorded in one CUDA graph."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    return median_ms(graph.replay, calls=1) / calls
 
 
 def by_batch(copy_bw, json_path=None):

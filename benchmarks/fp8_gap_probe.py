@@ -21,7 +21,8 @@ import functools
 import torch
 
 from bench_kernels import knobs, launch_order
-from fp8_decode_sweep import BLOCK, H, HKV, graph_ms
+from bench_timing import graph_ms
+from fp8_decode_sweep import BLOCK, H, HKV
 from nanovllm.kernels import decode_attention
 from nanovllm.kernels.decode_attention import choose_num_splits, paged_decode_attention_triton
 from nanovllm.kernels.reference import quantize_fp8

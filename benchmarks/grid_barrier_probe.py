@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from bench_timing import median_ms
+from bench_timing import graph_ms
 
 SPIN_LIMIT = 1 << 22
 BLOCK = 256   # values a program writes per round
@@ -95,10 +95,7 @@ def main():
             # after R rounds every value is R (each round adds one to the neighbour's previous value)
             if int(failed.item()) or float(data.view(2, sms, BLOCK)[(rounds - 1) % 2].min()) != rounds:
                 raise SystemExit("the barrier kernel gave up spinning or lost an update: no figure")
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        results[name] = median_ms(graph.replay, calls=1, timings=15) * 1e3 / rounds
+        results[name] = graph_ms(fn, calls=1, timings=15) * 1e3 / rounds
     print(f"{torch.cuda.get_device_name()}  triton {triton.__version__}  {sms} programs x {args.warps} "
           f"warps, {rounds} rounds")
     print(f"a kernel boundary in a graph: {results['launches']:.2f} us; "

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from bench_timing import median_ms
+from bench_timing import graph_ms
 
 LAYERS = 28
 HIDDEN, QKV, Q, INTER = 1024, 4096, 2048, 3072
@@ -142,20 +142,6 @@ def step(weights, mode, bufs):
         torch.cuda.current_stream().wait_stream(SIDE)
 
 
-def graph_ms(fn):
-    """Median ms of one replay of a CUDA graph of fn (warmed up on a side stream first)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return median_ms(g.replay, calls=1, timings=30, warmup=5)
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", type=int, nargs="+", default=[8, 32, 128, 256])
@@ -175,7 +161,8 @@ def main():
         for name in modes:
             weights, mode = (hot, "none") if name == "hot" else (cold, name)
             bufs[0].normal_()
-            row[name] = graph_ms(functools.partial(step, weights, mode, bufs)) * 1e3 / LAYERS
+            row[name] = graph_ms(functools.partial(step, weights, mode, bufs), calls=1, timings=30,
+                                 warmup=5) * 1e3 / LAYERS
         print(f"{m:4d} " + " ".join(f"{row[k]:8.2f}" for k in modes)
               + f"  {row['fused'] / row['none']:10.3f} {row['lines'] / row['none']:10.3f}")
 

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from bench_timing import median_ms
+from bench_timing import graph_ms
 from grid_barrier_probe import SPIN_LIMIT, grid_barrier
 
 LAYERS = 28
@@ -88,15 +88,6 @@ def pair_cublas(a, wo, h, wgu, g):
     torch.mm(h, wgu.t(), out=g)
 
 
-def graph_us(fn):
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return median_ms(graph.replay, calls=1, timings=20) * 1e3 / LAYERS
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", type=int, nargs="+", default=[8, 16, 32, 64])
@@ -129,7 +120,7 @@ def main():
         def cublas_all(a=a, h=h, g=g):
             for wo, wgu in weights:
                 pair_cublas(a, wo, h, wgu, g)
-        row = [graph_us(cublas_all)]
+        row = [graph_ms(cublas_all, calls=1, timings=20) * 1e3 / LAYERS]
         for p, bk, w, s in settings:
             h.copy_(h0)
             run = functools.partial(pair_persistent, failed=failed, programs=programs, prefetch=p, bk=bk,
@@ -147,7 +138,7 @@ def main():
                 counters.zero_()   # one memset for the 28 layers
                 for i, (wo, wgu) in enumerate(weights):
                     run(a, wo, h, wgu, g, counters[i:i + 1])
-            row.append(graph_us(all_layers))
+            row.append(graph_ms(all_layers, calls=1, timings=20) * 1e3 / LAYERS)
         print(f"{m:3d} {row[0]:8.2f} " + " ".join(f"{t:14.2f}" for t in row[1:]), flush=True)
 
 
