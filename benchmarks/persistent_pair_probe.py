@@ -83,6 +83,16 @@ def _pair_kernel(a_ptr, wo_ptr, h_ptr, wgu_ptr, g_ptr, counter_ptr, failed_ptr, 
 
 
 @triton.jit
+def _h_plus_parts(h_ptr, part_ptr, rows, cols, M, HIDDEN: tl.constexpr, BM: tl.constexpr,
+                  SPLIT: tl.constexpr):
+    """h + the SPLIT fp32 partials of a Wo^T at [rows, cols] (cols: [1, n] column indices), in fp32."""
+    x = tl.load(h_ptr + rows * HIDDEN + cols, mask=rows < M, other=0.0).to(tl.float32)
+    for s in range(SPLIT):
+        x += tl.load(part_ptr + (s * BM + rows) * HIDDEN + cols, cache_modifier=".cg")
+    return x
+
+
+@triton.jit
 def _pair_splitk_kernel(a_ptr, wo_ptr, h_ptr, part_ptr, h_out_ptr, wgu_ptr, g_ptr, counter_ptr, failed_ptr, M,
                         Q: tl.constexpr, HIDDEN: tl.constexpr, N2: tl.constexpr, BM: tl.constexpr,
                         BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr, SPIN_LIMIT: tl.constexpr):
@@ -104,18 +114,14 @@ def _pair_splitk_kernel(a_ptr, wo_ptr, h_ptr, part_ptr, h_out_ptr, wgu_ptr, g_pt
     grid_barrier(counter_ptr, failed_ptr, nprog, SPIN_LIMIT)
     if pid < tiles1:                                           # the new residual stream
         cols = pid * BN + tl.arange(0, BN)[None, :]
-        x = tl.load(h_ptr + rows * HIDDEN + cols, mask=rows < M, other=0.0).to(tl.float32)
-        for s in range(SPLIT):
-            x += tl.load(part_ptr + (s * BM + rows) * HIDDEN + cols, cache_modifier=".cg")
+        x = _h_plus_parts(h_ptr, part_ptr, rows, cols, M, HIDDEN, BM, SPLIT)
         tl.store(h_out_ptr + rows * HIDDEN + cols, x.to(dtype), mask=rows < M)
     for t in range(pid, N2 // BN, nprog):                      # phase 2: g = (h + sum of parts) Wgu^T
         cols = t * BN + tl.arange(0, BN)[None, :]
         acc = tl.zeros([BM, BN], dtype=tl.float32)
         for k in range(0, HIDDEN, BK):
             ks = k + tl.arange(0, BK)
-            x = tl.load(h_ptr + rows * HIDDEN + ks[None, :], mask=rows < M, other=0.0).to(tl.float32)
-            for s in range(SPLIT):
-                x += tl.load(part_ptr + (s * BM + rows) * HIDDEN + ks[None, :], cache_modifier=".cg")
+            x = _h_plus_parts(h_ptr, part_ptr, rows, ks[None, :], M, HIDDEN, BM, SPLIT)
             w = tl.load(wgu_ptr + cols * HIDDEN + ks[:, None])      # [BK, BN]
             acc = tl.dot(x.to(dtype), w, acc)
         tl.store(g_ptr + rows * N2 + cols, acc.to(dtype), mask=rows < M)

@@ -210,6 +210,19 @@ def test_interp_decode_matches_reference(monkeypatch, block_size, num_splits, bl
     torch.testing.assert_close(out[1:], ref[1:], atol=1e-5, rtol=1e-5)
 
 
+def test_choose_num_splits_aims_at_programs_per_sm_and_caps(monkeypatch):
+    from nanovllm.kernels import decode_attention as da
+    monkeypatch.setattr(da, "num_sms", lambda device: 132)
+    monkeypatch.setattr(da, "PROGRAMS_PER_SM", 4)
+    cpu = torch.device("cpu")
+    # 32 sequences x 8 KV heads = 256 programs a split: 4 a SM (528) needs 3 splits
+    assert da.choose_num_splits(32, 8, 4096, 64, cpu) == 3
+    assert da.choose_num_splits(256, 8, 4096, 64, cpu) == 1
+    # capped by 4 tiles of the longest context the table holds, and by 32
+    assert da.choose_num_splits(1, 8, 512, 64, cpu) == 2
+    assert da.choose_num_splits(1, 1, 1 << 20, 64, cpu) == 32
+
+
 @interp
 def test_interp_decode_more_splits_than_tiles():
     from nanovllm.kernels.decode_attention import paged_decode_attention_triton
