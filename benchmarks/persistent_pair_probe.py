@@ -83,6 +83,75 @@ def _pair_kernel(a_ptr, wo_ptr, h_ptr, wgu_ptr, g_ptr, counter_ptr, failed_ptr, 
 
 
 @triton.jit
+def _w_slice(w_ptr, n0, k0, K: tl.constexpr, BN: tl.constexpr, KLEN: tl.constexpr, KC: tl.constexpr, valid):
+    """Rows n0..n0+BN of w (N x K) over columns k0..k0+KLEN, transposed and cut into KC chunks of K:
+    a [KC, KLEN / KC, BN] register tile (one load for all of it, so its bytes are in flight at once)."""
+    ks = k0 + tl.arange(0, KC)[:, None, None] * (KLEN // KC) + tl.arange(0, KLEN // KC)[None, :, None]
+    return tl.load(w_ptr + (n0 + tl.arange(0, BN)[None, None, :]) * K + ks, mask=valid, other=0.0)
+
+
+@triton.jit
+def _x_slice(x_ptr, M, k0, K: tl.constexpr, BM: tl.constexpr, KLEN: tl.constexpr, KC: tl.constexpr):
+    """x[:M] (M x K, zero rows to BM) over columns k0..k0+KLEN, cut like _w_slice: [KC, BM, KLEN / KC].
+    Loaded past L1 (.cg): other programs may have written it since this one last read it."""
+    rows = tl.arange(0, BM)[None, :, None]
+    ks = k0 + tl.arange(0, KC)[:, None, None] * (KLEN // KC) + tl.arange(0, KLEN // KC)[None, None, :]
+    return tl.load(x_ptr + rows * K + ks, mask=rows < M, other=0.0, cache_modifier=".cg")
+
+
+@triton.jit
+def _chunked_dot(x, w):
+    """sum over the chunks of x[c] @ w[c]: one short MMA chain a chunk (a warp each), not one long one."""
+    return tl.sum(tl.dot(x, w), axis=0)
+
+
+@triton.jit
+def _pair_regs_kernel(a_ptr, wo_ptr, h_ptr, part_ptr, wgu_ptr, g_ptr, counter_ptr, failed_ptr, M,
+                      Q: tl.constexpr, HIDDEN: tl.constexpr, N2: tl.constexpr, BM: tl.constexpr,
+                      BN: tl.constexpr, KC: tl.constexpr, EARLY: tl.constexpr, PARTS: tl.constexpr,
+                      SPIN_LIMIT: tl.constexpr):
+    """Both phases as whole-slice register loads, every SM busy in both:
+    phase 1 in 2 x HIDDEN / BN items (a K half of a BN-column tile); the second of an item's two
+    halves to finish adds the other's fp32 partial (written to part [2, BM, HIDDEN]) and h, and
+    writes h (a tile counter per column tile: counter_ptr[1 + t]);
+    phase 2 in N2 / BN items of all K, x = h loaded once a program; with EARLY the program's first
+    gate_up slice is loaded at the start, before phase 1 and the barrier, and each next slice
+    while the current one is multiplied. PARTS (a bit mask: 1 phase 1, 2 the barrier, 4 phase 2; 7 in
+    full) leaves parts out, to time the others."""
+    pid, nprog = tl.program_id(0), tl.num_programs(0)
+    dtype = h_ptr.dtype.element_ty
+    rows = tl.arange(0, BM)[:, None]
+    tiles1: tl.constexpr = HIDDEN // BN
+    half: tl.constexpr = Q // 2
+    tiles2: tl.constexpr = N2 // BN
+    if EARLY:
+        w2 = _w_slice(wgu_ptr, pid * BN, 0, HIDDEN, BN, HIDDEN, KC, pid < tiles2)
+    if pid < (2 * tiles1 if PARTS & 1 else 0):                 # phase 1: one item a program
+        t = pid % tiles1
+        s = pid // tiles1
+        w = _w_slice(wo_ptr, t * BN, s * half, Q, BN, half, KC, pid < 2 * tiles1)
+        acc = _chunked_dot(_x_slice(a_ptr, M, s * half, Q, BM, half, KC), w)
+        cols = t * BN + tl.arange(0, BN)[None, :]
+        tl.store(part_ptr + (s * BM + rows) * HIDDEN + cols, acc)
+        tl.debug_barrier()
+        if tl.atomic_add(counter_ptr + 1 + t, 1, sem="acq_rel", scope="gpu") == 1:   # the second half
+            other = tl.load(part_ptr + ((1 - s) * BM + rows) * HIDDEN + cols, cache_modifier=".cg")
+            h = tl.load(h_ptr + rows * HIDDEN + cols, mask=rows < M, other=0.0).to(tl.float32)
+            tl.store(h_ptr + rows * HIDDEN + cols, (h + (acc + other)).to(dtype), mask=rows < M)
+    if PARTS & 2:
+        grid_barrier(counter_ptr, failed_ptr, nprog, SPIN_LIMIT)
+    x = _x_slice(h_ptr, M, 0, HIDDEN, BM, HIDDEN, KC)
+    if not EARLY:
+        w2 = _w_slice(wgu_ptr, pid * BN, 0, HIDDEN, BN, HIDDEN, KC, pid < tiles2)
+    for t in range(pid, tiles2 if PARTS & 4 else 0, nprog):    # phase 2: g = h Wgu^T
+        w_next = _w_slice(wgu_ptr, (t + nprog) * BN, 0, HIDDEN, BN, HIDDEN, KC, t + nprog < tiles2)
+        acc = _chunked_dot(x, w2)
+        cols = t * BN + tl.arange(0, BN)[None, :]
+        tl.store(g_ptr + rows * N2 + cols, acc.to(dtype), mask=rows < M)
+        w2 = w_next
+
+
+@triton.jit
 def _h_plus_parts(h_ptr, part_ptr, rows, cols, M, HIDDEN: tl.constexpr, BM: tl.constexpr,
                   SPLIT: tl.constexpr):
     """h + the SPLIT fp32 partials of a Wo^T at [rows, cols] (cols: [1, n] column indices), in fp32."""
@@ -134,6 +203,14 @@ def pair_splitk(a, wo, h, part, h_out, wgu, g, counter, failed, programs, split,
                                      SPLIT=split, SPIN_LIMIT=SPIN_LIMIT, num_warps=warps, num_stages=stages)
 
 
+def pair_regs(a, wo, h, part, wgu, g, counter, failed, programs, early, warps, kc, parts):
+    """One layer's pair, whole slices in registers; counter: [1 + HIDDEN / 16] int32, zero before the
+    call; part: [2, BM, HIDDEN] fp32 scratch."""
+    _pair_regs_kernel[(programs,)](a, wo, h, part, wgu, g, counter, failed, a.shape[0], Q=Q, HIDDEN=HIDDEN,
+                                   N2=2 * INTER, BM=part.shape[1], BN=16, KC=kc, EARLY=early, PARTS=parts,
+                                   SPIN_LIMIT=SPIN_LIMIT, num_warps=warps, num_stages=1)
+
+
 def pair_persistent(a, wo, h, wgu, g, counter, failed, programs, prefetch, bk, warps, stages):
     """One layer's pair; counter: [1] int32, zero before the call (each layer has its own)."""
     _pair_kernel[(programs,)](a, wo, h, wgu, g, counter, failed, a.shape[0], Q=Q, HIDDEN=HIDDEN, N2=2 * INTER,
@@ -154,6 +231,8 @@ def main():
     ap.add_argument("--settings", nargs="+",
                     default=["pf128/4/3", "pf256/4/3", "pf128/2/4", "128/4/3", "256/4/3", "128/2/4"],
                     help="[pf|sN/]BK/warps/stages for the persistent kernel (pf: with the L2 prefetch; "
+                         "or r[e]/warps/chunks[/parts]: whole slices in registers, e: the first gate_up "
+                         "slice loaded before phase 1, parts: _pair_regs_kernel's PARTS; "
                          "sN/: phase 1 split over K in N parts)")
     args = ap.parse_args()
     programs = torch.cuda.get_device_properties(0).multi_processor_count * args.programs_per_sm
@@ -161,7 +240,8 @@ def main():
     weights = [(torch.randn(HIDDEN, Q, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02,
                 torch.randn(2 * INTER, HIDDEN, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02)
                for _ in range(LAYERS)]
-    counters = torch.zeros(LAYERS, dtype=torch.int32, device="cuda")   # one barrier counter a layer
+    # a layer's barrier counter, then (the r settings) its phase-1 tile counters
+    counters = torch.zeros(LAYERS, 1 + HIDDEN // 16, dtype=torch.int32, device="cuda")
     failed = torch.zeros(1, dtype=torch.int32, device="cuda")
     print(f"{torch.cuda.get_device_name()}  triton {triton.__version__}; us a layer (o addmm + gate_up), "
           f"{LAYERS} weight sets in one graph; {programs} programs")
@@ -179,24 +259,33 @@ def main():
         row = [graph_ms(cublas_all, calls=1, timings=20) * 1e3 / LAYERS]
         for text in args.settings:
             split = int(text.split("/")[0][1:]) if text.startswith("s") else 0
-            bk, w, s = map(int, text.removeprefix("pf").split("/")[-3:])
             h.copy_(h0)
-            if split:
+            if text.startswith("r"):
+                part = torch.empty(2, max(16, triton.next_power_of_2(m)), HIDDEN, device="cuda",
+                                   dtype=torch.float32)
+                h_new = h
+                run = functools.partial(pair_regs, part=part, failed=failed, programs=programs,
+                                        early=text.startswith("re"), warps=int(text.split("/")[1]),
+                                        kc=int(text.split("/")[2]), parts=int((text.split("/") + ["7"])[3]))
+            elif split:
+                bk, w, s = map(int, text.split("/")[-3:])
                 part = torch.empty(split, max(16, triton.next_power_of_2(m)), HIDDEN, device="cuda",
                                    dtype=torch.float32)
                 h_new = torch.empty_like(h)
                 run = functools.partial(pair_splitk, part=part, h_out=h_new, failed=failed, programs=programs,
                                         split=split, bk=bk, warps=w, stages=s)
             else:
+                bk, w, s = map(int, text.removeprefix("pf").split("/")[-3:])
                 h_new = h   # updated in place
                 run = functools.partial(pair_persistent, failed=failed, programs=programs,
                                         prefetch=text.startswith("pf"), bk=bk, warps=w, stages=s)
             counters.zero_()
-            run(a, weights[0][0], h, wgu=weights[0][1], g=g, counter=counters[:1])
+            run(a, weights[0][0], h, wgu=weights[0][1], g=g, counter=counters[0])
             torch.cuda.synchronize()
             err_h = ((h_new.float() - h_ref.float()).abs().max() / h_ref.float().abs().max()).item()
             err_g = ((g.float() - g_ref.float()).abs().max() / g_ref.float().abs().max()).item()
-            if failed.item() or max(err_h, err_g) > 2e-2:
+            partial = text.startswith("r") and len(text.split("/")) > 3    # a timing of some parts only
+            if not partial and (failed.item() or max(err_h, err_g) > 2e-2):
                 print(f"M={m} {text}: wrong (spin gave up {failed.item()}, errors {err_h:.3g} {err_g:.3g})")
                 failed.zero_()
                 row.append(float("nan"))
@@ -205,7 +294,7 @@ def main():
             def all_layers(run=run, a=a, h=h, g=g):
                 counters.zero_()   # one memset for the 28 layers
                 for i, (wo, wgu) in enumerate(weights):
-                    run(a, wo, h, wgu=wgu, g=g, counter=counters[i:i + 1])
+                    run(a, wo, h, wgu=wgu, g=g, counter=counters[i])
             row.append(graph_ms(all_layers, calls=1, timings=20) * 1e3 / LAYERS)
         print(f"{m:3d} {row[0]:8.2f} " + " ".join(f"{t:14.2f}" for t in row[1:]), flush=True)
 
