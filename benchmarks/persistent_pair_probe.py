@@ -9,14 +9,18 @@ then gate_up (g = h Wgu^T, K = 1024, N = 6144), as one kernel of one program per
   4. phase 2: 16-column tiles of g = h Wgu^T.
 
 With a setting sN/..., phase 1 is split over K instead: N x 64 items of fp32 partials, which
-phase 2 sums with h as it loads its x operand (the new h goes to a second buffer).
+phase 2 sums with h as it loads its x operand (the new h goes to a second buffer). With r/... or
+re/... (_pair_regs_kernel), every weight slice is one register load and every SM works in both
+phases: phase 1 as 128 K-half items whose second finisher adds the other's partial, phase 2 loading
+the next slice while it multiplies the current one, and with re/ the first gate_up slice loaded at
+the start, so its latency is paid during phase 1 and the barrier.
 
 Against today's two calls (addmm_ and matmul, cuBLAS), each over 28 distinct weight sets in one CUDA
 graph (weights cold in L2, as in a decode step), us a layer; the outputs are checked against them.
 Only a probe: the engine does not use it.
 
     PYTHONPATH=. python benchmarks/persistent_pair_probe.py [--batches 8 16 32 64]
-                                                            [--settings 256/4/4 s2/256/4/4]
+                                                            [--settings 256/4/4 s2/256/4/4 re/4/4]
 """
 import argparse
 import functools
