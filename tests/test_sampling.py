@@ -249,6 +249,16 @@ def test_min_tokens_bans_eos_and_stop_tokens_in_the_sampler():
     assert t is None and sampler.sample(logits, t).token_ids.tolist() == [EOS]   # plain greedy
 
 
+def test_min_tokens_bans_eos_with_ignore_eos_too():
+    # vLLM's min-tokens processor bans the model's EOS whatever ignore_eos says
+    seq = Sequence([5, 6], SamplingParams(temperature=0, min_tokens=2, ignore_eos=True),
+                   eos_token_ids=frozenset({EOS}))
+    logits = torch.zeros(1, 16)
+    logits[0, EOS], logits[0, 3] = 5.0, 1.0
+    sampler = Sampler(16)
+    assert sampler.sample(logits, sampler.prepare([seq])).token_ids.tolist() == [3]
+
+
 def test_logprobs_are_log_softmax_of_transformers_logits(llm, oracle):
     for params in [SamplingParams(temperature=0, max_tokens=6, logprobs=3, ignore_eos=True),
                    SamplingParams(temperature=0.8, top_k=20, seed=2, max_tokens=6, logprobs=0,

@@ -57,6 +57,10 @@ def test_min_tokens_holds_off_eos_stop_tokens_and_stop_strings_not_lengths(check
     # "cd" is in the text at output 2 but held off; the text keeps growing, so "cd" at 4-5 is found
     assert run(checker, SamplingParams(**held), [2, 3, 7, 2, 3]) == (5, Stop("stop", "cd"))
     assert run(checker, SamplingParams(min_tokens=2, max_tokens=2, stop=["x"]), [3, 3]) == (2, Stop("length"))
+    # as vLLM: stop strings only once the output is longer than min_tokens ("c" at output 2 is held
+    # off), stop tokens from output min_tokens on
+    assert run(checker, SamplingParams(min_tokens=2, stop=["c"]), [1, 2, 2]) == (3, Stop("stop", "c"))
+    assert run(checker, SamplingParams(min_tokens=2, stop_token_ids=[2]), [1, 2, 2]) == (2, Stop("stop", 2))
 
 
 @pytest.mark.parametrize("include, text", [(False, "hc"), (True, "hcde")])

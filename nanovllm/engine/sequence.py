@@ -46,10 +46,10 @@ class Sequence:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         # Sampling state. Tokens that may not be sampled before min_tokens outputs: stop tokens and
-        # (unless ignore_eos) EOS, as vLLM does.
+        # EOS, also with ignore_eos (as vLLM does: its min-tokens processor bans the model's EOS
+        # whatever ignore_eos says).
         p = sampling_params
-        self.min_tokens_banned = (frozenset(p.stop_token_ids)
-                                  | (frozenset() if p.ignore_eos else eos_token_ids))
+        self.min_tokens_banned = frozenset(p.stop_token_ids) | eos_token_ids
         self.logprobs: list[TokenLogprobs] | None = [] if p.logprobs is not None else None
         # prompt_logprobs[i] is for prompt token i + 1 (the first token has none), filled by prefill.
         self.prompt_logprobs: list[TokenLogprobs] | None = [] if p.prompt_logprobs is not None else None

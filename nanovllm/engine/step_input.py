@@ -46,8 +46,11 @@ class StepInput:
 
 def prompt_logprob_counts(batch: ScheduledBatch, starts: list[int]) -> list[int] | None:
     """Per sequence: how many of this chunk's positions predict a prompt token (position p gives
-    the logprob of prompt token p + 1) for a sequence that still wants its prompt logprobs."""
+    the logprob of prompt token p + 1) for a sequence that still wants its prompt logprobs. None
+    when no position does: e.g. a prompt's last chunk of one token, its earlier chunks' logprobs
+    not yet on the host (so it still wants them)."""
     if not batch.is_prefill or not any(seq.wants_prompt_logprobs for seq in batch.seqs):
         return None
-    return [max(0, min(start + n, seq.num_prompt_tokens - 1) - start) if seq.wants_prompt_logprobs else 0
-            for seq, start, n in zip(batch.seqs, starts, batch.num_new_tokens)]
+    counts = [max(0, min(start + n, seq.num_prompt_tokens - 1) - start) if seq.wants_prompt_logprobs else 0
+              for seq, start, n in zip(batch.seqs, starts, batch.num_new_tokens)]
+    return counts if any(counts) else None

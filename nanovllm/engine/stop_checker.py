@@ -37,7 +37,10 @@ class StopChecker:
             if token_id in params.stop_token_ids:
                 return Stop("stop", token_id)
         if seq.detokenizer is not None:   # only requests with stop strings pay for detokenizing
-            stop = self._stop_string(seq, counts)
+            # Stop strings are looked for only in the text of the tokens after the first min_tokens
+            # (vLLM: once the output is longer than min_tokens); stop tokens from min_tokens on,
+            # where the sampler stops banning them.
+            stop = self._stop_string(seq, seq.num_completion_tokens > params.min_tokens)
             if stop is not None:
                 return Stop("stop", stop)   # it wins over a length limit reached by the same token
         if self.length_reached(seq, len(seq.token_ids)):
