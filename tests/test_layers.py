@@ -1,5 +1,8 @@
 """Layers against transformers' Qwen3 modules (fp32, CPU, world size 1); the RMSNorm and SiLU-and-mul
 Triton kernels against eager torch under the Triton interpreter (conftest.run_interpreted_tests)."""
+import gc
+import weakref
+
 import pytest
 import torch
 from transformers import Qwen3Config
@@ -52,6 +55,15 @@ def test_rotary_matches_transformers():
 def test_get_rope_is_cached():
     assert get_rope(16, 256, 10000.0) is get_rope(16, 256, 10000)
     assert get_rope(16, 256, 10000.0) is not get_rope(16, 256, 5000.0)
+
+
+def test_get_rope_keeps_no_table_once_no_model_uses_it():
+    # the cache must not keep a released model's cos/sin table (on its device) alive
+    rope = get_rope(16, 300, 10000.0)
+    gone = weakref.ref(rope)
+    del rope
+    gc.collect()
+    assert gone() is None
 
 
 def test_mlp_with_merged_gate_up_matches_transformers():

@@ -117,6 +117,41 @@ def test_unknown_architecture_names_the_supported_ones(tmp_path):
         LLM(path, **SMALL)
 
 
+@pytest.mark.parametrize("arch, changes, refused", [
+    ("qwen3", dict(use_sliding_window=True, sliding_window=4, max_window_layers=1), True),
+    ("qwen2", dict(use_sliding_window=True, sliding_window=4, max_window_layers=1), True),
+    # every layer below max_window_layers: transformers runs them all with full attention
+    ("qwen2", dict(use_sliding_window=True, sliding_window=4, max_window_layers=8), False),
+], ids=["qwen3", "qwen2", "qwen2-no-sliding-layer"])
+def test_sliding_window_layers_are_refused(tmp_path, arch, changes, refused):
+    path = make_model(str(tmp_path), arch, tokenizer=False, **changes)
+    if refused:
+        with pytest.raises(ValueError, match="sliding-window attention.*not supported"):
+            LLM(path, **SMALL)
+    else:
+        LLM(path, **SMALL)
+
+
+def test_checkpoint_dtype_that_cannot_run_is_named(tmp_path):
+    path = make_model(str(tmp_path), "qwen3", tokenizer=False)
+    _edit_config(path, dtype="float64")
+    config = Config.create(path)
+    with pytest.raises(ValueError, match="dtype torch.float64.*dtype= one of float32, bfloat16, float16"):
+        pick_dtype(config, torch.device("cuda"))
+    assert pick_dtype(Config.create(path, dtype="bfloat16"), torch.device("cuda")) == torch.bfloat16
+
+
+def test_config_transformers_refuses_is_a_value_error_naming_the_file(tmp_path):
+    path = make_model(str(tmp_path), "qwen3", tokenizer=False)
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    del config["num_hidden_layers"]   # transformers' default (32) then disagrees with layer_types
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    with pytest.raises(ValueError, match="(?s)config.json: .*num_hidden_layers"):
+        LLM(path, **SMALL)
+
+
 def test_folder_without_config_json(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"")
     with pytest.raises(FileNotFoundError, match="no config.json"):

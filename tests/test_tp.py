@@ -3,8 +3,10 @@ side; shutdown leaves no process behind and gives the model's memory back. (Faul
 
 Each TP engine starts workers that import torch (seconds each), so engines are module-scoped and
 shared by the tests. The device is pinned to the CPU, so the tests run the same on a GPU machine."""
+import atexit
 import gc
 import os
+import socket
 import time
 import weakref
 
@@ -115,16 +117,34 @@ def test_tp4_matches_tp1_and_shutdown_leaves_nothing(tmp_path):
                       head_dim=8)
     expected = reference(path)
     llm = LLM(path, tensor_parallel_size=4, **OPTIONS)
-    pids = llm.executor.workers.pids
+    pids, port = llm.executor.workers.pids, llm.executor.workers.store.port
     assert len(pids) == 3 and all(map(_running, pids))
     assert tokens(llm) == expected
     model = weakref.ref(llm.model_runner.model)
     llm.shutdown()
     assert not any(map(_running, pids))
     assert model() is None, "shutdown should drop the model (and the KV cache with it)"
+    with pytest.raises(ConnectionRefusedError):   # the rendezvous store (the group held it) is closed
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()
     with pytest.raises(RuntimeError, match="shut down"):
         llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
     llm.shutdown()   # idempotent
+
+
+def test_a_forked_child_leaves_the_workers_alone(qwen3_tp2):
+    # A child forked from the engine's process inherits its atexit hook, its pipes and the engine:
+    # the child's exit (hook, destructor or an explicit shutdown) must not stop the parent's workers.
+    expect = tokens(qwen3_tp2, PROMPTS[:1])
+    pid = os.fork()
+    if pid == 0:
+        try:
+            qwen3_tp2.shutdown()
+            atexit._run_exitfuncs()
+        finally:
+            os._exit(0)
+    assert os.waitpid(pid, 0)[1] == 0
+    assert all(map(_running, qwen3_tp2.executor.workers.pids))
+    assert tokens(qwen3_tp2, PROMPTS[:1]) == expect
 
 
 def test_deleting_an_engine_frees_its_model(qwen3_dir):

@@ -1,6 +1,7 @@
 """The Executor runs each step on every tensor-parallel rank: it sends the step to the workers
 (ranks 1..N-1), then has rank 0's ModelRunner, in this process, run it and sample. The runner so
 knows nothing of the workers, and the engine nothing of the ranks."""
+import os
 from collections.abc import Callable
 
 from nanovllm.config import Config
@@ -32,6 +33,7 @@ class Executor:
         # others never will: the ranks are out of step, and no further step can run.
         self.in_step = False
         self.closed = False
+        self.pid = os.getpid()   # a child forked from this process must not shut it down (shutdown)
 
     @property
     def broken(self) -> str | None:
@@ -87,7 +89,11 @@ class Executor:
 
     def shutdown(self):
         """Stop the workers and give the device memory back. Idempotent; a call cut short by
-        Ctrl-C is finished by the next one (or, for the workers, at exit)."""
+        Ctrl-C is finished by the next one (or, for the workers, at exit). Does nothing in a child
+        forked from the engine's process (its exit runs the engine's destructor too): the workers
+        and the device are the parent's."""
+        if os.getpid() != self.pid:
+            return
         self.closed = True
         try:
             if self.workers is not None:

@@ -49,7 +49,12 @@ def pick_dtype(config: Config, device: torch.device) -> torch.dtype:
         return torch.float32
     hf = config.hf_config
     dtype = getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None) or torch.float32
-    return _DTYPES[dtype] if isinstance(dtype, str) else dtype
+    dtype = _DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
+    if dtype not in _DTYPES.values():
+        raise ValueError(f"the model's config.json gives dtype {dtype}, which nanovllm does not run "
+                         "(quantized checkpoints are not supported); pass dtype= one of "
+                         f"{', '.join(_DTYPES)}")
+    return dtype
 
 
 @contextmanager
@@ -386,6 +391,7 @@ class ModelRunner:
         for layer in self.attention_layers:
             layer.k_cache = layer.v_cache = None
         self.attention_layers = []
-        self.graphs = self.kv_cache = self.model = self.sampled_tokens = None
+        # the group too: it holds the rendezvous store and gloo's sockets until collected
+        self.graphs = self.kv_cache = self.model = self.sampled_tokens = self.group = None
         if self.use_cuda:
             torch.cuda.empty_cache()

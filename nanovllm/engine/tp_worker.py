@@ -99,6 +99,7 @@ class TPWorkers:
                                  f"{torch.cuda.device_count()} are visible")
             torch.cuda.set_device(0)   # rank r uses GPU r
         self.timeout_s = WORKER_TIMEOUT_S
+        self.pid = os.getpid()   # see shutdown
         self.store = master_store(size)
         self.beats = Heartbeats(size)
         self.workers: list[_Worker] = []
@@ -298,7 +299,11 @@ class TPWorkers:
     def shutdown(self, graceful: bool = True):
         """Stop the workers, drop the process group. Idempotent. graceful=False (the ranks are out
         of step, or a worker failed) kills the workers without asking. A shutdown cut short by
-        Ctrl-C is finished by the next call, or at exit: the atexit hook stays until the end."""
+        Ctrl-C is finished by the next call, or at exit: the atexit hook stays until the end.
+        In a child forked from rank 0's process (which inherits the hook and the pipes) it does
+        nothing: the workers are the parent's."""
+        if os.getpid() != self.pid:
+            return
         ask = graceful and not self.closed and self.error is None
         self.closed = True
         try:

@@ -1,4 +1,4 @@
-from functools import lru_cache
+import weakref
 
 import torch
 from torch import nn
@@ -44,15 +44,18 @@ class RotaryEmbedding(nn.Module):
         return apply_rotary_ref(positions, q, k, self.cos_sin_cache)
 
 
-@lru_cache
-def _cached_rope(head_dim: int, max_position: int, base: float, scaling: tuple | None,
-                 device: torch.device) -> RotaryEmbedding:
-    with device:
-        return RotaryEmbedding(head_dim, max_position, base, dict(scaling) if scaling else None)
+# Held weakly: an entry (its cos/sin table is on the model's device) lives as long as a model uses it.
+_ROPES: "weakref.WeakValueDictionary[tuple, RotaryEmbedding]" = weakref.WeakValueDictionary()
 
 
 def get_rope(head_dim: int, max_position: int, base: float,
              rope_scaling: dict | None = None) -> RotaryEmbedding:
     """One shared RotaryEmbedding per setting and device: all layers of a model use the same one."""
     scaling = tuple(sorted(rope_scaling.items())) if rope_scaling else None
-    return _cached_rope(head_dim, max_position, float(base), scaling, torch.get_default_device())
+    key = (head_dim, max_position, float(base), scaling, torch.get_default_device())
+    rope = _ROPES.get(key)
+    if rope is None:
+        with key[-1]:
+            rope = RotaryEmbedding(head_dim, max_position, float(base), dict(scaling) if scaling else None)
+        _ROPES[key] = rope
+    return rope

@@ -154,6 +154,7 @@ class LlamaForCausalLM(nn.Module):
 
     def __init__(self, config: PretrainedConfig):
         super().__init__()
+        refuse_sliding_window(config)
         qkv_bias = self.qkv_bias(config)
         self.model = LlamaModel(config, qkv_bias, self.qk_norm, self.make_mlp)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
@@ -181,10 +182,21 @@ class LlamaForCausalLM(nn.Module):
         return sum(layer.fold_norms() for layer in self.model.layers) if FOLD_NORMS else 0
 
 
+def refuse_sliding_window(config: PretrainedConfig):
+    """Sliding-window attention is not implemented: refuse a config whose layers use it rather than
+    run them with full attention (other tokens). transformers lists each layer's kind in layer_types
+    (Qwen2/3: sliding from layer max_window_layers on when use_sliding_window); configs without it
+    say use_sliding_window."""
+    kinds = getattr(config, "layer_types", None)
+    sliding = getattr(config, "use_sliding_window", False) if kinds is None else "sliding_attention" in kinds
+    if sliding:
+        raise ValueError(f"{type(config).__name__}: sliding-window attention (use_sliding_window / "
+                         "layer_types 'sliding_attention') is not supported; use a config whose layers "
+                         "all use full attention")
+
+
 class Qwen2ForCausalLM(LlamaForCausalLM):
     @staticmethod
     def qkv_bias(config: PretrainedConfig) -> bool:
         # Qwen2 always has q/k/v biases (and never an o_proj bias: its config has no attention_bias).
-        if getattr(config, "use_sliding_window", False):
-            raise ValueError("Qwen2 sliding-window attention (use_sliding_window=true) is not supported")
         return True

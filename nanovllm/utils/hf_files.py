@@ -6,6 +6,7 @@ import math
 import numbers
 import os
 
+from huggingface_hub.errors import StrictDataclassError
 from transformers import CONFIG_MAPPING, AutoConfig, AutoTokenizer, PretrainedConfig
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -42,6 +43,8 @@ def load_hf_config(folder: str) -> PretrainedConfig:
     except ValueError as e:
         _raise_if_remote_code(folder, e)
         raise
+    except StrictDataclassError as e:   # transformers' own checks of the values (not a ValueError)
+        raise ValueError(f"{where}: {e}") from e
     check_head_counts(config, where)
     return config
 
