@@ -1,6 +1,8 @@
 """Chat messages as vLLM's LLM.chat takes them, checked and made ready for a chat template."""
 import os
 
+import jinja2
+
 
 def parse_conversation(messages, where: str, content_format: str = "auto") -> list[dict]:
     """Check each message ({"role", "content"}, OpenAI style) and return copies the template can
@@ -77,5 +79,8 @@ def render_chat(tokenizer, conversation, where: str = "conversation 0", *, chat_
     options = dict(add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
                    **({"chat_template": chat_template} if chat_template else {}),
                    **({"tools": tools} if tools else {}), **(chat_template_kwargs or {}))
-    return tokenizer.apply_chat_template(parse_conversation(conversation, where, content_format),
-                                         tokenize=False, **options)
+    try:
+        return tokenizer.apply_chat_template(parse_conversation(conversation, where, content_format),
+                                             tokenize=False, **options)
+    except jinja2.TemplateError as e:   # the template refused the conversation (raise_exception) or is broken
+        raise ValueError(f"{where}: the chat template failed: {e}") from None

@@ -250,11 +250,48 @@ def test_disconnected_client_frees_its_blocks(server):
         time.sleep(0.2)
 
 
+def test_disconnected_client_of_a_plain_request_is_aborted(server):
+    # Not streamed: no write fails when the client leaves, and tokens keep arriving faster than the
+    # disconnect poll's period, so the server must look for the disconnect while they come.
+    body = json.dumps(
+        {"model": NAME, "prompt": PROMPTS[3], "max_tokens": 480, "temperature": 0, "ignore_eos": True}
+    )
+    sock = socket.create_connection(("127.0.0.1", int(server.rsplit(":", 1)[1])), timeout=30)
+    sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: {len(body)}\r\n\r\n{body}".encode())
+    deadline = time.monotonic() + 60
+    while not _metrics(server)["nanovllm:num_requests_running"]:
+        assert time.monotonic() < deadline, "the request never started"
+        time.sleep(0.05)
+    sock.close()
+    deadline = time.monotonic() + 8   # far less than 480 tokens take on this CPU
+    while (m := _metrics(server))["nanovllm:num_requests_running"] or m["nanovllm:kv_cache_usage_perc"]:
+        assert time.monotonic() < deadline, f"still running after the client left: {m}"
+        time.sleep(0.1)
+
+
+def test_logit_bias_and_top_k_past_the_vocabulary(client, llm):
+    plain = llm.generate([PROMPTS[0]], _greedy(4), use_tqdm=False)[0].outputs[0]
+    ban = {plain.token_ids[0]: -100.0}   # the greedy first token, banned
+    biased = llm.generate([PROMPTS[0]], _greedy(4, logit_bias=ban), use_tqdm=False)[0].outputs[0]
+    assert biased.token_ids[0] != plain.token_ids[0]
+    served = client.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=4, temperature=0,
+                                       logit_bias={str(t): b for t, b in ban.items()})
+    assert served.choices[0].text == biased.text
+    # a top_k past the vocabulary (even past an int64) keeps every token: greedy stays greedy
+    huge = client.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=4, temperature=0,
+                                     extra_body={"top_k": 2**63})
+    assert huge.choices[0].text == plain.text
+
+
 @pytest.mark.parametrize(
     "body, status, fragment",
     [
         ({"prompt": "hi", "temperature": -1}, 400, "temperature"),
         ({"prompt": "hi", "n": 0}, 400, "n must be"),
+        ({"prompt": "hi", "n": 10**12}, 400, "128"),
+        ({"prompt": "hi", "logit_bias": {"abc": "x"}}, 400, "logit_bias"),
+        ({"prompt": "hi", "logit_bias": {"999999": 5}}, 400, "logit_bias"),
         ({"prompt": "hi", "max_tokens": "many"}, 400, "max_tokens"),
         ({"prompt": "word " * 600}, 400, "max_model_len"),
         ({"prompt": []}, 400, "prompt"),
@@ -281,6 +318,10 @@ def test_bad_chat_request_is_a_bad_request_error(client):
         client.chat.completions.create(model=NAME, messages=[], max_tokens=2)
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}], top_p=5)
+    # a request may not bring its own chat template (the server would render it)
+    with pytest.raises(openai.BadRequestError, match="chat_template"):
+        client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                       extra_body={"chat_template_kwargs": {"chat_template": "{{ 'x' }}"}})
 
 
 # ---- structured outputs: response_format and vLLM's extra fields ------------------------------

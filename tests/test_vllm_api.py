@@ -226,8 +226,11 @@ def test_detokenize_false(llm):
     assert all(lp.decoded_token is None for d in ids_only.logprobs for lp in d.values())
 
 
-@pytest.mark.parametrize("engine", [dict(), dict(max_num_batched_tokens=16)], ids=["whole", "chunked"])
+@pytest.mark.parametrize("engine", [dict(), dict(max_num_batched_tokens=16), dict(max_num_batched_tokens=13)],
+                         ids=["whole", "chunked", "last-chunk-one-token"])
 def test_prompt_logprobs_match_transformers(qwen3_dir, engine):
+    # 13: chunks of 13, 13, 13 and 1; the last has no prompt position to score while the earlier
+    # chunks' logprobs are still on their way to the host (async scheduling)
     llm = LLM(qwen3_dir, **{**ENGINE, **engine})
     prompt = list(range(10, 50))   # 40 tokens: over two full blocks of 16
     params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3)
@@ -349,6 +352,12 @@ def test_chat_errors(llm):
     with pytest.raises(ValueError, match="content part of type 'image_url' is not supported"):
         llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
                  chat_template=TEMPLATE)
+    # a template that refuses the conversation, or does not parse: a ValueError naming it (a 400 when served)
+    with pytest.raises(ValueError, match="conversation 0: the chat template failed: roles must alternate"):
+        llm.chat([{"role": "user", "content": "w5"}],
+                 chat_template="{{ raise_exception('roles must alternate') }}")
+    with pytest.raises(ValueError, match="conversation 0: the chat template failed"):
+        llm.chat([{"role": "user", "content": "w5"}], chat_template="{{ 'unclosed }}")
 
 
 # ---- progress bar -----------------------------------------------------------------------------------

@@ -142,8 +142,9 @@ class Sampler:
     def _prepare_draw(self, t: SamplingTensors, seqs: list[Sequence], fused: bool):
         """Truncation knobs and seeds; the fused kernel's row seeds when temperature is the only knob."""
         params = [seq.sampling_params for seq in seqs]
-        t.top_k = self._column([p.top_k if p.top_k > 0 else self.vocab_size for p in params],
-                               any(p.top_k > 0 for p in params), torch.int64)
+        # top_k at or over the vocabulary keeps every token (also one too large for an int64)
+        t.top_k = self._column([min(p.top_k, self.vocab_size) if p.top_k > 0 else self.vocab_size
+                                for p in params], any(p.top_k > 0 for p in params), torch.int64)
         t.top_p = self._column([p.top_p for p in params], any(p.top_p < 1 for p in params))
         t.min_p = self._column([p.min_p for p in params], any(p.min_p > 0 for p in params))
         t.seeds = [(row, step_seed(p.seed, seq.index, seq.output_index))

@@ -4,6 +4,7 @@ and turns the updates that come back into a response or a stream of server-sent 
 import asyncio
 import gc
 import json
+import time
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request as HTTPRequest
@@ -122,6 +123,11 @@ def create_app(engine, model_name: str, stream_interval: int = 1) -> FastAPI:
 
 
 def chat_prompt(tokenizer, body: api.ChatRequest) -> list[int]:
+    if "chat_template" in (body.chat_template_kwargs or {}):
+        # as vLLM by default: a request may pass variables to the server's template, not its own
+        # template (which the server would render)
+        raise ValueError("chat_template_kwargs: chat_template may not be given in a request; the "
+                         "server renders its model's chat template")
     text = render_chat(
         tokenizer,
         body.messages,
@@ -170,13 +176,18 @@ async def collect(raw: HTTPRequest, requests: list[Request]) -> list[tuple]:
     outputs = [None] * sum(r.params.n for r in requests)
     logprobs = [[] for _ in outputs]  # per choice: TokenLogprobs, as the steps gave them
     updates = requests[0].updates
+    checked = time.monotonic()
     try:
         while any(o is None for o in outputs):
             try:
                 update = await asyncio.wait_for(updates.get(), POLL_DISCONNECT_S)
             except TimeoutError:
+                update = None
+            if time.monotonic() - checked >= POLL_DISCONNECT_S:   # also while updates keep coming
+                checked = time.monotonic()
                 if await raw.is_disconnected():
-                    raise ClientGone() from None
+                    raise ClientGone()
+            if update is None:
                 continue
             if isinstance(update, Exception):
                 raise update

@@ -14,7 +14,8 @@ class _Request(BaseModel):
     # Unknown fields are ignored, as OpenAI clients send some we don't use (user, metadata, ...).
     model_config = ConfigDict(extra="ignore")
     model: str | None = None
-    n: int = 1
+    # OpenAI's cap: a huge n would build that many sequences (n >= 1 is SamplingParams' check)
+    n: int = Field(default=1, le=128)
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
@@ -30,6 +31,9 @@ class _Request(BaseModel):
     min_tokens: int = 0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    logit_bias: dict | None = None            # OpenAI's {token id: bias}
+    allowed_token_ids: list[int] | None = None   # vLLM's extras
+    bad_words: list[str] | None = None
     stream: bool = False
     stream_options: dict | None = None
     # Structured outputs, as vLLM's server takes them: OpenAI's response_format, vLLM's
@@ -75,6 +79,9 @@ class _Request(BaseModel):
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            logit_bias=self.logit_bias,
+            allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words,
             structured_outputs=self.structured(),
             **given,
         )
