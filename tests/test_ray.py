@@ -91,6 +91,32 @@ def test_without_ray_the_entry_points_name_the_extra(monkeypatch, qwen3_dir):
         NanoVLLMPredictor(qwen3_dir)
 
 
+def test_the_driver_reads_the_model_tokenizer_and_defaults_the_replicas_use(monkeypatch, qwen3_dir):
+    # revision, tokenizer, tokenizer_mode and generation_config reach the driver's own reading (it
+    # renders chats and fills in default sampling params), not only the replicas' engines
+    pytest.importorskip("ray")
+    from nanovllm.distributed import data_parallel as dp
+    calls = []
+
+    class Stop(Exception):
+        pass
+
+    def record(name, result):
+        return lambda *args, **kw: calls.append((name, args, kw)) or result
+
+    def stop(*args, **kw):
+        raise Stop   # before any Ray work: only the driver's reading is under test
+    monkeypatch.setattr(dp, "resolve_model", record("resolve", qwen3_dir))
+    monkeypatch.setattr(dp, "load_tokenizer", record("tokenizer", None))
+    monkeypatch.setattr(dp, "default_sampling_overrides", record("defaults", {}))
+    monkeypatch.setattr(dp, "init_ray", stop)
+    with pytest.raises(Stop):
+        LLM("org/model", data_parallel_size=2, revision="v2", tokenizer="org/tok", tokenizer_mode="slow",
+            generation_config="vllm", **ENGINE)
+    assert calls == [("resolve", ("org/model", "v2"), {}), ("resolve", ("org/tok", "v2"), {"weights": False}),
+                     ("tokenizer", (qwen3_dir, "slow"), {}), ("defaults", (qwen3_dir, "vllm"), {})]
+
+
 # ---- on a local Ray cluster -------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -139,6 +165,7 @@ def test_strings_chat_and_errors(dp_llm, qwen3_dir):
     assert [o.prompt for o in outs] == texts
     assert tokens(outs) == tokens(one.generate(texts, GREEDY, use_tqdm=False))
     assert dp_llm.get_tokenizer() is not None
+    assert vars(dp_llm.get_default_sampling_params()) == vars(one.get_default_sampling_params())
     with pytest.raises(ValueError, match="prompt 2: token id 9999"):   # the job's index, not the chunk's
         dp_llm.generate([[5, 6], [7, 8], [9999]], GREEDY, use_tqdm=False)
     with pytest.raises(TypeError, match="unknown option.*'bogus'"):

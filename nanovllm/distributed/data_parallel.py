@@ -12,6 +12,7 @@ from dataclasses import dataclass, fields
 
 from nanovllm.config import Config
 from nanovllm.distributed.ray_utils import import_ray, init_ray
+from nanovllm.engine.generation_defaults import default_sampling_overrides
 from nanovllm.engine.llm_engine import _as_prompt_list, _unwrap_prompt_dict
 from nanovllm.llm import LLM
 from nanovllm.outputs import RequestOutput
@@ -77,8 +78,15 @@ class DataParallelLLM:
         check_data_parallel_size(data_parallel_size)
         _check_option_names(options)
         ray = import_ray()
-        self.model = resolve_model(model)   # on the driver: a hub id is downloaded here (and on each node)
-        self.tokenizer = load_tokenizer(self.model)
+        # On the driver as in each replica's engine (Config.create): a hub id is downloaded here (and on
+        # each node), at the revision asked; the tokenizer the engines use renders chats here.
+        revision = options.get("revision")
+        self.model = resolve_model(model, revision)
+        tokenizer = options.get("tokenizer")
+        self.tokenizer = load_tokenizer(resolve_model(tokenizer, revision, weights=False) if tokenizer
+                                        else self.model, options.get("tokenizer_mode", "auto"))
+        self.default_sampling_overrides = default_sampling_overrides(
+            self.model, options.get("generation_config", "auto"))
         self.startup_seconds: dict[str, float] = {}   # phase -> seconds, for logs and bench.py
         started = time.perf_counter()
         self._owns_ray = init_ray()
@@ -121,6 +129,10 @@ class DataParallelLLM:
     def get_tokenizer(self):
         return self.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """As one engine's: SamplingParams with the model's generation_config.json settings."""
+        return SamplingParams(**self.default_sampling_overrides)
+
     # LLM.chat without the single engine's lock: renders the conversations here, then calls generate.
     chat = inspect.unwrap(LLM.chat)
 
@@ -130,7 +142,7 @@ class DataParallelLLM:
             raise RuntimeError("every data-parallel replica has died (or was shut down); start a new LLM")
         started = time.perf_counter()
         prompts = _as_prompt_list(prompts)
-        params = _params_list(sampling_params, len(prompts))
+        params = _params_list(sampling_params, len(prompts), self.get_default_sampling_params)
         costs = [self._cost(p, sp) for p, sp in zip(prompts, params)]
         queues = {r: deque(self._chunks(share, costs))
                   for r, share in zip(self.live, assign_by_cost(costs, len(self.live)))}
@@ -263,10 +275,10 @@ def _check_option_names(options: dict):
                         f"data_parallel_size, {', '.join(sorted(known))}")
 
 
-def _params_list(sampling_params, n: int) -> list[SamplingParams]:
-    """One SamplingParams per prompt (each replica validates their values)."""
+def _params_list(sampling_params, n: int, default) -> list[SamplingParams]:
+    """One SamplingParams per prompt (each replica validates their values); None: default()'s."""
     if sampling_params is None:
-        return [SamplingParams()] * n
+        return [default()] * n
     if isinstance(sampling_params, SamplingParams):
         return [sampling_params] * n
     if not isinstance(sampling_params, (list, tuple)) or not all(
