@@ -109,7 +109,7 @@ def test_output_shapes_and_stop_on_eos(qwen3_dir):
     else:
         assert c.token_ids[-1] == EOS
     assert out["text"] == c.text and out["token_ids"] == c.token_ids
-    assert c.text == " ".join(f"w{t}" for t in c.token_ids if t != EOS)
+    assert c.text == "".join(f" w{t}" for t in c.token_ids if t != EOS)   # read after the prompt's "w7"
 
 
 def test_eos_finishes_with_stop(qwen3_dir):

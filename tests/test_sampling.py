@@ -208,7 +208,7 @@ def greedy_text(llm, prompt, max_tokens=12):
 @pytest.mark.parametrize("include", [False, True])
 def test_stop_string_spanning_tokens(llm, include):
     ids, text = greedy_text(llm, PROMPTS[1])
-    words = text.split(" ")
+    words = text.split()   # (the text reads after the prompt: it starts with a space)
     stop = words[2][-1] + " " + words[3][:2]   # the end of word 3 and the start of word 4
     cut = text.find(stop)
     end = cut + len(stop)
@@ -217,7 +217,7 @@ def test_stop_string_spanning_tokens(llm, include):
     c = gen(llm, [PROMPTS[1]], params)[0].outputs[0]
     assert c.text == (text[:end] if include else text[:cut])
     # generation stopped at the token that completed the stop string
-    assert c.token_ids == ids[:len(text[:end].split(" "))]
+    assert c.token_ids == ids[:len(text[:end].split())]
     assert (c.finish_reason, c.stop_reason) == ("stop", stop)
     assert llm.scheduler.is_finished()
     assert llm.scheduler.block_manager.num_free_blocks == llm.model_runner.num_kvcache_blocks

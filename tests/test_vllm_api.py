@@ -139,9 +139,46 @@ def test_stop_token_stays_in_ids_not_in_text(llm, skip):
                             skip_special_tokens=skip)
     c = llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs[0]
     assert c.token_ids == ids[:k + 1] and (c.finish_reason, c.stop_reason) == ("stop", stop_id)
-    assert c.text == " ".join(f"w{t}" for t in ids[:k])
+    assert c.text == "".join(f" w{t}" for t in ids[:k])   # read after the prompt: " w5 w6 w7" + text
     params.include_stop_str_in_output = True
     assert llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs[0].text.endswith(f"w{stop_id}")
+
+
+def _sentencepiece_style_tokenizer():
+    """Words as Llama 2's tokenizer writes them ("▁w5"), decoded by its decoder, which drops the
+    first token's leading space."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from conftest import VOCAB
+    vocab = {"<s>": 0, "</s>": EOS, "<unk>": 2, **{f"▁w{i}": i for i in range(3, VOCAB)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.pre_tokenizer = pre_tokenizers.Split("▁", behavior="merged_with_next")
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+
+
+def test_output_text_reads_after_the_prompt_with_a_sentencepiece_tokenizer(tmp_path):
+    # vLLM decodes an output behind the prompt's last tokens: its text keeps the first word's
+    # leading space, and a stop string may begin with it
+    path = make_model(str(tmp_path), "qwen3", tokenizer=False)
+    tokenizer = _sentencepiece_style_tokenizer()
+    tokenizer.save_pretrained(path)
+    llm = LLM(path, **ENGINE)
+    prompt = "w5 w6 w7"
+    ids = tokenizer.encode(prompt, add_special_tokens=False)
+    free = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0]
+    whole = tokenizer.decode(ids + list(free.token_ids))
+    assert free.text == whole[len(tokenizer.decode(ids)):] and free.text.startswith(" w")
+    first = f" w{free.token_ids[0]}"
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, stop=[first])
+    stopped = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    assert (stopped.text, stopped.stop_reason, len(stopped.token_ids)) == ("", first, 1)
+    params.include_stop_str_in_output = True
+    assert llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].text == first
 
 
 # ---- SamplingParams extras ------------------------------------------------------------------------

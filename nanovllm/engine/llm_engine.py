@@ -8,6 +8,7 @@ from contextlib import contextmanager
 
 from nanovllm.config import Config
 from nanovllm.engine.block_manager import cdiv
+from nanovllm.engine.detokenizer import decode_output
 from nanovllm.engine.executor import Executor
 from nanovllm.engine.generation_defaults import default_sampling_overrides
 from nanovllm.engine.model_runner import ModelRunner
@@ -402,8 +403,9 @@ class LLMEngine:
         elif self.tokenizer is None or not p.detokenize:
             text = ""
         else:
-            text = self.tokenizer.decode(text_token_ids(seq), skip_special_tokens=p.skip_special_tokens,
-                                         spaces_between_special_tokens=p.spaces_between_special_tokens)
+            text = decode_output(self.tokenizer, seq.text_context, text_token_ids(seq),
+                                 skip_special_tokens=p.skip_special_tokens,
+                                 spaces_between_special_tokens=p.spaces_between_special_tokens)
         logprobs = self._logprob_dicts(ids, seq.logprobs, p.detokenize) if seq.logprobs is not None else None
         cumulative = sum(lp.logprob for lp in seq.logprobs) if seq.logprobs is not None else None
         return CompletionOutput(seq.index, text, ids, cumulative, logprobs,

@@ -2,7 +2,7 @@ from enum import Enum, auto
 from itertools import count
 from typing import NamedTuple
 
-from nanovllm.engine.detokenizer import IncrementalDetokenizer
+from nanovllm.engine.detokenizer import IncrementalDetokenizer, prompt_context
 from nanovllm.sampling_params import SamplingParams
 
 
@@ -55,7 +55,8 @@ class Sequence:
         self.prompt_logprobs: list[TokenLogprobs] | None = [] if p.prompt_logprobs is not None else None
         self.bad_words_ids: list[list[int]] = []   # bad_words as token ids (set by the engine's tokenizer)
         self.num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache (set once)
-        self.detokenizer: IncrementalDetokenizer | None = IncrementalDetokenizer() if p.stop else None
+        self.text_context = prompt_context(self.token_ids)   # the output's text reads behind these
+        self.detokenizer = IncrementalDetokenizer(self.text_context) if p.stop else None
         # The grammar's state follows the appended output tokens (so preemption keeps it).
         self.grammar = grammar
 

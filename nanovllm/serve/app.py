@@ -260,9 +260,9 @@ class _TextStream:
     """One choice's streamed text. Text that may be the start of a stop string is held back until
     the next tokens show it is not; the final output's text settles the rest."""
 
-    def __init__(self, tokenizer, params):
+    def __init__(self, tokenizer, params, context: list[int]):
         self.tokenizer, self.params = tokenizer, params
-        self.detok, self.ids, self.sent = IncrementalDetokenizer(), [], 0
+        self.detok, self.ids, self.sent = IncrementalDetokenizer(context), [], 0
         self.hold = max(map(len, params.stop)) - 1 if params.stop else 0
         self.num_tokens = 0
 
@@ -291,7 +291,9 @@ class _Reply:
     def __init__(self, tokenizer, model_name: str, body, requests: list[Request]):
         self.tokenizer, self.model, self.body, self.requests = tokenizer, model_name, body, requests
         self.id, self.created = api.new_id(self.id_prefix), api.now()
-        self.streams = [_TextStream(tokenizer, r.params) for r in requests for _ in range(r.params.n)]
+        # (the context: read behind the prompt's last tokens, as the final text is)
+        self.streams = [_TextStream(tokenizer, r.params, r.seqs[0].text_context)
+                        for r in requests for _ in range(r.params.n)]
         # Every chunk shares its envelope: written once, each event adds only its choice.
         self.chunk_head = "data: " + _encode(self.envelope(self.chunk_name))[:-1] + ',"choices":['
 
