@@ -47,15 +47,21 @@ class IncrementalDetokenizer:
             if self.context and tokenizer.decode(self.context, **options).endswith("\ufffd"):
                 self.context = []   # it ends inside a character: no clean prefix to cut off
             self.read_offset = len(self.context)
-        ids = self.context + output_ids
-        prefix = tokenizer.decode(ids[self.prefix_offset:self.read_offset], **options)
-        full = tokenizer.decode(ids[self.prefix_offset:], **options)
+        window = self._tokens_from(self.prefix_offset, output_ids)
+        prefix = tokenizer.decode(window[:self.read_offset - self.prefix_offset], **options)
+        full = tokenizer.decode(window, **options)
         if full.endswith("\ufffd"):
             return ""   # a multi-byte character is split across tokens: wait for the rest
         new_text = full[len(prefix):]
         self.text += new_text
-        self.prefix_offset, self.read_offset = self.read_offset, len(ids)
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.context) + len(output_ids)
         return new_text
+
+    def _tokens_from(self, start: int, output_ids: list[int]) -> list[int]:
+        """(context + output_ids)[start:], without copying the tokens before start (a step would
+        otherwise copy the whole output)."""
+        n = len(self.context)
+        return self.context[start:] + output_ids if start < n else output_ids[start - n:]
 
     def find_stop(self, new_len: int, stops: list[str], include: bool) -> str | None:
         """The stop string that ends in the newest `new_len` characters (the earliest if several);
