@@ -52,10 +52,11 @@ def get_rope(head_dim: int, max_position: int, base: float,
              rope_scaling: dict | None = None) -> RotaryEmbedding:
     """One shared RotaryEmbedding per setting and device: all layers of a model use the same one."""
     scaling = tuple(sorted(rope_scaling.items())) if rope_scaling else None
-    key = (head_dim, max_position, float(base), scaling, torch.get_default_device())
+    device = torch.get_default_device()
+    key = (head_dim, max_position, float(base), scaling, device)
     rope = _ROPES.get(key)
     if rope is None:
-        with key[-1]:
+        with device:
             rope = RotaryEmbedding(head_dim, max_position, float(base), dict(scaling) if scaling else None)
         _ROPES[key] = rope
     return rope
