@@ -9,7 +9,9 @@ batch of 8 fills a whole tile. Tiles of BN weight rows x BM tokens x 64 of K go 
 memory by cp.async (16 bytes a copy, rows swizzled by 16-byte chunk so ldmatrix reads them without
 bank conflicts) in a STAGES-deep ring, and mma.sync.m16n8k16 multiplies them. With SPLITK > 1 the
 K range is cut in SPLITK slices, each CTA writes an fp32 partial, and the last CTA of a tile (an
-atomic count) adds the partials in slice order (deterministic) and writes y.
+atomic count) adds the partials in slice order (deterministic) and writes y. The first stages'
+weight tiles are issued before `griddepcontrol.wait`, which matters only when the kernel is launched
+with programmatic dependent launch (cuda_gemm_chain.py); launched plainly the wait returns at once.
 
 Timed against cuBLAS (F.linear / addmm) at Qwen3-0.6B's four decode GEMMs, each over 28 distinct
 weight sets in one CUDA graph (weights cold in L2, as in a decode step), us per GEMM; the outputs
@@ -76,14 +78,16 @@ __device__ __forceinline__ float ld_cg(const float* p) {
   return v;
 }
 
-__device__ __forceinline__ void load_stage(unsigned sa, const unsigned short* __restrict__ X,
-    const unsigned short* __restrict__ W, int n0, int m0, int k0, int M, int K, int ldx, int tid) {
-  const unsigned sb = sa + A_BYTES;
+__device__ __forceinline__ void load_w(unsigned sa, const unsigned short* __restrict__ W, int n0, int k0,
+                                       int K, int tid) {
 #pragma unroll
   for (int i = tid; i < BN * 8; i += NT) {
     const int row = i >> 3, ch = i & 7;
     cp_async16(sa + swz(row, ch), W + (size_t)(n0 + row) * K + k0 + ch * 8, 16);
   }
+}
+__device__ __forceinline__ void load_x(unsigned sb, const unsigned short* __restrict__ X, int m0, int k0,
+                                       int M, int ldx, int tid) {
 #pragma unroll
   for (int i = tid; i < BM * 8; i += NT) {
     const int row = i >> 3, ch = i & 7;
@@ -112,17 +116,30 @@ extern "C" __global__ void __launch_bounds__(NT) nv_gemm(
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.f;
 
+  // The weight tiles of the first STAGES - 1 stages do not depend on the kernel before this one: with
+  // programmatic dependent launch they are in flight before griddepcontrol.wait returns (without it
+  // the wait returns at once).
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
-    if (s < KT) load_stage(sbase + s * STAGE_BYTES, X, W, n0, m0, k_begin + s * BK, M, K, ldx, tid);
+    if (s < KT) load_w(sbase + s * STAGE_BYTES, W, n0, k_begin + s * BK, K, tid);
     asm volatile("cp.async.commit_group;\n" ::);
   }
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;\n" ::);
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s)
+    if (s < KT) load_x(sbase + s * STAGE_BYTES + A_BYTES, X, m0, k_begin + s * BK, M, ldx, tid);
+  asm volatile("cp.async.commit_group;\n" ::);
   for (int kt = 0; kt < KT; ++kt) {
-    asm volatile("cp.async.wait_group %0;\n" :: "n"(STAGES - 2));
+    if (kt == 0) asm volatile("cp.async.wait_group 0;\n" ::);
+    else asm volatile("cp.async.wait_group %0;\n" :: "n"(STAGES - 2));
     __syncthreads();
     const int nk = kt + STAGES - 1;
-    if (nk < KT) load_stage(sbase + (nk % STAGES) * STAGE_BYTES, X, W, n0, m0, k_begin + nk * BK, M, K,
-                            ldx, tid);
+    if (nk < KT) {
+      const unsigned st = sbase + (nk % STAGES) * STAGE_BYTES;
+      load_w(st, W, n0, k_begin + nk * BK, K, tid);
+      load_x(st + A_BYTES, X, m0, k_begin + nk * BK, M, ldx, tid);
+    }
     asm volatile("cp.async.commit_group;\n" ::);
     const unsigned sa = sbase + (kt % STAGES) * STAGE_BYTES, sb = sa + A_BYTES;
 #pragma unroll
