@@ -144,6 +144,25 @@ def test_stop_token_stays_in_ids_not_in_text(llm, skip):
     assert llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs[0].text.endswith(f"w{stop_id}")
 
 
+def test_generation_config_eos_ids_stop_with_their_id(tmp_path, qwen3_dir, llm):
+    # vLLM: the tokenizer's EOS ends with stop_reason None; generation_config.json's other EOS ids
+    # are stop tokens (stop_reason = the id) unless ignore_eos
+    import json
+    import shutil
+    ids = tokens(llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                              use_tqdm=False))[0]
+    k = next(i for i in range(1, 8) if ids[i] not in ids[:i] and ids[i] > 2)
+    folder = tmp_path / "m"
+    shutil.copytree(qwen3_dir, folder)
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [EOS, ids[k]]}))
+    other = LLM(str(folder), **ENGINE)
+    c = other.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0].outputs[0]
+    assert list(c.token_ids) == ids[:k + 1] and (c.finish_reason, c.stop_reason) == ("stop", ids[k])
+    free = other.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                          use_tqdm=False)[0].outputs[0]
+    assert list(free.token_ids) == ids and free.finish_reason == "length"
+
+
 def _sentencepiece_style_tokenizer():
     """Words as Llama 2's tokenizer writes them ("▁w5"), decoded by its decoder, which drops the
     first token's leading space."""

@@ -37,6 +37,13 @@ def eos_token_ids(config: Config, tokenizer) -> set[int]:
     return ids
 
 
+def secondary_eos_token_ids(eos_ids: set[int], tokenizer) -> frozenset[int]:
+    """The EOS ids vLLM treats as stop tokens (stop_reason = the id): all but the tokenizer's own
+    EOS, or all of them without a tokenizer."""
+    primary = tokenizer.eos_token_id if tokenizer is not None else None
+    return frozenset(eos_ids - {primary})
+
+
 def serialised(method):
     """Run an engine method holding the engine's lock, so threads sharing one engine take turns: a
     generate call runs from queueing its first sequence to building its last output with no other
@@ -65,9 +72,11 @@ class LLMEngine:
         self.config = c = Config.create(model, **options)
         self.tokenizer = load_tokenizer(c.tokenizer or c.model, c.tokenizer_mode)
         self.executor = Executor(c)   # rank 0's runner here, and the workers under TP
+        eos_ids = eos_token_ids(c, self.tokenizer)
         self.scheduler = Scheduler(c.max_num_seqs, c.max_num_batched_tokens, c.max_model_len,
                                    self.model_runner.num_kvcache_blocks, c.kvcache_block_size,
-                                   eos_token_ids(c, self.tokenizer), c.enable_prefix_caching, self.tokenizer)
+                                   eos_ids, c.enable_prefix_caching, self.tokenizer,
+                                   secondary_eos_token_ids(eos_ids, self.tokenizer))
         # SamplingParams fields the model's generation config sets (used when none are given).
         self.default_sampling_overrides = default_sampling_overrides(c.model, c.generation_config)
         # The launched batch whose tokens have not been applied yet (see step).

@@ -36,13 +36,14 @@ class ScheduledBatch:
 class Scheduler:
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
                  num_blocks: int, block_size: int, eos_token_ids: set[int],
-                 enable_prefix_caching: bool = True, tokenizer=None):
-        """tokenizer: for stop strings (see StopChecker)."""
+                 enable_prefix_caching: bool = True, tokenizer=None,
+                 secondary_eos_token_ids: frozenset[int] = frozenset()):
+        """tokenizer: for stop strings; secondary_eos_token_ids: see StopChecker."""
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
-        self.stop_checker = StopChecker(eos_token_ids, max_model_len, tokenizer)
+        self.stop_checker = StopChecker(eos_token_ids, max_model_len, tokenizer, secondary_eos_token_ids)
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
         # The head of `waiting` may be a prompt part-way through a chunked prefill (it holds blocks).
         self.waiting: deque[Sequence] = deque()

@@ -16,10 +16,14 @@ EOS, LENGTH, ABORT = Stop("stop"), Stop("length"), Stop("abort")
 
 
 class StopChecker:
-    """tokenizer: needed only by requests with stop strings (the engine refuses those without one)."""
+    """tokenizer: needed only by requests with stop strings (the engine refuses those without one).
+    secondary_eos_token_ids: the EOS ids besides the tokenizer's own (generation_config.json's
+    others), reported as vLLM reports them: stop_reason = the id, as a stop token."""
 
-    def __init__(self, eos_token_ids: set[int], max_model_len: int, tokenizer=None):
+    def __init__(self, eos_token_ids: set[int], max_model_len: int, tokenizer=None,
+                 secondary_eos_token_ids: frozenset[int] = frozenset()):
         self.eos_token_ids = eos_token_ids
+        self.secondary_eos_token_ids = secondary_eos_token_ids
         self.max_model_len = max_model_len
         self.tokenizer = tokenizer
 
@@ -33,7 +37,8 @@ class StopChecker:
         counts = seq.num_completion_tokens >= params.min_tokens
         if counts:
             if not params.ignore_eos and token_id in self.eos_token_ids:
-                return EOS   # vLLM reports EOS as stop with no stop_reason
+                # vLLM reports the tokenizer's EOS as stop with no stop_reason, the others by id
+                return Stop("stop", token_id) if token_id in self.secondary_eos_token_ids else EOS
             if token_id in params.stop_token_ids:
                 return Stop("stop", token_id)
         if seq.detokenizer is not None:   # only requests with stop strings pay for detokenizing
