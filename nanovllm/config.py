@@ -142,6 +142,21 @@ class Config:
                              f"got {self.kvcache_block_size}")
         self.hf_config = apply_hf_overrides(load_hf_config(self.model), self.hf_overrides)
         self.max_model_len = min(self.max_model_len, self.hf_config.max_position_embeddings)
+        _check_tp_divides(self.hf_config, self.tensor_parallel_size)
+
+
+def _check_tp_divides(hf_config: PretrainedConfig, tp: int):
+    """Refuse a tensor_parallel_size that does not split the model's heads and MLP evenly, before
+    any worker starts (the sharded layers check again as they are built)."""
+    heads = getattr(hf_config, "num_attention_heads", None)
+    mlp = "moe_intermediate_size" if getattr(hf_config, "num_experts", None) else "intermediate_size"
+    sizes = {"num_attention_heads": heads,
+             "num_key_value_heads": getattr(hf_config, "num_key_value_heads", None) or heads,
+             mlp: getattr(hf_config, mlp, None)}
+    for name, n in sizes.items():
+        if isinstance(n, int) and n % tp:
+            raise ValueError(f"the model's {name} ({n}) is not divisible by tensor_parallel_size ({tp}): "
+                             "choose a tensor_parallel_size that divides it")
 
 
 def _check_int(cfg: Config, name: str, minimum: int):

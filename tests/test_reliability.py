@@ -219,6 +219,24 @@ def test_bad_option_values(qwen3_dir, options, message):
         LLM(qwen3_dir, **options)
 
 
+@pytest.mark.parametrize("arch, overrides, name", [
+    ("qwen3", {}, r"num_attention_heads \(4\)"),
+    ("qwen3", {"num_attention_heads": 6, "num_key_value_heads": 2}, r"num_key_value_heads \(2\)"),
+    ("qwen3", {"num_attention_heads": 3, "num_key_value_heads": 3, "intermediate_size": 128},
+     r"intermediate_size \(128\)"),
+    ("qwen3_moe", {"num_attention_heads": 3, "num_key_value_heads": 3}, r"moe_intermediate_size \(32\)")])
+def test_tensor_parallel_size_must_divide_the_model_before_workers_start(qwen3_dir, arch, overrides, name):
+    # refused by the config (no worker process is started), naming the size that does not divide
+    from nanovllm.config import Config, _check_tp_divides
+    from conftest import CONFIGS
+    with pytest.raises(ValueError, match=name + r" is not divisible by tensor_parallel_size \(3\)"):
+        _check_tp_divides(CONFIGS[arch](**overrides), 3)
+    _check_tp_divides(CONFIGS[arch](**overrides), 1)
+    if arch == "qwen3" and not overrides:
+        with pytest.raises(ValueError, match=name):
+            Config.create(qwen3_dir, tensor_parallel_size=3)
+
+
 def test_kv_cache_too_small_says_what_to_raise(qwen3_dir):
     with pytest.raises(ValueError, match=r"kv_cache_memory_bytes=100 is less than one KV block "
                                          r"\(8192 bytes per block of 16 tokens\): raise it"):
