@@ -295,6 +295,9 @@ def test_logit_bias_and_top_k_past_the_vocabulary(client, llm):
         ({"prompt": "hi", "max_tokens": "many"}, 400, "max_tokens"),
         ({"prompt": "word " * 600}, 400, "max_model_len"),
         ({"prompt": []}, 400, "prompt"),
+        ({"prompt": ["hi", "word " * 600]}, 400, "prompt 1 has"),   # which prompt of a batch
+        ({"prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream=true"),
+        ({"prompt": "hi", "suffix": "!"}, 400, "suffix"),
         ({"max_tokens": 5}, 400, "prompt"),
         ({"prompt": "hi", "model": "gpt-4"}, 404, "gpt-4"),
     ],

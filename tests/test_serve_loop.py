@@ -36,9 +36,9 @@ class BrokenEngine:
     def is_finished(self):
         return not self.queued
 
-    def add_request(self, prompt, params):
+    def add_request(self, prompt, params, prompt_index=0):
         if not prompt:
-            raise ValueError("prompt 0 is empty")
+            raise ValueError(f"prompt {prompt_index} is empty")
         seqs = [Sequence(prompt, params)]
         self.queued += seqs
         return seqs
@@ -54,14 +54,14 @@ def test_an_engine_failure_fails_the_request_and_the_loop_reports_it():
     async def main():
         loop = EngineLoop(BrokenEngine(), asyncio.get_running_loop())
         with pytest.raises(ValueError, match="empty"):  # a bad request: the loop goes on
-            await loop.add(Request([], SamplingParams()))
+            await loop.add([Request([], SamplingParams())])
         request = Request([1, 2, 3], SamplingParams())
-        await loop.add(request)
+        await loop.add([request])
         update = await asyncio.wait_for(request.updates.get(), 10)
         assert isinstance(update, EngineError) and "illegal memory access" in str(update)
         assert not loop.healthy
         with pytest.raises(EngineError):
-            await loop.add(Request([1], SamplingParams()))
+            await loop.add([Request([1], SamplingParams())])
         loop.stop()
 
     asyncio.run(main())
@@ -108,15 +108,15 @@ def test_http_500_and_unhealthy_after_an_engine_failure():
 
 def test_a_missing_extra_is_a_bad_request_and_the_loop_goes_on():
     class NoXgrammarEngine(BrokenEngine):
-        def add_request(self, prompt, params):
+        def add_request(self, prompt, params, prompt_index=0):
             if prompt == [9]:
                 raise ImportError("structured outputs need xgrammar: pip install 'nanovllm[structured]'")
-            return super().add_request(prompt, params)
+            return super().add_request(prompt, params, prompt_index)
 
     async def main():
         loop = EngineLoop(NoXgrammarEngine(), asyncio.get_running_loop())
         with pytest.raises(ValueError, match=r"nanovllm\[structured\]"):
-            await loop.add(Request([9], SamplingParams()))
+            await loop.add([Request([9], SamplingParams())])
         assert loop.healthy
         loop.stop()
 
@@ -142,7 +142,7 @@ def test_every_token_arrives_once_whatever_the_stream_interval(interval):
     async def main():
         loop = EngineLoop(CountingEngine(), asyncio.get_running_loop(), stream_interval=interval)
         request = Request([1, 2, 3], SamplingParams(max_tokens=10))
-        await loop.add(request)
+        await loop.add([request])
         updates = []
         while not updates or updates[-1].output is None:
             updates.append(await asyncio.wait_for(request.updates.get(), 10))
@@ -154,3 +154,49 @@ def test_every_token_arrives_once_whatever_the_stream_interval(interval):
     # The first token goes out at once, then every `interval` tokens, the rest with the output.
     assert [len(u.token_ids) for u in updates] == ([1] * 10 if interval == 1 else [1, 4, 4, 1])
     assert updates[-1].output.finish_reason == "length"
+
+
+class SlowEngine(CountingEngine):
+    """CountingEngine whose steps take a while; records the step count at which each prompt and
+    each abort arrived."""
+
+    def __init__(self):
+        super().__init__()
+        self.steps, self.added_at, self.aborted = 0, [], []
+
+    def add_request(self, prompt, params, prompt_index=0):
+        self.added_at.append(self.steps)
+        return super().add_request(prompt, params, prompt_index)
+
+    def step(self):
+        time.sleep(0.02)
+        self.steps += 1
+        super().step()
+
+    def abort(self, seqs):
+        self.aborted += seqs
+        self.queued = [s for s in self.queued if s not in seqs]
+
+
+def test_the_prompts_of_one_request_enter_the_engine_together_or_not_at_all():
+    # a multi-prompt completion is one batch for the engine (not one prompt a step), and a bad
+    # prompt refuses the whole request, naming that prompt
+    async def main():
+        engine = SlowEngine()
+        loop = EngineLoop(engine, asyncio.get_running_loop())
+        await loop.add([Request([1], SamplingParams(max_tokens=50))])   # keeps the engine stepping
+        await asyncio.sleep(0.1)
+        batch = [Request([2, 3], SamplingParams(max_tokens=2)) for _ in range(4)]
+        await loop.add(batch)
+        assert len(set(engine.added_at[1:])) == 1 and engine.added_at[1] > 0
+        for request in batch:
+            while (await asyncio.wait_for(request.updates.get(), 10)).output is None:
+                pass
+        good = [Request([4], SamplingParams(max_tokens=2)) for _ in range(2)]
+        with pytest.raises(ValueError, match="prompt 2 is empty"):
+            await loop.add(good + [Request([], SamplingParams())])
+        assert engine.aborted == [seq for r in good for seq in r.seqs] and len(engine.aborted) == 2
+        assert loop.healthy
+        loop.stop()
+
+    asyncio.run(main())

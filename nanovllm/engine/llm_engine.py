@@ -151,11 +151,12 @@ class LLMEngine:
         return ids
 
     @serialised
-    def add_request(self, prompt: str | list[int],
-                    sampling_params: SamplingParams | None = None) -> list[Sequence]:
-        """Queue one prompt; return its sampling_params.n sequences (completions 0..n-1)."""
+    def add_request(self, prompt: str | list[int], sampling_params: SamplingParams | None = None, *,
+                    prompt_index: int = 0) -> list[Sequence]:
+        """Queue one prompt; return its sampling_params.n sequences (completions 0..n-1).
+        prompt_index: the prompt's place in its caller's batch, which error messages name."""
         params = self._params_list(sampling_params, 1)[0]
-        seqs = self._new_seqs(self._token_ids(prompt, 0), params)
+        seqs = self._new_seqs(self._token_ids(prompt, prompt_index), params)
         with self._reset_on_error():
             self._queue(seqs)
         return seqs

@@ -161,8 +161,7 @@ async def submit(raw: HTTPRequest, prompts: list[tuple]) -> list[Request]:
         requests.append(Request(prompt, params, updates, choice_base=base))
         base += params.n
     try:
-        for request in requests:
-            await loop.add(request)
+        await loop.add(requests)
     except BaseException:
         for request in requests:
             loop.abort(request)

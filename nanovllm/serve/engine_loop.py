@@ -64,13 +64,14 @@ class EngineLoop:
 
     # ---- called from the event loop -------------------------------------------------------
 
-    async def add(self, request: Request):
-        """Queue a request; return once the engine accepted it (its prompt and parameters are
-        valid), or raise the engine's ValueError / TypeError."""
+    async def add(self, requests: list[Request]):
+        """Queue the requests of one HTTP request (one per prompt) together, so the engine's next
+        step takes them all; return once the engine accepted every one, or raise the engine's
+        ValueError / TypeError for the first it refused (naming its prompt), leaving none queued."""
         if not self.healthy:
             raise EngineError(f"the engine is not running: {self.error!r}")
         accepted = self.loop.create_future()
-        self.commands.put(("add", (request, accepted)))
+        self.commands.put(("add", (requests, accepted)))
         await accepted
 
     def abort(self, request: Request):
@@ -110,17 +111,23 @@ class EngineLoop:
                 self.engine.abort(arg.seqs)
                 del self.active[id(arg)]
 
-    def _add(self, request: Request, accepted: asyncio.Future):
+    def _add(self, requests: list[Request], accepted: asyncio.Future):
+        added = []
         try:
-            request.seqs = self.engine.add_request(request.prompt, request.params)
+            for i, request in enumerate(requests):
+                request.seqs = self.engine.add_request(request.prompt, request.params, prompt_index=i)
+                added.append(request)
         except (ValueError, TypeError, ImportError) as e:  # the client's fault: a 400, the engine goes on
+            for request in added:
+                self.engine.abort(request.seqs)
             error = (
                 ValueError(f"this server cannot serve the request: {e}") if isinstance(e, ImportError) else e
             )
             self.loop.call_soon_threadsafe(_settle, accepted, error)
             return
-        request.published = [seq.num_prompt_tokens for seq in request.seqs]
-        self.active[id(request)] = request
+        for request in added:
+            request.published = [seq.num_prompt_tokens for seq in request.seqs]
+            self.active[id(request)] = request
         self.loop.call_soon_threadsafe(_settle, accepted, None)
 
     def _publish(self):

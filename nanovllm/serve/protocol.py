@@ -54,6 +54,7 @@ class _Request(BaseModel):
         """SamplingParams for this request. A field the client left out takes the model's default
         (defaults: from its generation_config.json, as vLLM's server does), else SamplingParams'.
         Raises ValueError (a 400) for out-of-range values."""
+        self.refuse_unsupported()
         given = {k: v for k, v in defaults.items() if k != "max_tokens"}
         given |= {
             name: getattr(self, name)
@@ -85,6 +86,11 @@ class _Request(BaseModel):
             structured_outputs=self.structured(),
             **given,
         )
+
+    def refuse_unsupported(self):
+        """ValueError (a 400) for fields that make no sense together, as vLLM's server refuses them."""
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options can only be given with stream=true")
 
     def structured(self) -> StructuredOutputsParams | None:
         """The request's output constraint, or None. Raises ValueError (a 400) for a malformed one
@@ -150,6 +156,12 @@ class CompletionRequest(_Request):
     max_tokens: int | None = 16  # OpenAI's default for completions
     logprobs: int | None = None
     echo: bool = False
+    suffix: str | None = None
+
+    def refuse_unsupported(self):
+        super().refuse_unsupported()
+        if self.suffix is not None:   # as vLLM: its models do not insert text before a suffix
+            raise ValueError("suffix is not supported")
 
     def prompts(self) -> list:
         """One prompt or a batch: a string, token ids, or a list of either."""
