@@ -208,6 +208,47 @@ def test_logprobs_and_n(client, llm):
     assert sorted(c.index for c in sampled.choices) == [0, 1, 2]
 
 
+def test_echo_with_logprobs_scores_the_prompt_as_vllm_does(server, client, llm):
+    # echo + logprobs: the prompt's tokens come first in the logprobs (the first with none), so
+    # max_tokens 0 scores a prompt (how lm-eval-harness asks a vLLM server for loglikelihoods)
+    expected = llm.generate([PROMPTS[2]], _greedy(4, logprobs=2, prompt_logprobs=2), use_tqdm=False)[0]
+    prompt_ids, out = expected.prompt_token_ids, expected.outputs[0]
+    prompt_lps = [d[t].logprob for t, d in zip(prompt_ids[1:], expected.prompt_logprobs[1:])]
+    got = client.completions.create(model=NAME, prompt=PROMPTS[2], max_tokens=4, temperature=0, logprobs=2,
+                                    echo=True).choices[0]
+    assert got.text == PROMPTS[2] + out.text
+    lp = got.logprobs
+    assert len(lp.tokens) == len(prompt_ids) + len(out.token_ids)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:] == pytest.approx(
+        prompt_lps + [d[t].logprob for t, d in zip(out.token_ids, out.logprobs)], abs=1e-4)
+    assert all(token in top for token, top in zip(lp.tokens[1:], lp.top_logprobs[1:]))   # the chosen one too
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+
+    scored = client.completions.create(model=NAME, prompt=PROMPTS[2], max_tokens=0, logprobs=1, echo=True)
+    choice = scored.choices[0]
+    assert choice.text == PROMPTS[2] and choice.finish_reason == "length"
+    assert choice.logprobs.token_logprobs[1:] == pytest.approx(prompt_lps, abs=1e-4)
+    assert len(choice.logprobs.tokens) == len(prompt_ids)
+
+    stream = client.completions.create(model=NAME, prompt=PROMPTS[2], max_tokens=4, temperature=0, logprobs=2,
+                                       echo=True, stream=True)
+    chunks = [c.choices[0] for c in stream]
+    assert "".join(c.text for c in chunks) == got.text
+    for field in ("tokens", "token_logprobs", "text_offset"):
+        streamed = [v for c in chunks if c.logprobs for v in getattr(c.logprobs, field)]
+        assert streamed == pytest.approx(getattr(lp, field), abs=1e-4) if field == "token_logprobs" \
+            else streamed == getattr(lp, field), field
+
+
+def test_sampled_token_is_among_its_top_logprobs(client):
+    got = client.completions.create(model=NAME, prompt=PROMPTS[4], max_tokens=16, temperature=1.5, seed=3,
+                                    logprobs=1)
+    lp = got.choices[0].logprobs
+    assert all(token in top and len(top) <= 2 for token, top in zip(lp.tokens, lp.top_logprobs))
+    assert any(len(top) == 2 for top in lp.top_logprobs)   # at 1.5 some token is not the most likely
+
+
 def test_32_concurrent_streams_all_complete_correctly(server, llm):
     prompts = [PROMPTS[i % len(PROMPTS)] + f" (#{i})" for i in range(32)]
     expected = [o.outputs[0].text for o in llm.generate(prompts, _greedy(8), use_tqdm=False)]

@@ -99,7 +99,7 @@ def create_app(engine, model_name: str, stream_interval: int = 1) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(body: api.CompletionRequest, raw: HTTPRequest):
         check_model(body.model)
-        params = body.sampling_params(body.max_tokens, body.logprobs, engine.default_sampling_overrides)
+        params = body.completion_params(engine.default_sampling_overrides)
         await compile_grammar(engine, params)
         requests = await submit(raw, [(p, params) for p in body.prompts()])
         reply = _Completions(tokenizer, model_name, body, requests)
@@ -320,24 +320,42 @@ class _Reply:
 class _Completions(_Reply):
     id_prefix, object_name, chunk_name = "cmpl", "text_completion", "text_completion"
 
-    def prompt_text(self, index: int) -> str:
-        prompt = self.request_of(index).prompt
-        return prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt)
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.prompt_texts: dict[int, str] = {}   # by id(request), for echo
 
-    def logprobs(self, index: int, token_ids, logprobs, offset: int):
+    def prompt_text(self, index: int) -> str:
+        request = self.request_of(index)
+        text = self.prompt_texts.get(id(request))   # decoded once: a stream asks at every chunk
+        if text is None:
+            prompt = request.prompt
+            text = prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt)
+            self.prompt_texts[id(request)] = text
+        return text
+
+    def logprobs(self, index: int, token_ids, logprobs, offset: int, with_prompt: bool = False):
+        """The choice's logprobs for these output tokens (their text starting at character offset);
+        with_prompt: the echoed prompt's tokens first, their offsets from 0."""
         if logprobs is None:
             return None
-        return api.completion_logprobs(self.tokenizer, token_ids, logprobs, offset)
+        out = api.completion_logprobs(self.tokenizer, token_ids, logprobs, offset)
+        if not with_prompt:
+            return out
+        seq = self.request_of(index).seqs[0]
+        prompt_logprobs = [None, *seq.prompt_logprobs]   # none for the first prompt token
+        prompt = api.completion_logprobs(self.tokenizer, seq.prompt_token_ids, prompt_logprobs, 0)
+        return api.join_logprobs(prompt, out)
 
     def response(self, outputs) -> dict:
-        choices = []
+        choices, echo, only = [], self.body.echo, self.body.echo_only
         for i, (out, logprobs) in enumerate(outputs):
-            prefix = self.prompt_text(i) if self.body.echo else ""
+            prefix = self.prompt_text(i) if echo else ""
+            token_ids, logprobs = ([], logprobs and []) if only else (out.token_ids, logprobs)
             choices.append(
                 {
                     "index": i,
-                    "text": prefix + out.text,
-                    "logprobs": self.logprobs(i, out.token_ids, logprobs, len(prefix)),
+                    "text": prefix + ("" if only else out.text),
+                    "logprobs": self.logprobs(i, token_ids, logprobs, len(prefix), with_prompt=echo),
                     "finish_reason": out.finish_reason,
                     "stop_reason": out.stop_reason,
                 }
@@ -347,15 +365,18 @@ class _Completions(_Reply):
     def choice_json(self, update: Update) -> str:
         stream = self.streams[update.index]
         first = stream.sent == 0 and not stream.ids
-        offset = stream.sent
+        prefix = self.prompt_text(update.index) if self.body.echo else ""
+        offset = len(prefix) + stream.sent
         text = stream.delta(update)
-        if first and self.body.echo:
-            text = self.prompt_text(update.index) + text
-        out = update.output
-        logprobs = self.logprobs(update.index, update.token_ids, update.logprobs, offset)
+        token_ids, logprobs = update.token_ids, update.logprobs
+        if self.body.echo_only:
+            text, token_ids, logprobs = "", [], logprobs and []
+        if first:
+            text = prefix + text
+        logprobs = self.logprobs(update.index, token_ids, logprobs, offset, first and self.body.echo)
         return (
             f'{{"index":{update.index},"text":{_encode(text)},"logprobs":{_encode(logprobs)},'
-            f'"finish_reason":{_finish_json(out)}}}'
+            f'"finish_reason":{_finish_json(update.output)}}}'
         )
 
 

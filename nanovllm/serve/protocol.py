@@ -50,7 +50,8 @@ class _Request(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.get("include_usage"))
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None, defaults: dict) -> SamplingParams:
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None, defaults: dict,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
         """SamplingParams for this request. A field the client left out takes the model's default
         (defaults: from its generation_config.json, as vLLM's server does), else SamplingParams'.
         Raises ValueError (a 400) for out-of-range values."""
@@ -78,6 +79,7 @@ class _Request(BaseModel):
             ignore_eos=self.ignore_eos,
             min_tokens=self.min_tokens,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             logit_bias=self.logit_bias,
@@ -158,6 +160,17 @@ class CompletionRequest(_Request):
     echo: bool = False
     suffix: str | None = None
 
+    @property
+    def echo_only(self) -> bool:
+        """echo with max_tokens 0: the prompt alone (with its logprobs, to score it), as vLLM
+        answers it; one token is generated and dropped."""
+        return self.echo and self.max_tokens == 0
+
+    def completion_params(self, defaults: dict) -> SamplingParams:
+        """With echo and logprobs the prompt's tokens get logprobs too (as vLLM's server does)."""
+        return self.sampling_params(1 if self.echo_only else self.max_tokens, self.logprobs, defaults,
+                                    self.logprobs if self.echo else None)
+
     def refuse_unsupported(self):
         super().refuse_unsupported()
         if self.suffix is not None:   # as vLLM: its models do not insert text before a suffix
@@ -223,11 +236,22 @@ def completion_logprobs(tokenizer, token_ids: list[int], logprobs: list, text_of
     for token_id, lp in zip(token_ids, logprobs):
         token = tokenizer.decode([token_id])
         tokens.append(token)
-        values.append(lp.logprob)
-        tops.append({tokenizer.decode([t]): v for t, v in zip(lp.top_ids, lp.top_logprobs)})
+        if lp is None:   # an echoed prompt's first token: nothing comes before it
+            values.append(None)
+            tops.append(None)
+        else:
+            values.append(lp.logprob)
+            top = {tokenizer.decode([t]): v for t, v in zip(lp.top_ids, lp.top_logprobs)}
+            top.setdefault(token, lp.logprob)   # the chosen token is always listed, as vLLM lists it
+            tops.append(top)
         offsets.append(text_offset)
         text_offset += len(token)
     return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+
+
+def join_logprobs(first: dict, second: dict) -> dict:
+    """Two completion_logprobs dicts, one after the other (an echoed prompt's, then the output's)."""
+    return {key: first[key] + second[key] for key in first}
 
 
 def chat_logprobs(tokenizer, token_ids: list[int], logprobs: list) -> dict:
