@@ -44,6 +44,7 @@ PROMPTS = [
     "My favourite fruit is",
 ]
 START_TIMEOUT_S = 180
+SERVER_LOG = []   # the server's log file (stdout and stderr), for tests that read it
 
 
 def _free_port() -> int:
@@ -71,6 +72,7 @@ def server(model_path, tmp_path_factory):
     port = _free_port()
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in ENGINE.items()]
     log = open(tmp_path_factory.mktemp("server") / "server.log", "w+")  # a file: a full pipe would block it
+    SERVER_LOG.append(log.name)
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -309,6 +311,9 @@ def test_disconnected_client_of_a_plain_request_is_aborted(server):
     while (m := _metrics(server))["nanovllm:num_requests_running"] or m["nanovllm:kv_cache_usage_perc"]:
         assert time.monotonic() < deadline, f"still running after the client left: {m}"
         time.sleep(0.1)
+    time.sleep(0.5)   # the handler's answer to nobody comes after the abort
+    with open(SERVER_LOG[-1]) as f:
+        assert "ClientGone" not in f.read(), "a client leaving is not a server error"
 
 
 def test_logit_bias_and_top_k_past_the_vocabulary(client, llm):

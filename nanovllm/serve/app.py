@@ -24,7 +24,7 @@ class ModelNotFound(Exception):
 
 
 class ClientGone(Exception):
-    pass
+    """The client of a plain (not streamed) request went away; its sequences were aborted."""
 
 
 def create_app(engine, model_name: str, stream_interval: int = 1) -> FastAPI:
@@ -62,6 +62,11 @@ def create_app(engine, model_name: str, stream_interval: int = 1) -> FastAPI:
     @app.exception_handler(ModelNotFound)
     async def no_model(_, exc: ModelNotFound):  # 404, as vLLM answers an unknown model
         return JSONResponse(api.error_body(str(exc), "NotFoundError", 404, "model"), status_code=404)
+
+    @app.exception_handler(ClientGone)
+    async def client_gone(_, exc: ClientGone):  # nobody reads it: an answer, not a server error
+        return JSONResponse(api.error_body("the client disconnected", "ClientDisconnected", 499),
+                            status_code=499)
 
     @app.exception_handler(EngineError)
     async def engine_failed(_, exc: EngineError):
