@@ -51,7 +51,7 @@ _PDL = LaunchAttribute(PROGRAMMATIC_STREAM_SERIALIZATION, b"", b"\x01")
 def launch(gemm, pdl, x, w, out, r, ws, counters):
     """gemm's kernel through cuLaunchKernelEx, with the PDL attribute when pdl."""
     from torch.cuda._utils import _get_gpu_runtime_library
-    bn, bm, wn, wm, _, splitk = gemm.cfg
+    bn, bm, wn, wm, _, splitk, *_ = gemm.cfg
     M, K = x.shape
     N = w.shape[0]
     ptrs = [ctypes.c_void_p(t.data_ptr()) for t in (x, w, out, r if r is not None else out, ws, counters)]
@@ -66,8 +66,8 @@ def launch(gemm, pdl, x, w, out, r, ws, counters):
 
 def deepen(cfg, K):
     """cfg with a ring deep enough for all of a CTA's K tiles (at most 8 stages)."""
-    bn, bm, wn, wm, _, splitk = cfg
-    return (bn, bm, wn, wm, min(8, K // splitk // 64 + 1), splitk)
+    bn, bm, wn, wm, _, splitk, *rest = cfg
+    return (bn, bm, wn, wm, min(8, K // splitk // 64 + 1), splitk, *rest)
 
 
 def run_batch(m, weights, ws, counters):

@@ -17,7 +17,11 @@ Timed against cuBLAS (F.linear / addmm) at Qwen3-0.6B's four decode GEMMs, each 
 weight sets in one CUDA graph (weights cold in L2, as in a decode step), us per GEMM; the outputs
 are checked against cuBLAS's. Only a probe: the engine does not use it.
 
-    PYTHONPATH=. python benchmarks/cuda_gemm_probe.py [--batches 8 64 256] [--quick]
+With --wgmma the tiles are multiplied by Hopper's warpgroup MMA instead (sm_90a: one warpgroup a
+64 weight rows, all BM tokens as wgmma's N, both operands read from the same swizzled shared
+memory through descriptors), the kernel otherwise the same.
+
+    PYTHONPATH=. python benchmarks/cuda_gemm_probe.py [--batches 8 64 256] [--quick] [--wgmma]
     python benchmarks/cuda_gemm_probe.py --compile-only --nvrtc LIBNVRTC [--cuobjdump PATH]
 """
 import argparse
@@ -72,6 +76,15 @@ __device__ __forceinline__ unsigned short f32_to_bf16(float v) {
   asm("cvt.rn.bf16.f32 %0, %1;\n" : "=h"(r) : "f"(v));
   return r;
 }
+#if WGMMA
+// wgmma's shared-memory matrix descriptor: start address, stride 1024 bytes between 8-row groups,
+// 128-byte swizzle (the layout swz() writes)
+__device__ __forceinline__ unsigned long long desc(unsigned addr) {
+  return (unsigned long long)((addr & 0x3FFFF) >> 4) | (1ull << 16) | ((unsigned long long)(1024 >> 4) << 32)
+         | (1ull << 62);
+}
+WGMMA_FUNCTION
+#endif
 __device__ __forceinline__ float ld_cg(const float* p) {
   float v;
   asm volatile("ld.global.cg.f32 %0, [%1];\n" : "=f"(v) : "l"(p));
@@ -106,7 +119,8 @@ extern "C" __global__ void __launch_bounds__(NT) nv_gemm(
   const int warp_n = warp % WARPS_N, warp_m = warp / WARPS_N;
   const int n0 = blockIdx.x * BN, m0 = blockIdx.y * BM, split = blockIdx.z;
   const int k_len = K / SPLITK, k_begin = split * k_len, KT = k_len / BK;
-  const unsigned sbase = (unsigned)__cvta_generic_to_shared(smem);
+  // 1024-byte aligned: wgmma reads the tiles as 128-byte-swizzled atoms of 8 rows
+  const unsigned sbase = ((unsigned)__cvta_generic_to_shared(smem) + 1023) & ~1023u;
 
   float acc[FN][FM][4];
 #pragma unroll
@@ -133,6 +147,9 @@ extern "C" __global__ void __launch_bounds__(NT) nv_gemm(
   for (int kt = 0; kt < KT; ++kt) {
     if (kt == 0) asm volatile("cp.async.wait_group 0;\n" ::);
     else asm volatile("cp.async.wait_group %0;\n" :: "n"(STAGES - 2));
+#if WGMMA
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#endif
     __syncthreads();
     const int nk = kt + STAGES - 1;
     if (nk < KT) {
@@ -142,6 +159,17 @@ extern "C" __global__ void __launch_bounds__(NT) nv_gemm(
     }
     asm volatile("cp.async.commit_group;\n" ::);
     const unsigned sa = sbase + (kt % STAGES) * STAGE_BYTES, sb = sa + A_BYTES;
+#if WGMMA
+    // warpgroup w / 4 multiplies its 64 weight rows by all BM tokens, 16 of K at a time; the
+    // descriptors step 32 bytes along the swizzled rows
+    const unsigned a_wg = sa + (warp >> 2) * 64 * 128;
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+    for (int kk = 0; kk < BK / 16; ++kk) WGMMA_CALL(acc, desc(a_wg + kk * 32), desc(sb + kk * 32));
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+  }
+#else
 #pragma unroll
     for (int kk = 0; kk < BK / 16; ++kk) {
       unsigned a[FN][4], b[FM][2];
@@ -166,6 +194,7 @@ extern "C" __global__ void __launch_bounds__(NT) nv_gemm(
         for (int j = 0; j < FM; ++j) mma16816(acc[i][j], a[i], b[j]);
     }
   }
+#endif
 
   const int g = lane >> 2, t = lane & 3;
   if (SPLITK > 1) {
@@ -214,31 +243,67 @@ extern "C" __global__ void __launch_bounds__(NT) nv_gemm(
 
 
 def config_name(cfg) -> str:
-    bn, bm, wn, wm, stages, splitk = cfg
-    return f"{bn}x{bm} w{wn}x{wm} s{stages} k{splitk}"
+    bn, bm, wn, wm, stages, splitk, *wg = cfg
+    return f"{bn}x{bm} {'wgmma' if wg and wg[0] else f'w{wn}x{wm}'} s{stages} k{splitk}"
+
+
+def _wgmma_function(bm: int) -> str:
+    """wgmma_call: one m64n{bm}k16 wgmma of a warpgroup into acc[0][j][e] (the register order of
+    wgmma's accumulator fragment, n8 block j, element e, matches mma.sync's per warp)."""
+    n = bm // 2
+    regs = ", ".join(f"%{i}" for i in range(n))
+    outs = ", ".join(f'"+f"(acc[0][{i // 4}][{i % 4}])' for i in range(n))
+    return (
+        "__device__ __forceinline__ void wgmma_call(float (&acc)[1][FM][4], unsigned long long da,\n"
+        "                                           unsigned long long db) {\n"
+        f'  asm volatile("{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{n + 2}, 0;\\n"\n'
+        f'               "wgmma.mma_async.sync.aligned.m64n{bm}k16.f32.bf16.bf16 "\n'
+        f'               "{{{regs}}}, %{n}, %{n + 1}, "\n'
+        '               "p, 1, 1, 0, 0;\\n}\\n"\n'
+        f'               : {outs}\n'
+        '               : "l"(da), "l"(db), "r"(1));\n'
+        "}\n#define WGMMA_CALL(a, x, y) wgmma_call(a, x, y)\n")
 
 
 def source(cfg, residual: bool) -> str:
-    bn, bm, wn, wm, stages, splitk = cfg
-    defines = dict(BN=bn, BM=bm, WARPS_N=wn, WARPS_M=wm, STAGES=stages, SPLITK=splitk, HAS_RES=int(residual))
-    return "".join(f"#define {k} {v}\n" for k, v in defines.items()) + SOURCE
+    bn, bm, wn, wm, stages, splitk, *wg = cfg
+    wg = bool(wg and wg[0])
+    defines = dict(BN=bn, BM=bm, WARPS_N=wn, WARPS_M=wm, STAGES=stages, SPLITK=splitk, HAS_RES=int(residual),
+                   WGMMA=int(wg))
+    return ("".join(f"#define {k} {v}\n" for k, v in defines.items())
+            + SOURCE.replace("WGMMA_FUNCTION", _wgmma_function(bm) if wg else ""))
+
+
+def is_wgmma(cfg) -> bool:
+    return len(cfg) > 6 and bool(cfg[6])
 
 
 def valid(cfg, K: int) -> bool:
-    bn, bm, wn, wm, stages, splitk = cfg
+    bn, bm, wn, wm, stages, splitk, *_ = cfg
+    if K % (splitk * 64) or K // splitk // 64 < 2:
+        return False
+    if is_wgmma(cfg):   # a warpgroup (4 warps) per 64 weight rows, all BM tokens in one wgmma
+        return bn in (64, 128) and wn == bn // 16 and wm == 1 and bm % 8 == 0 and bm <= 256
     wn_rows, wm_toks = bn // wn, bm // wm
-    return (bn % wn == 0 and bm % wm == 0 and wn_rows % 16 == 0 and (wm_toks == 8 or wm_toks % 16 == 0)
-            and K % (splitk * 64) == 0 and K // splitk // 64 >= 2)
+    return bn % wn == 0 and bm % wm == 0 and wn_rows % 16 == 0 and (wm_toks == 8 or wm_toks % 16 == 0)
 
 
 def smem_bytes(cfg) -> int:
-    bn, bm, _, _, stages, _ = cfg
-    return (bn + bm) * 64 * 2 * stages
+    bn, bm, _, _, stages, *_ = cfg
+    return (bn + bm) * 64 * 2 * stages + 1024   # + the alignment to 1024 bytes
 
 
-def candidates(m: int, quick: bool):
-    bms = sorted({min(128, max(8, 1 << (m - 1).bit_length())), 64 if m >= 64 else 8})
+def candidates(m: int, quick: bool, wgmma: bool = False):
     out = []
+    if wgmma:
+        bms = sorted({min(256, max(8, -(-m // 8) * 8)), min(64, max(8, -(-m // 8) * 8)),
+                      min(128, max(8, -(-m // 8) * 8))})
+        for bm, bn, stages, splitk in itertools.product(bms, (64, 128), (3, 4), (1, 2, 4, 8)):
+            cfg = (bn, bm, bn // 16, 1, stages, splitk, 1)
+            if smem_bytes(cfg) <= 220 * 1024:
+                out.append(cfg)
+        return out
+    bms = sorted({min(128, max(8, 1 << (m - 1).bit_length())), 64 if m >= 64 else 8})
     for bm, bn, (wn, wm), stages, splitk in itertools.product(
             bms, (64, 128), ((4, 1), (2, 2), (8, 1), (4, 2)), (3, 4) if not quick else (4,), (1, 2, 4, 8)):
         cfg = (bn, bm, wn, wm, stages, splitk)
@@ -247,7 +312,7 @@ def candidates(m: int, quick: bool):
     return out
 
 
-def nvrtc_compile(lib, src: str, arch: int = 90) -> bytes:
+def nvrtc_compile(lib, src: str, arch: str = "90") -> bytes:
     """Compile src for sm_<arch> with the NVRTC library `lib` (a ctypes CDLL); the cubin bytes."""
     prog = ctypes.c_void_p()
     assert lib.nvrtcCreateProgram(ctypes.byref(prog), src.encode(), b"nv_gemm.cu", 0, None, None) == 0
@@ -259,6 +324,8 @@ def nvrtc_compile(lib, src: str, arch: int = 90) -> bytes:
     lib.nvrtcGetProgramLog(prog, log)
     if res != 0:
         raise RuntimeError(f"NVRTC failed:\n{log.value.decode()}")
+    if log.value.strip():
+        print(f"NVRTC: {log.value.decode().strip()[:500]}")
     lib.nvrtcGetCUBINSize(prog, ctypes.byref(size))
     cubin = ctypes.create_string_buffer(size.value)
     assert lib.nvrtcGetCUBIN(prog, cubin) == 0
@@ -268,8 +335,9 @@ def nvrtc_compile(lib, src: str, arch: int = 90) -> bytes:
 
 def compile_only(args):
     lib = ctypes.CDLL(args.nvrtc)
-    for cfg in [(128, 8, 4, 1, 4, 4), (64, 64, 2, 2, 4, 2), (128, 128, 2, 2, 4, 1), (128, 64, 4, 1, 3, 8)]:
-        cubin = nvrtc_compile(lib, source(cfg, residual=True))
+    for cfg in [(128, 8, 4, 1, 4, 4), (64, 64, 2, 2, 4, 2), (128, 128, 2, 2, 4, 1), (128, 64, 4, 1, 3, 8),
+                (64, 8, 4, 1, 4, 4, 1), (128, 128, 8, 1, 4, 1, 1), (64, 256, 4, 1, 4, 2, 1)]:
+        cubin = nvrtc_compile(lib, source(cfg, residual=True), "90a" if is_wgmma(cfg) else "90")
         with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
             f.write(cubin)
         usage = ""
@@ -290,7 +358,8 @@ def nvrtc_torch(cfg, residual: bool):
     import torch
     from torch.cuda._utils import _get_gpu_rtc_library
     major, minor = torch.cuda.get_device_capability()
-    return nvrtc_compile(_get_gpu_rtc_library(), source(cfg, residual), arch=major * 10 + minor), "nv_gemm"
+    arch = f"{major}{minor}" + ("a" if is_wgmma(cfg) else "")   # wgmma is sm_90a's
+    return nvrtc_compile(_get_gpu_rtc_library(), source(cfg, residual), arch), "nv_gemm"
 
 
 class Gemm:
@@ -307,7 +376,7 @@ class Gemm:
 
     def __call__(self, x, w, out, r, ws, counters):
         import torch
-        bn, bm, wn, wm, _, splitk = self.cfg
+        bn, bm, wn, wm, _, splitk, *_ = self.cfg
         M, K = x.shape
         N = w.shape[0]
         grid = (N // bn, (M + bm - 1) // bm, splitk)
@@ -355,6 +424,7 @@ def main():
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batches", type=int, nargs="+", default=[8, 16, 32, 64, 128, 256])
     parser.add_argument("--quick", action="store_true", help="4 stages only")
+    parser.add_argument("--wgmma", action="store_true", help="the wgmma (sm_90a) kernel instead of mma.sync")
     parser.add_argument("--top", type=int, default=3, help="configurations shown per case")
     parser.add_argument("--compile-only", action="store_true")
     parser.add_argument("--nvrtc", default="libnvrtc.so")
@@ -371,7 +441,7 @@ def main():
     dev = "cuda"
     table = []
     keys = {(cfg, residual) for _, N, K, residual in SHAPES for m in args.batches
-            for cfg in candidates(m, args.quick) if valid(cfg, K) and N % cfg[0] == 0}
+            for cfg in candidates(m, args.quick, args.wgmma) if valid(cfg, K) and N % cfg[0] == 0}
     torch.cuda.init()
     start = time.perf_counter()
     with ThreadPoolExecutor(os.cpu_count()) as pool:
@@ -383,7 +453,7 @@ def main():
     for name, N, K, residual in SHAPES:
         weights = [torch.randn(N, K, device=dev, dtype=torch.bfloat16) * K ** -0.5 for _ in range(LAYERS)]
         for m in args.batches:
-            cfgs = [cfg for cfg in candidates(m, args.quick) if valid(cfg, K) and N % cfg[0] == 0]
+            cfgs = [cfg for cfg in candidates(m, args.quick, args.wgmma) if valid(cfg, K) and N % cfg[0] == 0]
             ref_us, results = time_case(weights, m, residual, [compiled[(cfg, residual)] for cfg in cfgs],
                                         ws, counters, graph_ms)
             best = results[0] if results else (float("nan"), "-")
