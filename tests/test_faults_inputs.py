@@ -397,6 +397,23 @@ def test_a_kv_cache_larger_than_the_device_is_refused_before_allocating(qwen3_di
         LLM(qwen3_dir, device="cpu", kvcache_block_size=16, num_kvcache_blocks=10**12)
 
 
+def test_cpu_ranks_kv_caches_are_counted_together():
+    # on CPU the tensor-parallel ranks' caches share the host's memory
+    import os
+    from types import SimpleNamespace
+
+    from nanovllm.engine.model_runner import ModelRunner
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    block = 2 ** 20
+    runner = SimpleNamespace(kv_bytes_per_block=lambda: block, use_cuda=False, device="cpu",
+                             config=SimpleNamespace(tensor_parallel_size=1))
+    blocks = ram // block // 3   # a third of the host's memory per rank
+    ModelRunner.check_kv_fits(runner, blocks)
+    runner.config.tensor_parallel_size = 4
+    with pytest.raises(ValueError, match=rf"the KV cache of {blocks} blocks on each of 4 ranks needs"):
+        ModelRunner.check_kv_fits(runner, blocks)
+
+
 # ---- messages -----------------------------------------------------------------------------
 
 def test_one_stop_token_id_is_a_list_of_one():

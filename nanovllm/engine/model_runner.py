@@ -211,16 +211,19 @@ class ModelRunner:
 
     def check_kv_fits(self, num_blocks: int):
         """An explicit num_kvcache_blocks or kv_cache_memory_bytes larger than the device's memory is an
-        error before anything is allocated (on CPU, zero-filling it would end in the OOM killer)."""
-        need = num_blocks * self.kv_bytes_per_block()
+        error before anything is allocated (on CPU, zero-filling it would end in the OOM killer).
+        On CPU every tensor-parallel rank's cache is in the same host memory."""
+        ranks = 1 if self.use_cuda else self.config.tensor_parallel_size
+        need = num_blocks * self.kv_bytes_per_block() * ranks
         if self.use_cuda:
             total = torch.cuda.mem_get_info()[1]
         else:
             total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         if need > total:
-            raise ValueError(f"the KV cache of {num_blocks} blocks needs {need / 2**30:.1f} GiB, more than "
-                             f"the {total / 2**30:.1f} GiB of memory of the device ({self.device}): lower "
-                             "num_kvcache_blocks or kv_cache_memory_bytes")
+            each = f" on each of {ranks} ranks" if ranks > 1 else ""
+            raise ValueError(f"the KV cache of {num_blocks} blocks{each} needs {need / 2**30:.1f} GiB, "
+                             f"more than the {total / 2**30:.1f} GiB of memory of the device "
+                             f"({self.device}): lower num_kvcache_blocks or kv_cache_memory_bytes")
 
     # ---- inputs ---------------------------------------------------------------------------
 
