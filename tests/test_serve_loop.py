@@ -200,3 +200,23 @@ def test_the_prompts_of_one_request_enter_the_engine_together_or_not_at_all():
         loop.stop()
 
     asyncio.run(main())
+
+
+def test_a_request_added_as_the_engine_dies_is_refused_not_left_waiting():
+    # the engine thread fails between add's health check and its command reaching the queue: the
+    # failure's clean-up has already emptied the queue, so add must answer the request itself
+    class Racing(EngineLoop):
+        checks = 0
+
+        @property
+        def healthy(self):
+            self.checks += 1
+            return self.checks == 1 or super().healthy   # the first check passes, as if just before
+
+    async def main():
+        loop = Racing(BrokenEngine(), asyncio.get_running_loop())
+        loop.stop()   # the thread is gone: nothing will read the queue again
+        with pytest.raises(EngineError, match="not running"):
+            await asyncio.wait_for(loop.add([Request([1], SamplingParams())]), 5)
+
+    asyncio.run(main())

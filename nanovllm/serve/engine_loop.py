@@ -72,6 +72,10 @@ class EngineLoop:
             raise EngineError(f"the engine is not running: {self.error!r}")
         accepted = self.loop.create_future()
         self.commands.put(("add", (requests, accepted)))
+        if not self.healthy:
+            # It failed since the check above: its _fail_all may have emptied the queue before the
+            # command went in, and nothing else would ever answer it.
+            _settle(accepted, EngineError(f"the engine is not running: {self.error!r}"))
         await accepted
 
     def abort(self, request: Request):
