@@ -44,6 +44,12 @@ def test_eos_and_stop_tokens(checker):
     assert run(checker, SamplingParams(stop_token_ids=[4]), [3, 4, EOS]) == (2, Stop("stop", 4))
 
 
+def test_of_two_stop_strings_in_the_new_text_the_first_listed_wins(checker):
+    # as vLLM: "bc" starts earlier in "abc", but "c" comes first in the list
+    assert run(checker, SamplingParams(stop=["c", "bc"]), [0, 1, 2], prompt=(3,)) == (3, Stop("stop", "c"))
+    assert run(checker, SamplingParams(stop=["bc", "c"]), [0, 1, 2], prompt=(3,)) == (3, Stop("stop", "bc"))
+
+
 def test_lengths(checker):
     assert run(checker, SamplingParams(max_tokens=3), [3] * 5) == (3, Stop("length"))
     # max_model_len 12 counts the prompt: 2 prompt tokens + 10 outputs

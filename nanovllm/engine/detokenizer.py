@@ -64,16 +64,12 @@ class IncrementalDetokenizer:
         return self.context[start:] + output_ids if start < n else output_ids[start - n:]
 
     def find_stop(self, new_len: int, stops: list[str], include: bool) -> str | None:
-        """The stop string that ends in the newest `new_len` characters (the earliest if several);
-        truncate `text` at it (after it when `include`)."""
-        best = None
+        """The first stop string of the list (as vLLM looks for them) that ends in the newest
+        `new_len` characters; truncate `text` at it (after it when `include`)."""
         for stop in stops:
             # Only a match that overlaps the new text is new; older text was checked before.
             i = self.text.find(stop, max(0, len(self.text) - new_len - len(stop) + 1))
-            if i != -1 and (best is None or i < best[0]):
-                best = (i, stop)
-        if best is None:
-            return None
-        i, stop = best
-        self.text = self.text[:i + len(stop) if include else i]
-        return stop
+            if i != -1:
+                self.text = self.text[:i + len(stop) if include else i]
+                return stop
+        return None
