@@ -210,6 +210,9 @@ BAD_OPTIONS = [
     (dict(enforce_eager="yes"), r"enforce_eager must be True or False, got 'yes'"),
     (dict(seed=-1), r"seed must be an integer >= 0, got -1"),
     (dict(tensor_parallel_size=0), r"tensor_parallel_size must be an integer >= 1"),
+    (dict(tensor_parallel_size=3), r"the model's num_attention_heads \(4\) is not divisible by "
+                                   r"tensor_parallel_size \(3\): choose a tensor_parallel_size that "
+                                   r"divides it"),
 ]
 
 
