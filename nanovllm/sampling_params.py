@@ -41,6 +41,8 @@ class SamplingParams:
                                                    # is banned where the output ends in the rest of them)
     structured_outputs: StructuredOutputsParams | None = None   # constrain the output (xgrammar)
     guided_decoding: StructuredOutputsParams | None = None      # vLLM's older name for the same
+    truncate_prompt_tokens: int | None = None      # keep only the prompt's last k tokens (-1: as many
+                                                   # as max_model_len leaves room for, one output token)
 
     def __post_init__(self):
         self.validate()
@@ -76,6 +78,8 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
         for name in ("logprobs", "prompt_logprobs"):
             _check_num_logprobs(self, name)
+        if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens != -1:
+            _check_int(self, "truncate_prompt_tokens", 1)
         self.logit_bias = _logit_bias(self.logit_bias)
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = _token_list(self.allowed_token_ids, "allowed_token_ids")

@@ -344,6 +344,7 @@ def test_logit_bias_and_top_k_past_the_vocabulary(client, llm):
         ({"prompt": ["hi", "word " * 600]}, 400, "prompt 1 has"),   # which prompt of a batch
         ({"prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream=true"),
         ({"prompt": "hi", "suffix": "!"}, 400, "suffix"),
+        ({"prompt": "hi", "truncate_prompt_tokens": 0}, 400, "truncate_prompt_tokens"),
         ({"max_tokens": 5}, 400, "prompt"),
         ({"prompt": "hi", "model": "gpt-4"}, 404, "gpt-4"),
     ],

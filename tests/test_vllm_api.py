@@ -229,6 +229,29 @@ def test_engine_checks_of_new_params(llm):
             llm.generate([[5, 6]], params, use_tqdm=False)
 
 
+def test_truncate_prompt_tokens_keeps_the_prompt_s_last_tokens(llm):
+    # vLLM's left truncation: the output is the one the last k tokens alone give
+    prompt = list(range(5, 45))
+    greedy = dict(temperature=0, max_tokens=4, ignore_eos=True)
+    cut = llm.generate([prompt], SamplingParams(truncate_prompt_tokens=6, **greedy), use_tqdm=False)[0]
+    alone = llm.generate([prompt[-6:]], SamplingParams(**greedy), use_tqdm=False)[0]
+    assert cut.prompt_token_ids == prompt[-6:] and tokens([cut]) == tokens([alone])
+    queued = llm.llm_engine.add_request(prompt, SamplingParams(truncate_prompt_tokens=6, **greedy))
+    assert queued[0].prompt_token_ids == prompt[-6:]
+    llm.llm_engine.abort(queued)
+    # -1: as much as max_model_len (200) leaves room for, one output token; a longer prompt is refused
+    long = [5 + i % 400 for i in range(250)]
+    out = llm.generate([long], SamplingParams(truncate_prompt_tokens=-1, temperature=0, max_tokens=None),
+                       use_tqdm=False)[0]
+    assert out.prompt_token_ids == long[-199:] and len(out.outputs[0].token_ids) == 1
+    with pytest.raises(ValueError, match="too many for max_model_len"):
+        llm.generate([long], SamplingParams(**greedy), use_tqdm=False)
+    with pytest.raises(ValueError, match=r"prompt 0: truncate_prompt_tokens=200 leaves no room for output"):
+        llm.generate([long], SamplingParams(truncate_prompt_tokens=200, **greedy), use_tqdm=False)
+    with pytest.raises(ValueError, match="truncate_prompt_tokens must be an integer >= 1"):
+        SamplingParams(truncate_prompt_tokens=0)
+
+
 def test_logit_bias_and_allowed_token_ids(qwen3_dir, llm):
     prompt = [5, 6, 7, 8]
     biased = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True,

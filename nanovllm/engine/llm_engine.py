@@ -110,8 +110,9 @@ class LLMEngine:
 
     # ---- requests -------------------------------------------------------------------------
 
-    def _token_ids(self, prompt, index: int) -> list[int]:
-        """Validate one prompt and return its token ids; errors name the prompt's index."""
+    def _token_ids(self, prompt, index: int, truncate: int | None = None) -> list[int]:
+        """Validate one prompt and return its token ids; errors name the prompt's index. truncate:
+        SamplingParams.truncate_prompt_tokens (keep the last k tokens; -1: as many as fit)."""
         where = f"prompt {index}"
         prompt = _unwrap_prompt_dict(prompt, where)
         if isinstance(prompt, str):
@@ -130,6 +131,12 @@ class LLMEngine:
                 ids = [int(t) for t in prompt]   # numpy integers become plain ints
         else:
             raise TypeError(f"{where}: expected a string or a list of token ids, got {type(prompt).__name__}")
+        limit = self.config.max_model_len
+        if truncate is not None:
+            if truncate >= limit:
+                raise ValueError(f"{where}: truncate_prompt_tokens={truncate} leaves no room for output in "
+                                 f"max_model_len={limit}: use at most {limit - 1}, or -1")
+            ids = ids[-(limit - 1 if truncate == -1 else truncate):]
         vocab = self.config.hf_config.vocab_size
         if not ids:
             raise ValueError(f"{where} is empty"
@@ -138,7 +145,6 @@ class LLMEngine:
             bad = next(i for i, t in enumerate(ids) if not 0 <= t < vocab)
             raise ValueError(f"{where}: token id {ids[bad]} at position {bad} is outside the model's "
                              f"vocabulary [0, {vocab})")
-        limit = self.config.max_model_len
         if len(ids) >= limit:   # the prompt and at least one output token must fit
             raise ValueError(f"{where} has {len(ids)} tokens, too many for max_model_len={limit} (prompt + "
                              f"output): shorten it to at most {limit - 1} tokens or raise max_model_len")
@@ -156,7 +162,7 @@ class LLMEngine:
         """Queue one prompt; return its sampling_params.n sequences (completions 0..n-1).
         prompt_index: the prompt's place in its caller's batch, which error messages name."""
         params = self._params_list(sampling_params, 1)[0]
-        seqs = self._new_seqs(self._token_ids(prompt, prompt_index), params)
+        seqs = self._new_seqs(self._token_ids(prompt, prompt_index, params.truncate_prompt_tokens), params)
         with self._reset_on_error():
             self._queue(seqs)
         return seqs
@@ -337,7 +343,8 @@ class LLMEngine:
         prompts = _as_prompt_list(prompts)
         params = self._params_list(sampling_params, len(prompts))
         # all checked before any is queued
-        token_ids = [self._token_ids(p, i) for i, p in enumerate(prompts)]
+        token_ids = [self._token_ids(p, i, sp.truncate_prompt_tokens)
+                     for i, (p, sp) in enumerate(zip(prompts, params))]
         requests = [self._new_seqs(ids, sp) for ids, sp in zip(token_ids, params)]
         seqs = [seq for request in requests for seq in request]
         with self._reset_on_error():

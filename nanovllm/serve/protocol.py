@@ -34,6 +34,7 @@ class _Request(BaseModel):
     logit_bias: dict | None = None            # OpenAI's {token id: bias}
     allowed_token_ids: list[int] | None = None   # vLLM's extras
     bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None
     stream: bool = False
     stream_options: dict | None = None
     # Structured outputs, as vLLM's server takes them: OpenAI's response_format, vLLM's
@@ -85,6 +86,7 @@ class _Request(BaseModel):
             logit_bias=self.logit_bias,
             allowed_token_ids=self.allowed_token_ids,
             bad_words=self.bad_words,
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
             structured_outputs=self.structured(),
             **given,
         )
