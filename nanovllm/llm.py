@@ -71,11 +71,12 @@ class LLM(LLMEngine):
              use_tqdm=True, chat_template: str | None = None, chat_template_content_format: str = "auto",
              add_generation_prompt: bool = True, continue_final_message: bool = False,
              tools: list[dict] | None = None,
-             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict | None = None, lora_request=None) -> list[RequestOutput]:
         """vLLM's LLM.chat: `messages` is one conversation (a list of {"role", "content"} dicts) or a
         list of them; each is rendered with the chat template (the tokenizer's, or `chat_template`)
         and generated from. continue_final_message: the last (assistant) message is continued
-        rather than a new one started; tools: function definitions the template shows the model."""
+        rather than a new one started; tools: function definitions the template shows the model;
+        lora_request: None (see check_lora_and_priority)."""
         template = load_chat_template(chat_template)
         if not isinstance(messages, (list, tuple)) or not messages:
             raise TypeError("messages must be a conversation (a list of message dicts) "
@@ -90,4 +91,4 @@ class LLM(LLMEngine):
         # The template already writes any BOS it wants; encoding must not add another.
         ids = [{"prompt_token_ids": self.tokenizer.encode(p, add_special_tokens=False), "prompt": p}
                for p in prompts]
-        return self.generate(ids, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(ids, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)

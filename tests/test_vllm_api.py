@@ -229,6 +229,21 @@ def test_engine_checks_of_new_params(llm):
             llm.generate([[5, 6]], params, use_tqdm=False)
 
 
+def test_generate_and_chat_take_vllm_s_lora_request_and_priority_at_their_defaults(llm):
+    # vLLM code (lm-eval-harness, say) passes lora_request=None explicitly
+    greedy = SamplingParams(temperature=0, max_tokens=2)
+    want = tokens(llm.generate([[5, 6]], greedy, use_tqdm=False))
+    assert tokens(llm.generate([[5, 6]], greedy, use_tqdm=False, lora_request=None, priority=[0])) == want
+    chat = [{"role": "user", "content": "w5"}]
+    out = llm.chat(chat, greedy, use_tqdm=False, chat_template=TEMPLATE, lora_request=None)[0]
+    assert out.outputs[0].token_ids
+    for options, message in [(dict(lora_request=object()), "no LoRA adapters"),
+                             (dict(priority=[1]), "first come, first served"),
+                             (dict(priority=[0, 0]), "2 entries for 1 prompts")]:
+        with pytest.raises(ValueError, match=message):
+            llm.generate([[5, 6]], greedy, use_tqdm=False, **options)
+
+
 def test_truncate_prompt_tokens_keeps_the_prompt_s_last_tokens(llm):
     # vLLM's left truncation: the output is the one the last k tokens alone give
     prompt = list(range(5, 45))

@@ -13,7 +13,7 @@ from dataclasses import dataclass, fields
 from nanovllm.config import Config
 from nanovllm.distributed.ray_utils import import_ray, init_ray
 from nanovllm.engine.generation_defaults import default_sampling_overrides
-from nanovllm.engine.llm_engine import _as_prompt_list, _unwrap_prompt_dict
+from nanovllm.engine.llm_engine import _as_prompt_list, _unwrap_prompt_dict, check_lora_and_priority
 from nanovllm.llm import LLM
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import SamplingParams
@@ -137,11 +137,12 @@ class DataParallelLLM:
     chat = inspect.unwrap(LLM.chat)
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, lora_request=None, priority=None) -> list[RequestOutput]:
         if not self.live:
             raise RuntimeError("every data-parallel replica has died (or was shut down); start a new LLM")
         started = time.perf_counter()
         prompts = _as_prompt_list(prompts)
+        check_lora_and_priority(lora_request, priority, len(prompts))
         params = _params_list(sampling_params, len(prompts), self.get_default_sampling_params)
         costs = [self._cost(p, sp) for p, sp in zip(prompts, params)]
         queues = {r: deque(self._chunks(share, costs))

@@ -44,6 +44,20 @@ def secondary_eos_token_ids(eos_ids: set[int], tokenizer) -> frozenset[int]:
     return frozenset(eos_ids - {primary})
 
 
+def check_lora_and_priority(lora_request, priority, num_prompts: int):
+    """vLLM's generate options for features nanovllm does not have, taken at their defaults so
+    that vLLM code passing them explicitly runs unchanged: lora_request None; priority None or
+    all 0 (vLLM's default first-come-first-served policy also refuses other priorities)."""
+    if lora_request is not None:
+        raise ValueError("lora_request: nanovllm serves no LoRA adapters; pass None")
+    if priority is not None:
+        if len(priority) != num_prompts:
+            raise ValueError(f"priority has {len(priority)} entries for {num_prompts} prompts")
+        if any(p != 0 for p in priority):
+            raise ValueError("priority: nanovllm schedules first come, first served, with no "
+                             "priorities; pass None (or zeros)")
+
+
 def serialised(method):
     """Run an engine method holding the engine's lock, so threads sharing one engine take turns: a
     generate call runs from queueing its first sequence to building its last output with no other
@@ -334,13 +348,15 @@ class LLMEngine:
 
     @serialised
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm=True) -> list[RequestOutput]:
+                 use_tqdm=True, lora_request=None, priority=None) -> list[RequestOutput]:
         """vLLM's LLM.generate: one RequestOutput per prompt, in prompt order. use_tqdm: show a
-        progress bar (True), none (False), or draw it with this tqdm-like callable. Threads may
-        share an engine: their calls are served one after another (see serialised). An exception
-        or Ctrl-C anywhere inside leaves the engine as a fresh one (see _reset)."""
+        progress bar (True), none (False), or draw it with this tqdm-like callable. lora_request,
+        priority: see check_lora_and_priority. Threads may share an engine: their calls are served
+        one after another (see serialised). An exception or Ctrl-C anywhere inside leaves the
+        engine as a fresh one (see _reset)."""
         check_use_tqdm(use_tqdm)
         prompts = _as_prompt_list(prompts)
+        check_lora_and_priority(lora_request, priority, len(prompts))
         params = self._params_list(sampling_params, len(prompts))
         # all checked before any is queued
         token_ids = [self._token_ids(p, i, sp.truncate_prompt_tokens)
