@@ -149,10 +149,17 @@ def _check_tp_divides(hf_config: PretrainedConfig, tp: int):
     """Refuse a tensor_parallel_size that does not split the model's heads and MLP evenly, before
     any worker starts (the sharded layers check again as they are built)."""
     heads = getattr(hf_config, "num_attention_heads", None)
-    mlp = "moe_intermediate_size" if getattr(hf_config, "num_experts", None) else "intermediate_size"
     sizes = {"num_attention_heads": heads,
-             "num_key_value_heads": getattr(hf_config, "num_key_value_heads", None) or heads,
-             mlp: getattr(hf_config, mlp, None)}
+             "num_key_value_heads": getattr(hf_config, "num_key_value_heads", None) or heads}
+    layers = range(getattr(hf_config, "num_hidden_layers", 0) or 0)
+    if getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", None):
+        # MoE: the experts, and dense MLPs in the layers without them
+        from nanovllm.layers.fused_moe import is_sparse_layer
+        sizes["moe_intermediate_size"] = getattr(hf_config, "moe_intermediate_size", None)
+        if any(not is_sparse_layer(hf_config, i) for i in layers):
+            sizes["intermediate_size"] = getattr(hf_config, "intermediate_size", None)
+    else:
+        sizes["intermediate_size"] = getattr(hf_config, "intermediate_size", None)
     for name, n in sizes.items():
         if isinstance(n, int) and n % tp:
             raise ValueError(f"the model's {name} ({n}) is not divisible by tensor_parallel_size ({tp}): "

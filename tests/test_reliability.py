@@ -227,7 +227,10 @@ def test_bad_option_values(qwen3_dir, options, message):
     ("qwen3", {"num_attention_heads": 6, "num_key_value_heads": 2}, r"num_key_value_heads \(2\)"),
     ("qwen3", {"num_attention_heads": 3, "num_key_value_heads": 3, "intermediate_size": 128},
      r"intermediate_size \(128\)"),
-    ("qwen3_moe", {"num_attention_heads": 3, "num_key_value_heads": 3}, r"moe_intermediate_size \(32\)")])
+    ("qwen3_moe", {"num_attention_heads": 3, "num_key_value_heads": 3}, r"moe_intermediate_size \(32\)"),
+    # the dense layer (mlp_only_layers=[1]) of the MoE model splits intermediate_size too
+    ("qwen3_moe", {"num_attention_heads": 3, "num_key_value_heads": 3, "moe_intermediate_size": 30},
+     r"intermediate_size \(128\)")])
 def test_tensor_parallel_size_must_divide_the_model_before_workers_start(qwen3_dir, arch, overrides, name):
     # refused by the config (no worker process is started), naming the size that does not divide
     from nanovllm.config import Config, _check_tp_divides
