@@ -92,3 +92,20 @@ def test_precedence_eos_then_stop_string_then_length(checker):
 def test_only_sequences_with_stop_strings_are_detokenized():
     checker = StopChecker({EOS}, max_model_len=100, tokenizer=NoTokenizer())
     assert run(checker, SamplingParams(max_tokens=5, stop_token_ids=[9]), [3] * 5) == (5, Stop("length"))
+
+
+def test_a_grammar_that_ends_on_a_secondary_eos_reports_its_id():
+    # as without a grammar: generation_config's other EOS ids stop with stop_reason = the id
+    checker = StopChecker({EOS, 24}, max_model_len=100, tokenizer=Letters(),
+                          secondary_eos_token_ids=frozenset({24}))
+
+    class Complete:   # a grammar that took the EOS as its end
+        rejected, is_terminated = False, True
+
+        def accept(self, token_id):
+            pass
+
+    for token, reason in [(24, 24), (EOS, None)]:
+        seq = Sequence([0, 1], SamplingParams(), grammar=Complete())
+        seq.append_token(token)
+        assert checker.check(seq, token) == Stop("stop", reason)

@@ -33,12 +33,11 @@ class StopChecker:
         params = seq.sampling_params
         if seq.grammar is not None and (seq.grammar.rejected or seq.grammar.is_terminated):
             # Terminated: the grammar was complete and took EOS (it ends even with ignore_eos).
-            return ABORT if seq.grammar.rejected else EOS
+            return ABORT if seq.grammar.rejected else self._eos(token_id)
         counts = seq.num_completion_tokens >= params.min_tokens
         if counts:
             if not params.ignore_eos and token_id in self.eos_token_ids:
-                # vLLM reports the tokenizer's EOS as stop with no stop_reason, the others by id
-                return Stop("stop", token_id) if token_id in self.secondary_eos_token_ids else EOS
+                return self._eos(token_id)
             if token_id in params.stop_token_ids:
                 return Stop("stop", token_id)
         if seq.detokenizer is not None:   # only requests with stop strings pay for detokenizing
@@ -51,6 +50,10 @@ class StopChecker:
         if self.length_reached(seq, len(seq.token_ids)):
             return LENGTH
         return None
+
+    def _eos(self, token_id: int) -> Stop:
+        # vLLM reports the tokenizer's EOS as stop with no stop_reason, the others by id
+        return Stop("stop", token_id) if token_id in self.secondary_eos_token_ids else EOS
 
     def _stop_string(self, seq: Sequence, counts: bool) -> str | None:
         # Every token is detokenized (also those min_tokens holds off): the text grows incrementally.
