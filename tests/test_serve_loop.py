@@ -220,3 +220,24 @@ def test_a_request_added_as_the_engine_dies_is_refused_not_left_waiting():
             await asyncio.wait_for(loop.add([Request([1], SamplingParams())]), 5)
 
     asyncio.run(main())
+
+
+def test_an_engine_failure_while_adding_a_batch_fails_that_request_too():
+    # not a bad request (ValueError) but a broken engine: the add being applied is answered, and
+    # the loop reports the failure, instead of leaving the request waiting
+    class FailsOnSecond(BrokenEngine):
+        def add_request(self, prompt, params, prompt_index=0):
+            if prompt_index == 1:
+                raise RuntimeError("this engine can no longer run: ranks out of step")
+            return super().add_request(prompt, params, prompt_index)
+
+    async def main():
+        loop = EngineLoop(FailsOnSecond(), asyncio.get_running_loop())
+        with pytest.raises(EngineError, match="out of step"):
+            batch = [Request([1], SamplingParams()), Request([2], SamplingParams())]
+            await asyncio.wait_for(loop.add(batch), 5)
+        await asyncio.sleep(0.1)
+        assert not loop.healthy
+        loop.stop()
+
+    asyncio.run(main())

@@ -116,6 +116,13 @@ class EngineLoop:
                 del self.active[id(arg)]
 
     def _add(self, requests: list[Request], accepted: asyncio.Future):
+        try:
+            self._add_all(requests, accepted)
+        except BaseException as e:   # the engine failed, not the request: answer this add too
+            self.loop.call_soon_threadsafe(_settle, accepted, EngineError(f"the engine failed: {e!r}"))
+            raise   # and _run fails everything else
+
+    def _add_all(self, requests: list[Request], accepted: asyncio.Future):
         added = []
         try:
             for i, request in enumerate(requests):
