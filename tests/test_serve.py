@@ -243,6 +243,20 @@ def test_echo_with_logprobs_scores_the_prompt_as_vllm_does(server, client, llm):
             else streamed == getattr(lp, field), field
 
 
+def test_echoed_offsets_never_go_back_when_tokens_split_characters(client):
+    # byte-level tokens of emoji and CJK decode alone to replacement characters: the offsets are
+    # one running sum over the prompt's tokens and then the output's (as vLLM's), streamed or not
+    prompt = "I love 🦙🦙 and 東京"
+    plain = client.completions.create(model=NAME, prompt=prompt, max_tokens=4, temperature=0, logprobs=1,
+                                      echo=True).choices[0].logprobs
+    assert plain.text_offset == sorted(plain.text_offset)
+    assert all(b - a == len(t) for a, b, t in zip(plain.text_offset, plain.text_offset[1:], plain.tokens))
+    stream = client.completions.create(model=NAME, prompt=prompt, max_tokens=4, temperature=0, logprobs=1,
+                                       echo=True, stream=True)
+    assert [v for c in stream if c.choices[0].logprobs for v in c.choices[0].logprobs.text_offset] \
+        == plain.text_offset
+
+
 def test_sampled_token_is_among_its_top_logprobs(client):
     got = client.completions.create(model=NAME, prompt=PROMPTS[4], max_tokens=16, temperature=1.5, seed=3,
                                     logprobs=1)

@@ -241,3 +241,26 @@ def test_an_engine_failure_while_adding_a_batch_fails_that_request_too():
         loop.stop()
 
     asyncio.run(main())
+
+
+def test_without_a_tokenizer_echo_and_logprobs_are_bad_requests():
+    class Config:
+        model, max_model_len = "ids-only", 64
+
+    engine = CountingEngine()
+    engine.config = Config
+    server, base = _serve_in_thread(create_app(engine, "ids-only"))
+    try:
+        for extra in ({"echo": True}, {"logprobs": 1}):
+            status, body = _status(base + "/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 2, **extra})
+            assert status == 400 and "tokenizer" in body["error"]["message"], (extra, status, body)
+        assert _status(base + "/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 2})[0] == 200
+    finally:
+        server.should_exit = True
+
+
+def test_an_empty_stream_options_without_stream_is_accepted_as_vllm_accepts_it():
+    from nanovllm.serve.protocol import CompletionRequest
+    assert CompletionRequest(prompt="hi", stream_options={}).completion_params({}).max_tokens == 16
+    with pytest.raises(ValueError, match="stream=true"):
+        CompletionRequest(prompt="hi", stream_options={"include_usage": True}).completion_params({})

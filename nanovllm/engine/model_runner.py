@@ -220,9 +220,10 @@ class ModelRunner:
         else:
             total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         if need > total:
-            each = f" on each of {ranks} ranks" if ranks > 1 else ""
-            raise ValueError(f"the KV cache of {num_blocks} blocks{each} needs {need / 2**30:.1f} GiB, "
-                             f"more than the {total / 2**30:.1f} GiB of memory of the device "
+            each, in_all = ("", "") if ranks == 1 else (f" on each of {ranks} ranks (one host's memory)",
+                                                         " in all")
+            raise ValueError(f"the KV cache of {num_blocks} blocks{each} needs {need / 2**30:.1f} GiB"
+                             f"{in_all}, more than the {total / 2**30:.1f} GiB of memory of the device "
                              f"({self.device}): lower num_kvcache_blocks or kv_cache_memory_bytes")
 
     # ---- inputs ---------------------------------------------------------------------------

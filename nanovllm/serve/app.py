@@ -104,6 +104,8 @@ def create_app(engine, model_name: str, stream_interval: int = 1) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(body: api.CompletionRequest, raw: HTTPRequest):
         check_model(body.model)
+        if tokenizer is None and (body.echo or body.logprobs is not None):
+            raise ValueError("echo and logprobs need the model's tokenizer, and this model folder has none")
         params = body.completion_params(engine.default_sampling_overrides)
         await compile_grammar(engine, params)
         requests = await submit(raw, [(p, params) for p in body.prompts()])
@@ -328,6 +330,8 @@ class _Completions(_Reply):
     def __init__(self, *args):
         super().__init__(*args)
         self.prompt_texts: dict[int, str] = {}   # by id(request), for echo
+        self.output_starts: dict[int, int] = {}   # by id(request), for echo with logprobs
+        self.next_offsets: dict[int, int] = {}    # by choice: the text_offset of its next token
 
     def prompt_text(self, index: int) -> str:
         request = self.request_of(index)
@@ -338,18 +342,38 @@ class _Completions(_Reply):
             self.prompt_texts[id(request)] = text
         return text
 
-    def logprobs(self, index: int, token_ids, logprobs, offset: int, with_prompt: bool = False):
-        """The choice's logprobs for these output tokens (their text starting at character offset);
-        with_prompt: the echoed prompt's tokens first, their offsets from 0."""
+    def logprobs(self, index: int, token_ids, logprobs, with_prompt: bool = False):
+        """The choice's logprobs for these output tokens, which follow those of its earlier calls
+        (text_offset: one running sum of the tokens' texts, from output_start); with_prompt: the
+        echoed prompt's tokens first."""
         if logprobs is None:
             return None
-        out = api.completion_logprobs(self.tokenizer, token_ids, logprobs, offset)
+        offset = self.next_offsets.get(index)
+        out = api.completion_logprobs(self.tokenizer, token_ids, logprobs,
+                                      self.output_start(index) if offset is None else offset)
+        if out["tokens"]:
+            self.next_offsets[index] = out["text_offset"][-1] + len(out["tokens"][-1])
         if not with_prompt:
             return out
+        return api.join_logprobs(self.prompt_logprobs(index), out)
+
+    def prompt_logprobs(self, index: int) -> dict:
+        """An echoed prompt's tokens with their logprobs (none for the first), offsets from 0."""
         seq = self.request_of(index).seqs[0]
-        prompt_logprobs = [None, *seq.prompt_logprobs]   # none for the first prompt token
-        prompt = api.completion_logprobs(self.tokenizer, seq.prompt_token_ids, prompt_logprobs, 0)
-        return api.join_logprobs(prompt, out)
+        return api.completion_logprobs(self.tokenizer, seq.prompt_token_ids, [None, *seq.prompt_logprobs], 0)
+
+    def output_start(self, index: int) -> int:
+        """The text_offset of the output's first character: after the echoed prompt's tokens, whose
+        offsets sum their texts one token at a time (as vLLM's do), so the offsets never go back."""
+        if not (self.body.echo and self.body.logprobs is not None):
+            return 0
+        request = self.request_of(index)
+        start = self.output_starts.get(id(request))
+        if start is None:
+            prompt = self.prompt_logprobs(index)
+            start = prompt["text_offset"][-1] + len(prompt["tokens"][-1])
+            self.output_starts[id(request)] = start
+        return start
 
     def response(self, outputs) -> dict:
         choices, echo, only = [], self.body.echo, self.body.echo_only
@@ -360,7 +384,7 @@ class _Completions(_Reply):
                 {
                     "index": i,
                     "text": prefix + ("" if only else out.text),
-                    "logprobs": self.logprobs(i, token_ids, logprobs, len(prefix), with_prompt=echo),
+                    "logprobs": self.logprobs(i, token_ids, logprobs, with_prompt=echo),
                     "finish_reason": out.finish_reason,
                     "stop_reason": out.stop_reason,
                 }
@@ -371,14 +395,13 @@ class _Completions(_Reply):
         stream = self.streams[update.index]
         first = stream.sent == 0 and not stream.ids
         prefix = self.prompt_text(update.index) if self.body.echo else ""
-        offset = len(prefix) + stream.sent
         text = stream.delta(update)
         token_ids, logprobs = update.token_ids, update.logprobs
         if self.body.echo_only:
             text, token_ids, logprobs = "", [], logprobs and []
         if first:
             text = prefix + text
-        logprobs = self.logprobs(update.index, token_ids, logprobs, offset, first and self.body.echo)
+        logprobs = self.logprobs(update.index, token_ids, logprobs, first and self.body.echo)
         return (
             f'{{"index":{update.index},"text":{_encode(text)},"logprobs":{_encode(logprobs)},'
             f'"finish_reason":{_finish_json(update.output)}}}'

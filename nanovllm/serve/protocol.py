@@ -93,7 +93,7 @@ class _Request(BaseModel):
 
     def refuse_unsupported(self):
         """ValueError (a 400) for fields that make no sense together, as vLLM's server refuses them."""
-        if self.stream_options is not None and not self.stream:
+        if self.stream_options and not self.stream:   # as vLLM: an empty one passes
             raise ValueError("stream_options can only be given with stream=true")
 
     def structured(self) -> StructuredOutputsParams | None:
