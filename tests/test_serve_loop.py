@@ -90,13 +90,17 @@ def _status(url: str, body: dict | None = None) -> tuple[int, dict | None]:
         return e.code, json.loads(e.read() or b"null")
 
 
-def test_http_500_and_unhealthy_after_an_engine_failure():
+def _serve_fake(engine, name: str) -> tuple[uvicorn.Server, str]:
+    """create_app over a fake engine, given the config fields the app reads, served in a thread."""
     class Config:
-        model, max_model_len = "broken", 64
+        model, max_model_len = name, 64
 
-    engine = BrokenEngine()
     engine.config = Config
-    server, base = _serve_in_thread(create_app(engine, "broken"))
+    return _serve_in_thread(create_app(engine, name))
+
+
+def test_http_500_and_unhealthy_after_an_engine_failure():
+    server, base = _serve_fake(BrokenEngine(), "broken")
     try:
         assert _status(base + "/health")[0] == 200
         status, body = _status(base + "/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 2})
@@ -244,12 +248,7 @@ def test_an_engine_failure_while_adding_a_batch_fails_that_request_too():
 
 
 def test_without_a_tokenizer_echo_and_logprobs_are_bad_requests():
-    class Config:
-        model, max_model_len = "ids-only", 64
-
-    engine = CountingEngine()
-    engine.config = Config
-    server, base = _serve_in_thread(create_app(engine, "ids-only"))
+    server, base = _serve_fake(CountingEngine(), "ids-only")
     try:
         for extra in ({"echo": True}, {"logprobs": 1}):
             status, body = _status(base + "/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 2, **extra})
