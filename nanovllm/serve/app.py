@@ -329,51 +329,38 @@ class _Completions(_Reply):
 
     def __init__(self, *args):
         super().__init__(*args)
-        self.prompt_texts: dict[int, str] = {}   # by id(request), for echo
-        self.output_starts: dict[int, int] = {}   # by id(request), for echo with logprobs
+        self.prompt_parts: dict[int, dict] = {}   # by id(request): an echoed prompt's logprobs
         self.next_offsets: dict[int, int] = {}    # by choice: the text_offset of its next token
 
     def prompt_text(self, index: int) -> str:
-        request = self.request_of(index)
-        text = self.prompt_texts.get(id(request))   # decoded once: a stream asks at every chunk
-        if text is None:
-            prompt = request.prompt
-            text = prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt)
-            self.prompt_texts[id(request)] = text
-        return text
+        prompt = self.request_of(index).prompt
+        return prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt)
 
     def logprobs(self, index: int, token_ids, logprobs, with_prompt: bool = False):
-        """The choice's logprobs for these output tokens, which follow those of its earlier calls
-        (text_offset: one running sum of the tokens' texts, from output_start); with_prompt: the
-        echoed prompt's tokens first."""
+        """The choice's logprobs for these output tokens, which follow those of its earlier calls:
+        text_offset is one running sum of the tokens' texts (as vLLM's), from after an echoed
+        prompt's tokens, so it never goes back. with_prompt: the echoed prompt's tokens first."""
         if logprobs is None:
             return None
-        offset = self.next_offsets.get(index)
-        out = api.completion_logprobs(self.tokenizer, token_ids, logprobs,
-                                      self.output_start(index) if offset is None else offset)
-        if out["tokens"]:
-            self.next_offsets[index] = out["text_offset"][-1] + len(out["tokens"][-1])
-        if not with_prompt:
-            return out
-        return api.join_logprobs(self.prompt_logprobs(index), out)
-
-    def prompt_logprobs(self, index: int) -> dict:
-        """An echoed prompt's tokens with their logprobs (none for the first), offsets from 0."""
-        seq = self.request_of(index).seqs[0]
-        return api.completion_logprobs(self.tokenizer, seq.prompt_token_ids, [None, *seq.prompt_logprobs], 0)
-
-    def output_start(self, index: int) -> int:
-        """The text_offset of the output's first character: after the echoed prompt's tokens, whose
-        offsets sum their texts one token at a time (as vLLM's do), so the offsets never go back."""
-        if not (self.body.echo and self.body.logprobs is not None):
-            return 0
-        request = self.request_of(index)
-        start = self.output_starts.get(id(request))
+        start = self.next_offsets.get(index)
         if start is None:
-            prompt = self.prompt_logprobs(index)
-            start = prompt["text_offset"][-1] + len(prompt["tokens"][-1])
-            self.output_starts[id(request)] = start
-        return start
+            start = _end_offset(self.prompt_part(index)) if self.body.echo else 0
+        out = api.completion_logprobs(self.tokenizer, token_ids, logprobs, start)
+        if out["tokens"]:
+            self.next_offsets[index] = _end_offset(out)
+        return api.join_logprobs(self.prompt_part(index), out) if with_prompt else out
+
+    def prompt_part(self, index: int) -> dict:
+        """An echoed prompt's tokens with their logprobs (none for the first), offsets from 0;
+        decoded once per request."""
+        request = self.request_of(index)
+        part = self.prompt_parts.get(id(request))
+        if part is None:
+            seq = request.seqs[0]
+            prompt_logprobs = [None, *seq.prompt_logprobs]   # none for the first token
+            part = self.prompt_parts[id(request)] = api.completion_logprobs(
+                self.tokenizer, seq.prompt_token_ids, prompt_logprobs, 0)
+        return part
 
     def response(self, outputs) -> dict:
         choices, echo, only = [], self.body.echo, self.body.echo_only
@@ -394,18 +381,22 @@ class _Completions(_Reply):
     def choice_json(self, update: Update) -> str:
         stream = self.streams[update.index]
         first = stream.sent == 0 and not stream.ids
-        prefix = self.prompt_text(update.index) if self.body.echo else ""
         text = stream.delta(update)
         token_ids, logprobs = update.token_ids, update.logprobs
         if self.body.echo_only:
             text, token_ids, logprobs = "", [], logprobs and []
-        if first:
-            text = prefix + text
+        if first and self.body.echo:
+            text = self.prompt_text(update.index) + text
         logprobs = self.logprobs(update.index, token_ids, logprobs, first and self.body.echo)
         return (
             f'{{"index":{update.index},"text":{_encode(text)},"logprobs":{_encode(logprobs)},'
             f'"finish_reason":{_finish_json(update.output)}}}'
         )
+
+
+def _end_offset(logprobs: dict) -> int:
+    """The text_offset after a completion_logprobs dict's last token."""
+    return logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
 
 
 def _finish_json(out) -> str:
