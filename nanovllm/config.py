@@ -151,14 +151,12 @@ def _check_tp_divides(hf_config: PretrainedConfig, tp: int):
     heads = getattr(hf_config, "num_attention_heads", None)
     sizes = {"num_attention_heads": heads,
              "num_key_value_heads": getattr(hf_config, "num_key_value_heads", None) or heads}
-    layers = range(getattr(hf_config, "num_hidden_layers", 0) or 0)
-    if getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", None):
-        # MoE: the experts, and dense MLPs in the layers without them
-        from nanovllm.layers.fused_moe import is_sparse_layer
+    # the models' own rule for which layers have experts (the rest have a dense MLP)
+    from nanovllm.layers.fused_moe import is_sparse_layer
+    sparse = [is_sparse_layer(hf_config, i) for i in range(getattr(hf_config, "num_hidden_layers", 0) or 0)]
+    if any(sparse):
         sizes["moe_intermediate_size"] = getattr(hf_config, "moe_intermediate_size", None)
-        if any(not is_sparse_layer(hf_config, i) for i in layers):
-            sizes["intermediate_size"] = getattr(hf_config, "intermediate_size", None)
-    else:
+    if not sparse or not all(sparse):   # a dense model, or dense layers beside the experts
         sizes["intermediate_size"] = getattr(hf_config, "intermediate_size", None)
     for name, n in sizes.items():
         if isinstance(n, int) and n % tp:

@@ -20,8 +20,9 @@ if ATTENTION_BACKEND != "torch":
 
 
 def num_experts_of(config: PretrainedConfig) -> int:
+    """The experts per MoE layer; 0 for a dense model."""
     # transformers 5 stores Qwen3-MoE's num_experts as num_local_experts (an attribute alias)
-    return getattr(config, "num_experts", None) or config.num_local_experts
+    return getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None) or 0
 
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool):
