@@ -51,14 +51,12 @@ _PDL = LaunchAttribute(PROGRAMMATIC_STREAM_SERIALIZATION, b"", b"\x01")
 def launch(gemm, pdl, x, w, out, r, ws, counters):
     """gemm's kernel through cuLaunchKernelEx, with the PDL attribute when pdl."""
     from torch.cuda._utils import _get_gpu_runtime_library
-    bn, bm, wn, wm, _, splitk, *_ = gemm.cfg
-    M, K = x.shape
-    N = w.shape[0]
-    ptrs = [ctypes.c_void_p(t.data_ptr()) for t in (x, w, out, r if r is not None else out, ws, counters)]
-    ints = [ctypes.c_int(v) for v in (M, N, K, x.stride(0))]
-    params = (ctypes.c_void_p * 10)(*[ctypes.cast(ctypes.byref(a), ctypes.c_void_p) for a in ptrs + ints])
-    config = LaunchConfig(N // bn, (M + bm - 1) // bm, splitk, 32 * wn * wm, 1, 1, gemm.smem,
-                          torch.cuda.current_stream().cuda_stream, ctypes.pointer(_PDL), 1 if pdl else 0)
+    (gx, gy, gz), threads = gemm.dims(x, w)
+    values = [ctypes.c_void_p(a.data_ptr()) if isinstance(a, torch.Tensor) else ctypes.c_int(a)
+              for a in gemm.args(x, w, out, r, ws, counters)]
+    params = (ctypes.c_void_p * len(values))(*[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in values])
+    config = LaunchConfig(gx, gy, gz, threads, 1, 1, gemm.smem, torch.cuda.current_stream().cuda_stream,
+                          ctypes.pointer(_PDL), 1 if pdl else 0)
     res = _get_gpu_runtime_library().cuLaunchKernelEx(ctypes.byref(config), gemm.kernel.func, params, None)
     if res != 0:
         raise RuntimeError(f"cuLaunchKernelEx failed: CUDA error {res}")

@@ -374,14 +374,21 @@ class Gemm:
         self.smem = smem_bytes(cfg)
         self.kernel.set_shared_memory_config(self.smem)
 
+    def dims(self, x, w) -> tuple[tuple[int, int, int], int]:
+        """The grid and the threads a CTA for y = x w^T."""
+        bn, bm, wn, wm, _, splitk, *_ = self.cfg
+        return (w.shape[0] // bn, -(-x.shape[0] // bm), splitk), 32 * wn * wm
+
+    @staticmethod
+    def args(x, w, out, r, ws, counters) -> list:
+        """nv_gemm's arguments, in its order (r None: no residual; the kernel then never reads it)."""
+        return [x, w, out, r if r is not None else out, ws, counters, x.shape[0], w.shape[0], x.shape[1],
+                x.stride(0)]
+
     def __call__(self, x, w, out, r, ws, counters):
         import torch
-        bn, bm, wn, wm, _, splitk, *_ = self.cfg
-        M, K = x.shape
-        N = w.shape[0]
-        grid = (N // bn, (M + bm - 1) // bm, splitk)
-        self.kernel(grid=grid, block=(32 * wn * wm, 1, 1),
-                    args=[x, w, out, r if r is not None else out, ws, counters, M, N, K, x.stride(0)],
+        grid, threads = self.dims(x, w)
+        self.kernel(grid=grid, block=(threads, 1, 1), args=self.args(x, w, out, r, ws, counters),
                     shared_mem=self.smem, stream=torch.cuda.current_stream())
 
 
