@@ -63,18 +63,27 @@ class Config:
     @classmethod
     def create(cls, model: str, **options) -> "Config":
         """Options checked by name first, then a hub id (model or tokenizer) resolved to a local folder."""
+        model, tokenizer = cls.resolve(model, options)
+        if tokenizer is not None:
+            options["tokenizer"] = tokenizer
+        return cls(model, **options)
+
+    @classmethod
+    def resolve(cls, model: str, options: dict, also_valid: tuple[str, ...] = ()) -> tuple[str, str | None]:
+        """Checks the options' names (`also_valid`: a caller's own) and the revision, then resolves a
+        hub id to a local folder: (the model's folder, the tokenizer option's folder or None)."""
         from nanovllm.utils.loader import resolve_model
-        known = {f.name for f in fields(cls) if f.init}
-        unknown = sorted(set(options) - known)
+        known = {f.name for f in fields(cls) if f.init} - {"model"}
+        unknown = sorted(set(options) - known - set(also_valid))
         if unknown:
             raise TypeError(f"unknown option(s) {', '.join(map(repr, unknown))}; "
-                            f"valid options are: {', '.join(sorted(known - {'model'}))}")
+                            f"valid options are: {', '.join(sorted(known | set(also_valid)))}")
         revision = options.get("revision")
         if revision is not None and not isinstance(revision, str):
             raise ValueError(f"revision must be a string (a branch, tag or commit) or None, got {revision!r}")
-        if options.get("tokenizer") is not None:
-            options["tokenizer"] = resolve_model(options["tokenizer"], revision, weights=False)
-        return cls(resolve_model(model, revision), **options)
+        model = resolve_model(model, revision)
+        tokenizer = options.get("tokenizer")
+        return model, None if tokenizer is None else resolve_model(tokenizer, revision, weights=False)
 
     def __getstate__(self):
         # hf_overrides is already applied to hf_config; a function (often a lambda) need not pickle

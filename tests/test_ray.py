@@ -106,7 +106,8 @@ def test_the_driver_reads_the_model_tokenizer_and_defaults_the_replicas_use(monk
 
     def stop(*args, **kw):
         raise Stop   # before any Ray work: only the driver's reading is under test
-    monkeypatch.setattr(dp, "resolve_model", record("resolve", qwen3_dir))
+    from nanovllm.utils import loader
+    monkeypatch.setattr(loader, "resolve_model", record("resolve", qwen3_dir))
     monkeypatch.setattr(dp, "load_tokenizer", record("tokenizer", None))
     monkeypatch.setattr(dp, "default_sampling_overrides", record("defaults", {}))
     monkeypatch.setattr(dp, "init_ray", stop)

@@ -8,7 +8,7 @@ import os
 import re
 import time
 from collections import deque
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 from nanovllm.config import Config
 from nanovllm.distributed.ray_utils import import_ray, init_ray
@@ -18,7 +18,6 @@ from nanovllm.llm import LLM
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.hf_files import load_tokenizer
-from nanovllm.utils.loader import resolve_model
 
 PLACEMENT_TIMEOUT_S = 300        # how long a replica may wait for its GPUs before start-up fails
 CALLS_IN_FLIGHT = 2              # per replica: the next chunk is queued while one runs
@@ -76,15 +75,12 @@ class DataParallelLLM:
 
     def __init__(self, model: str, data_parallel_size: int = 2, **options):
         check_data_parallel_size(data_parallel_size)
-        _check_option_names(options)
         ray = import_ray()
-        # On the driver as in each replica's engine (Config.create): a hub id is downloaded here (and on
-        # each node), at the revision asked; the tokenizer the engines use renders chats here.
-        revision = options.get("revision")
-        self.model = resolve_model(model, revision)
-        tokenizer = options.get("tokenizer")
-        self.tokenizer = load_tokenizer(resolve_model(tokenizer, revision, weights=False) if tokenizer
-                                        else self.model, options.get("tokenizer_mode", "auto"))
+        # On the driver as in each replica's engine (Config.create): options checked by name, so a typo
+        # fails before any replica starts; a hub id downloaded here (and on each node), at the revision
+        # asked; the tokenizer the engines use renders chats here.
+        self.model, tokenizer = Config.resolve(model, options, also_valid=("data_parallel_size",))
+        self.tokenizer = load_tokenizer(tokenizer or self.model, options.get("tokenizer_mode", "auto"))
         self.default_sampling_overrides = default_sampling_overrides(
             self.model, options.get("generation_config", "auto"))
         self.startup_seconds: dict[str, float] = {}   # phase -> seconds, for logs and bench.py
@@ -265,15 +261,6 @@ def assign_by_cost(costs: list[int], n: int) -> list[list[int]]:
         shares[r].append(i)
         heapq.heappush(heap, (load + costs[i], r))
     return [sorted(s) for s in shares]
-
-
-def _check_option_names(options: dict):
-    """The engine's own check, made here so a typo fails before any replica starts."""
-    known = {f.name for f in fields(Config) if f.init} - {"model"}
-    unknown = sorted(set(options) - known)
-    if unknown:
-        raise TypeError(f"unknown option(s) {', '.join(map(repr, unknown))}; valid options are: "
-                        f"data_parallel_size, {', '.join(sorted(known))}")
 
 
 def _params_list(sampling_params, n: int, default) -> list[SamplingParams]:
