@@ -8,8 +8,8 @@ def parse_conversation(messages, where: str, content_format: str = "auto") -> li
     """Check each message ({"role", "content"}, OpenAI style) and return copies the template can
     render. Content may be a string or OpenAI content parts ([{"type": "text", "text": ...}]);
     with content_format "auto" or "string" the text parts are joined with newlines, as vLLM does
-    for templates that expect a string ("openai" passes the parts through). An assistant message
-    that carries tool_calls may leave content out."""
+    for templates that expect a string ("openai" passes the parts through). A null content (as an
+    assistant message that carries tool_calls has) is rendered as "", as vLLM renders it."""
     if not isinstance(messages, (list, tuple)) or not messages:
         raise TypeError(f"{where} must be a non-empty list of message dicts")
     parsed = []
@@ -22,8 +22,9 @@ def parse_conversation(messages, where: str, content_format: str = "auto") -> li
         message = dict(message)
         content = message.get("content")
         if content is None:
-            if not message.get("tool_calls"):
+            if "content" not in message and not message.get("tool_calls"):
                 raise ValueError(f"{name} (role {message['role']!r}) has no 'content'")
+            message["content"] = ""
         elif isinstance(content, (list, tuple)) and content_format != "openai":
             message["content"] = "\n".join(_text_parts(content, name))
         elif not isinstance(content, (str, list, tuple)):
@@ -35,10 +36,12 @@ def parse_conversation(messages, where: str, content_format: str = "auto") -> li
 
 def _text_parts(parts, name: str) -> list[str]:
     texts = []
-    for part in parts:
+    for j, part in enumerate(parts):
         if isinstance(part, str):
             texts.append(part)
-        elif isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
+        elif isinstance(part, dict) and part.get("type") == "text":
+            if not isinstance(part.get("text"), str):
+                raise ValueError(f"{name}: content part {j} (type 'text') needs a 'text' string")
             texts.append(part["text"])
         else:
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
@@ -70,15 +73,22 @@ def render_chat(tokenizer, conversation, where: str = "conversation 0", *, chat_
         raise ValueError("chat needs a tokenizer with a chat template (tokenizer.chat_template) or "
                          "chat_template=...; this model folder has none: use generate with a "
                          "formatted prompt")
-    if continue_final_message and add_generation_prompt:
-        raise ValueError("continue_final_message=True continues the last message, so it needs "
-                         "add_generation_prompt=False")
     if content_format not in ("auto", "string", "openai"):
         raise ValueError(f"chat_template_content_format must be 'auto', 'string' or 'openai', "
                          f"got {content_format!r}")
+    extra = dict(chat_template_kwargs or {})
+    reserved = sorted(set(extra) & {"conversation", "messages", "tokenize", "return_dict", "return_tensors"})
+    if reserved:
+        raise ValueError(f"chat_template_kwargs may not set {', '.join(map(repr, reserved))}: the "
+                         "conversation and the tokenization are the chat call's own")
+    # the template's variables; chat_template_kwargs override the defaults, as in vLLM
     options = dict(add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
                    **({"chat_template": chat_template} if chat_template else {}),
-                   **({"tools": tools} if tools else {}), **(chat_template_kwargs or {}))
+                   **({"tools": tools} if tools else {}))
+    options.update(extra)
+    if options["continue_final_message"] and options["add_generation_prompt"]:
+        raise ValueError("continue_final_message=True continues the last message, so it needs "
+                         "add_generation_prompt=False")
     try:
         return tokenizer.apply_chat_template(parse_conversation(conversation, where, content_format),
                                              tokenize=False, **options)

@@ -498,3 +498,172 @@ def test_bad_structured_outputs_are_400s_and_the_server_goes_on(client, extra, f
         client.completions.create(model=NAME, prompt="hi", max_tokens=4, extra_body=extra)
     assert fragment in info.value.body["message"]
     assert client.completions.create(model=NAME, prompt="hi", max_tokens=2).choices[0].text is not None
+
+
+# ---- what vLLM's clients send: nulls, vLLM's extra fields, tools, and the side routes ----------
+
+def _post(url: str, body, headers: dict | None = None) -> tuple[int, dict]:
+    """POST a JSON body (or raw bytes); (status, the decoded JSON answer)."""
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    request = urllib.request.Request(url, data, headers or {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def test_nulls_mean_defaults_and_an_empty_model_is_the_served_one(server):
+    # other clients' serializers send null for fields they leave unset (vLLM's schema takes them)
+    status, body = _post(server + "/v1/chat/completions", {
+        "model": "", "messages": CHAT, "max_tokens": 2, "n": None, "stream": None, "logprobs": None,
+        "echo": None, "ignore_eos": None, "min_tokens": None, "skip_special_tokens": None})
+    assert status == 200 and len(body["choices"]) == 1 and body["choices"][0]["logprobs"] is None
+    status, body = _post(server + "/v1/completions", {"prompt": "hi", "max_tokens": 2, "echo": None,
+                                                      "stream": None, "n": None, "unknown_field": 1})
+    assert status == 200 and body["model"] == NAME
+    assert any("ignored: ['unknown_field']" in line for line in open(SERVER_LOG[0]))   # logged, as vLLM
+
+
+@pytest.mark.parametrize("body, fragment", [
+    ({"prompt": "hi", "max_tokens": 600}, "'max_tokens' or 'max_completion_tokens' is too large: 600"),
+    ({"prompt": "hi", "use_beam_search": True}, "use_beam_search is not supported"),
+    ({"prompt": "hi", "best_of": 3}, "best_of=3"),
+    ({"prompt": "hi", "prompt_logprobs": 1, "stream": True}, "prompt_logprobs are not available"),
+    ({"prompt": "hi", "seed": 2**64}, "seed"),
+])
+def test_vllm_s_server_refusals(server, body, fragment):
+    status, answer = _post(server + "/v1/completions", {"model": NAME, **body})
+    assert status == 400 and fragment in answer["error"]["message"]
+
+
+def test_chat_max_completion_tokens_zero_is_refused_not_unlimited(server):
+    status, answer = _post(server + "/v1/chat/completions", {"messages": CHAT, "max_completion_tokens": 0})
+    assert status == 400 and "max_tokens" in answer["error"]["message"]
+
+
+@pytest.mark.parametrize("data, headers, fragment", [
+    (b'{"prompt": "hi", "max_tokens": 2', None, "not valid JSON"),
+    (b'{"prompt": "\xff"}', None, "encoded as UTF-8"),
+    (b'{"prompt": "hi"}', {"Content-Type": "application/x-www-form-urlencoded"},
+     "Content-Type: application/json"),
+])
+def test_unreadable_bodies_get_openai_errors_that_say_what_to_change(server, data, headers, fragment):
+    status, answer = _post(server + "/v1/completions", data, headers)
+    assert status == 400 and fragment in answer["error"]["message"] and answer["error"]["code"] == 400
+
+
+def test_prompt_logprobs_and_token_ids_as_vllm_returns_them(server, llm):
+    prompt = PROMPTS[2]
+    expected = llm.generate([prompt], _greedy(3, prompt_logprobs=2), use_tqdm=False)[0]
+    status, body = _post(server + "/v1/completions", {
+        "prompt": prompt, "max_tokens": 3, "temperature": 0, "prompt_logprobs": 2, "logprobs": 1,
+        "return_tokens_as_token_ids": True})
+    assert status == 200
+    choice = body["choices"][0]
+    got = choice["prompt_logprobs"]
+    assert got[0] is None and len(got) == len(expected.prompt_token_ids)
+    for token, entry, want in zip(expected.prompt_token_ids[1:], got[1:], expected.prompt_logprobs[1:]):
+        assert next(iter(entry)) == str(token)   # the prompt's own token first
+        assert {int(k): v["rank"] for k, v in entry.items()} == {k: v.rank for k, v in want.items()}
+        assert entry[str(token)]["logprob"] == pytest.approx(want[token].logprob, abs=1e-4)
+    output = expected.outputs[0].token_ids
+    assert choice["logprobs"]["tokens"] == [f"token_id:{t}" for t in output]
+    status, chat = _post(server + "/v1/chat/completions",
+                         {"messages": CHAT, "max_tokens": 1, "prompt_logprobs": 0})
+    assert status == 200 and chat["prompt_logprobs"][0] is None
+    assert len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"]
+
+
+def test_echo_after_truncation_echoes_the_tokens_kept(server):
+    status, body = _post(server + "/v1/completions", {
+        "prompt": "one two three four five six", "max_tokens": 0, "echo": True, "logprobs": 0,
+        "truncate_prompt_tokens": 2})
+    choice = body["choices"][0]
+    assert status == 200 and body["usage"]["prompt_tokens"] == 2
+    assert choice["text"] == "".join(choice["logprobs"]["tokens"]) == " five six"
+
+
+def test_chat_content_null_template_kwargs_and_echo(server, client):
+    # an agent loop's history: an assistant message with tool_calls and content null (the SDK's)
+    history = [{"role": "user", "content": "hi"},
+               {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+               {"role": "tool", "tool_call_id": "c", "content": "sunny"}]
+    assert client.chat.completions.create(model=NAME, messages=history, max_tokens=2).choices[0].message
+    # chat_template_kwargs override the request's defaults, as in vLLM
+    plain = client.chat.completions.create(model=NAME, messages=CHAT, max_tokens=1)
+    no_prompt = {"chat_template_kwargs": {"add_generation_prompt": False}}
+    bare = client.chat.completions.create(model=NAME, messages=CHAT, max_tokens=1, extra_body=no_prompt)
+    assert bare.usage.prompt_tokens < plain.usage.prompt_tokens
+    with pytest.raises(openai.BadRequestError, match="may not set 'tokenize'"):
+        client.chat.completions.create(model=NAME, messages=CHAT, max_tokens=1,
+                                       extra_body={"chat_template_kwargs": {"tokenize": True}})
+    # echo: a continued message comes back whole
+    start = [{"role": "assistant", "content": "The sky is"}]
+    for stream in (False, True):
+        got = client.chat.completions.create(
+            model=NAME, messages=start, max_tokens=3, temperature=0, stream=stream,
+            extra_body={"echo": True, "add_generation_prompt": False, "continue_final_message": True})
+        if stream:
+            text = "".join(c.choices[0].delta.content or "" for c in got)
+        else:
+            text = got.choices[0].message.content
+        assert text.startswith("The sky is") and len(text) > len("The sky is")
+
+
+def test_tokenize_detokenize_version_and_cors(server, client):
+    status, tokens = _post(server + "/tokenize",
+                           {"model": NAME, "prompt": PROMPTS[0], "return_token_strs": True})
+    assert status == 200 and tokens["count"] == len(tokens["tokens"]) == len(tokens["token_strs"])
+    assert tokens["max_model_len"] == ENGINE["max_model_len"]
+    assert _post(server + "/detokenize", {"tokens": tokens["tokens"]}) == (200, {"prompt": PROMPTS[0]})
+    status, chat = _post(server + "/tokenize", {"messages": CHAT})
+    used = client.chat.completions.create(model=NAME, messages=CHAT, max_tokens=1).usage.prompt_tokens
+    assert status == 200 and chat["count"] == used
+    assert _post(server + "/tokenize", {"prompt": "a", "messages": CHAT})[0] == 400
+    assert _post(server + "/detokenize", {"tokens": [10**9]})[0] == 400
+    assert _get(server + "/version")[0] == 200
+    preflight = urllib.request.Request(server + "/v1/chat/completions", method="OPTIONS", headers={
+        "Origin": "http://example.com", "Access-Control-Request-Method": "POST"})
+    with urllib.request.urlopen(preflight, timeout=10) as r:
+        assert r.headers["access-control-allow-origin"] == "*"
+
+
+WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"]}}}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def test_named_and_required_tool_choices_return_tool_calls(client):
+    _needs_xgrammar()
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    got = client.chat.completions.create(model=NAME, messages=ASK, tools=[WEATHER_TOOL], tool_choice=named,
+                                         max_tokens=40, temperature=0)
+    call = got.choices[0].message.tool_calls[0]
+    assert call.type == "function" and call.function.name == "get_weather"
+    assert set(json.loads(call.function.arguments)) == {"city"}
+    streamed = list(client.chat.completions.create(model=NAME, messages=ASK, tools=[WEATHER_TOOL],
+                                                   stream=True, tool_choice=named, max_tokens=40,
+                                                   temperature=0))
+    parts = [c.choices[0].delta.tool_calls[0] for c in streamed if c.choices[0].delta.tool_calls]
+    assert parts[0].function.name == "get_weather" and parts[0].id
+    assert "".join(p.function.arguments for p in parts) == call.function.arguments
+    got = client.chat.completions.create(model=NAME, messages=ASK, tools=[WEATHER_TOOL],
+                                         tool_choice="required", max_tokens=100, temperature=0)
+    choice = got.choices[0]
+    if choice.finish_reason != "length":   # a list cut short stays text
+        assert choice.finish_reason == "tool_calls"
+        assert {c.function.name for c in choice.message.tool_calls} == {"get_weather"}
+    # "auto" needs the server's tool parser, as vLLM's says; tool_choice without tools is refused
+    with pytest.raises(openai.BadRequestError, match="--enable-auto-tool-choice"):
+        client.chat.completions.create(model=NAME, messages=ASK, tools=[WEATHER_TOOL], max_tokens=4)
+    with pytest.raises(openai.BadRequestError, match="`tools` must be set"):
+        client.chat.completions.create(model=NAME, messages=ASK, tool_choice="required", max_tokens=4)
+    # tools with tool_choice "none": rendered for the model, answered in text
+    text = client.chat.completions.create(model=NAME, messages=ASK, tools=[WEATHER_TOOL], tool_choice="none",
+                                          max_tokens=4)
+    assert text.choices[0].message.tool_calls is None and text.choices[0].message.content

@@ -7,6 +7,7 @@ import json
 import socket
 import threading
 import time
+import types
 import urllib.error
 import urllib.request
 
@@ -29,6 +30,7 @@ class BrokenEngine:
 
     tokenizer = None
     default_sampling_overrides = {}
+    config = types.SimpleNamespace(max_model_len=4096)
 
     def __init__(self):
         self.queued = []
@@ -263,3 +265,58 @@ def test_an_empty_stream_options_without_stream_is_accepted_as_vllm_accepts_it()
     assert CompletionRequest(prompt="hi", stream_options={}).completion_params({}).max_tokens == 16
     with pytest.raises(ValueError, match="stream=true"):
         CompletionRequest(prompt="hi", stream_options={"include_usage": True}).completion_params({})
+
+
+def test_stopping_the_loop_answers_and_aborts_what_it_accepted():
+    # the server shutting down with a stream open: the request gets an error, not silence, and its
+    # sequences are aborted (their blocks freed)
+    async def main():
+        engine = SlowEngine()
+        loop = EngineLoop(engine, asyncio.get_running_loop())
+        request = Request([1, 2], SamplingParams(max_tokens=3000))
+        await loop.add([request])
+        await asyncio.wait_for(request.updates.get(), 10)   # it is running
+        loop.stop()
+        while not isinstance(update := await asyncio.wait_for(request.updates.get(), 10), Exception):
+            pass
+        assert isinstance(update, EngineError) and "shutting down" in str(update)
+        assert engine.aborted == request.seqs
+        with pytest.raises(EngineError, match="shutting down"):
+            await loop.add([Request([1], SamplingParams())])
+
+    asyncio.run(main())
+
+
+def test_max_tokens_past_the_context_is_refused_as_vllm_s_server_does():
+    async def main():
+        engine = SlowEngine()
+        engine.config = types.SimpleNamespace(max_model_len=10)
+        loop = EngineLoop(engine, asyncio.get_running_loop())
+        fits = Request([1, 2, 3], SamplingParams(max_tokens=7))
+        await loop.add([fits])   # 3 + 7 = 10 fits
+        with pytest.raises(ValueError, match=r"prompt 1: 'max_tokens' .* too large: 8.*\(8 > 10 - 3\)"):
+            await loop.add([Request([1, 2, 3], SamplingParams(max_tokens=2)),
+                            Request([1, 2, 3], SamplingParams(max_tokens=8))])
+        assert len(engine.aborted) == 2 and loop.healthy   # all or none
+        loop.stop()
+
+    asyncio.run(main())
+
+
+def test_an_api_key_guards_the_v1_routes_only():
+    engine = BrokenEngine()
+    engine.config = types.SimpleNamespace(model="m", max_model_len=64)
+    server, base = _serve_in_thread(create_app(engine, "m", api_key="sesame"))
+    try:
+        assert _status(base + "/health")[0] == 200
+        status, body = _status(base + "/v1/models")
+        assert status == 401 and "Authorization: Bearer" in body["error"]["message"]
+        request = urllib.request.Request(base + "/v1/models", headers={"Authorization": "Bearer sesame"})
+        with urllib.request.urlopen(request, timeout=30) as r:
+            assert json.loads(r.read())["data"][0]["id"] == "m"
+        wrong = urllib.request.Request(base + "/v1/models", headers={"Authorization": "Bearer open"})
+        with pytest.raises(urllib.error.HTTPError) as info:
+            urllib.request.urlopen(wrong, timeout=30)
+        assert info.value.code == 401
+    finally:
+        server.should_exit = True

@@ -133,7 +133,7 @@ class LLMEngine:
             if self.tokenizer is None:
                 raise ValueError(f"{where}: the model folder has no tokenizer, "
                                  "so prompts must be token-id lists")
-            ids = _encode(self.tokenizer, prompt, where)
+            ids = encode_text(self.tokenizer, prompt, where)
         elif isinstance(prompt, (list, tuple)):
             if all(type(t) is int for t in prompt):   # the common case, checked fast (bench: 144k ids)
                 ids = list(prompt)
@@ -490,9 +490,10 @@ def _is_token_id(t) -> bool:
     return isinstance(t, numbers.Integral) and not isinstance(t, bool)
 
 
-def _encode(tokenizer, text: str, where: str) -> list[int]:
+def encode_text(tokenizer, text: str, where: str, add_special_tokens: bool = True) -> list[int]:
+    """The tokenizer's ids for text; text that is not valid Unicode is a ValueError naming `where`."""
     try:
-        return tokenizer.encode(text)
+        return tokenizer.encode(text, add_special_tokens=add_special_tokens)
     except Exception:
         try:
             text.encode("utf-8")

@@ -3,18 +3,27 @@ and turns the updates that come back into a response or a stream of server-sent 
 
 import asyncio
 import gc
+import hmac
 import json
+import logging
 import time
 from contextlib import asynccontextmanager
+from importlib.metadata import PackageNotFoundError, version
 
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException
 
 from nanovllm.chat_utils import render_chat
 from nanovllm.engine.detokenizer import IncrementalDetokenizer
+from nanovllm.engine.llm_engine import encode_text
 from nanovllm.serve import protocol as api
 from nanovllm.serve.engine_loop import EngineError, EngineLoop, Request, Update
+from nanovllm.serve.tools import ToolChoice
+
+logger = logging.getLogger(__name__)
 
 POLL_DISCONNECT_S = 0.5  # how often a non-streaming request checks that its client is still there
 
@@ -27,8 +36,13 @@ class ClientGone(Exception):
     """The client of a plain (not streamed) request went away; its sequences were aborted."""
 
 
-def create_app(engine, model_name: str, stream_interval: int = 1) -> FastAPI:
-    """stream_interval: see EngineLoop (1: every token is streamed as the engine makes it)."""
+def create_app(engine, model_name: str, stream_interval: int = 1, *, api_key: str | None = None,
+               cors: dict | None = None, tool_call_parser: str | None = None) -> FastAPI:
+    """stream_interval: see EngineLoop (1: every token is streamed as the engine makes it).
+    tool_call_parser: how "auto" tool choice reads calls back (tools.PARSERS; None: "auto" is a 400).
+    api_key: when set, /v1 routes need "Authorization: Bearer <api_key>" (a 401 otherwise), as
+    vLLM's --api-key. cors: CORSMiddleware's options (default: any origin, method and header,
+    no credentials, as vLLM's defaults)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -43,16 +57,44 @@ def create_app(engine, model_name: str, stream_interval: int = 1) -> FastAPI:
             app.state.loop.stop()
 
     app = FastAPI(title="nanovllm", lifespan=lifespan)
+    app.add_middleware(CORSMiddleware, **{"allow_origins": ["*"], "allow_methods": ["*"],
+                                          "allow_headers": ["*"], **(cors or {})})
     tokenizer = engine.tokenizer
 
+    if api_key:
+        @app.middleware("http")
+        async def authenticate(raw: HTTPRequest, call_next):
+            given = raw.headers.get("Authorization", "")
+            if (raw.method != "OPTIONS" and raw.url.path.startswith("/v1")
+                    and not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode())):
+                message = "Unauthorized: give the server's API key as 'Authorization: Bearer <key>'"
+                return JSONResponse(api.error_body(message, "AuthenticationError", 401), status_code=401)
+            return await call_next(raw)
+
     def check_model(name: str | None):
-        if name is not None and name != model_name:
+        # no name or an empty one: the served model, as vLLM takes it
+        if name and name != model_name:
             raise ModelNotFound(f"The model `{name}` does not exist; this server serves `{model_name}`.")
 
+    def start(body):
+        check_model(body.model)
+        if ignored := body.ignored_fields():   # as vLLM, which logs them too
+            logger.warning("The following fields were present in the request but ignored: %s", ignored)
+
     @app.exception_handler(RequestValidationError)
-    async def bad_body(_, exc: RequestValidationError):
-        details = "; ".join(f"{'.'.join(map(str, e['loc'][1:])) or 'body'}: {e['msg']}" for e in exc.errors())
+    async def bad_body(raw: HTTPRequest, exc: RequestValidationError):
+        content_type = raw.headers.get("content-type", "")
+        details = "; ".join(api.json_error_message(e, content_type) for e in exc.errors())
         return JSONResponse(api.error_body(details, "BadRequestError", 400), status_code=400)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_, exc: HTTPException):
+        # a body that is not even text (FastAPI's 400): OpenAI's error shape too; other statuses
+        # (an unknown route) keep FastAPI's {"detail": ...}, as vLLM's do
+        if exc.status_code != 400:
+            return JSONResponse({"detail": exc.detail}, status_code=exc.status_code, headers=exc.headers)
+        message = f"{exc.detail}: send a JSON object encoded as UTF-8"
+        return JSONResponse(api.error_body(message, "BadRequestError", 400), status_code=400)
 
     @app.exception_handler(ValueError)
     @app.exception_handler(TypeError)
@@ -75,6 +117,39 @@ def create_app(engine, model_name: str, stream_interval: int = 1) -> FastAPI:
     @app.get("/health")
     async def health(raw: HTTPRequest):
         return PlainTextResponse("", status_code=200 if raw.app.state.loop.healthy else 503)
+
+    @app.get("/version")
+    async def server_version():
+        try:
+            return {"version": version("nanovllm")}
+        except PackageNotFoundError:   # run from a checkout that was never installed
+            return {"version": "unknown"}
+
+    @app.post("/tokenize")
+    async def tokenize(body: api.TokenizeRequest):
+        """vLLM's: a prompt's (or a chat's) token ids, as the endpoints would take them."""
+        start(body)
+        need_tokenizer()
+        if body.messages is not None:
+            ids = await asyncio.to_thread(chat_prompt, tokenizer, body)
+        else:
+            ids = encode_text(tokenizer, body.prompt, "prompt", add_special_tokens=body.add_special_tokens)
+        strs = tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
+        return {"count": len(ids), "max_model_len": engine.config.max_model_len, "tokens": ids,
+                "token_strs": strs}
+
+    @app.post("/detokenize")
+    async def detokenize(body: api.DetokenizeRequest):
+        start(body)
+        need_tokenizer()
+        vocab = engine.config.hf_config.vocab_size
+        if any(not 0 <= t < vocab for t in body.tokens):
+            raise ValueError(f"tokens must be token ids in [0, {vocab}) (the model's vocabulary)")
+        return {"prompt": tokenizer.decode(body.tokens)}
+
+    def need_tokenizer():
+        if tokenizer is None:
+            raise ValueError("this model folder has no tokenizer: send and read token ids")
 
     @app.get("/v1/models")
     async def models():
@@ -103,7 +178,7 @@ def create_app(engine, model_name: str, stream_interval: int = 1) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(body: api.CompletionRequest, raw: HTTPRequest):
-        check_model(body.model)
+        start(body)
         if tokenizer is None and (body.echo or body.logprobs is not None):
             raise ValueError("echo and logprobs need the model's tokenizer, and this model folder has none")
         params = body.completion_params(engine.default_sampling_overrides)
@@ -116,12 +191,13 @@ def create_app(engine, model_name: str, stream_interval: int = 1) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat(body: api.ChatRequest, raw: HTTPRequest):
-        check_model(body.model)
-        params = body.chat_params(engine.default_sampling_overrides)
+        start(body)
+        tools = ToolChoice(body.tools, body.tool_choice, tool_call_parser)
+        params = body.chat_params(engine.default_sampling_overrides, tools.schema())
         await compile_grammar(engine, params)
         prompt = await asyncio.to_thread(chat_prompt, tokenizer, body)
         requests = await submit(raw, [(prompt, params)])
-        reply = _Chat(tokenizer, model_name, body, requests)
+        reply = _Chat(tokenizer, model_name, body, requests, tools)
         if body.stream:
             return sse(raw, requests, reply)
         return reply.response(await collect(raw, requests))
@@ -129,7 +205,8 @@ def create_app(engine, model_name: str, stream_interval: int = 1) -> FastAPI:
     return app
 
 
-def chat_prompt(tokenizer, body: api.ChatRequest) -> list[int]:
+def chat_prompt(tokenizer, body) -> list[int]:
+    """A chat request's (or a /tokenize request's) messages as the token ids of its template's text."""
     if "chat_template" in (body.chat_template_kwargs or {}):
         # as vLLM by default: a request may pass variables to the server's template, not its own
         # template (which the server would render)
@@ -144,7 +221,7 @@ def chat_prompt(tokenizer, body: api.ChatRequest) -> list[int]:
         tools=body.tools,
         chat_template_kwargs=body.chat_template_kwargs,
     )
-    return tokenizer.encode(text, add_special_tokens=False)  # the template wrote any BOS
+    return encode_text(tokenizer, text, "messages", add_special_tokens=False)  # the template wrote any BOS
 
 
 async def compile_grammar(engine, params):
@@ -296,6 +373,7 @@ class _Reply:
 
     def __init__(self, tokenizer, model_name: str, body, requests: list[Request]):
         self.tokenizer, self.model, self.body, self.requests = tokenizer, model_name, body, requests
+        self.name = api.token_names(tokenizer, body.return_tokens_as_token_ids)   # of logprobs' tokens
         self.id, self.created = api.new_id(self.id_prefix), api.now()
         # (the context: read behind the prompt's last tokens, as the final text is)
         self.streams = [_TextStream(tokenizer, r.params, r.seqs[0].text_context)
@@ -304,8 +382,9 @@ class _Reply:
         self.chunk_head = "data: " + _encode(self.envelope(self.chunk_name))[:-1] + ',"choices":['
 
     def chunk_event(self, update: Update) -> str:
-        """One server-sent event with this update's choice."""
-        return f"{self.chunk_head}{self.choice_json(update)}]}}\n\n"
+        """One server-sent event with this update's choice ("" when it has nothing to say)."""
+        choice = self.choice_json(update)
+        return f"{self.chunk_head}{choice}]}}\n\n" if choice else ""
 
     def envelope(self, name: str, **fields) -> dict:
         return {"id": self.id, "object": name, "created": self.created, "model": self.model, **fields}
@@ -323,6 +402,13 @@ class _Reply:
     def request_of(self, index: int) -> Request:
         return next(r for r in reversed(self.requests) if r.choice_base <= index)
 
+    def prompt_logprobs(self, request: Request) -> list | None:
+        """vLLM's prompt_logprobs field, when the request asked for it."""
+        if self.body.prompt_logprobs is None:
+            return None
+        seq = request.seqs[0]
+        return api.prompt_logprobs(self.tokenizer, seq.prompt_token_ids, seq.prompt_logprobs)
+
 
 class _Completions(_Reply):
     id_prefix, object_name, chunk_name = "cmpl", "text_completion", "text_completion"
@@ -333,8 +419,12 @@ class _Completions(_Reply):
         self.next_offsets: dict[int, int] = {}    # by choice: the text_offset of its next token
 
     def prompt_text(self, index: int) -> str:
-        prompt = self.request_of(index).prompt
-        return prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt)
+        """The prompt an echo repeats: the client's text, or what is left of it after
+        truncate_prompt_tokens, so that it matches its tokens' logprobs."""
+        request = self.request_of(index)
+        if isinstance(request.prompt, str) and request.params.truncate_prompt_tokens is None:
+            return request.prompt
+        return self.tokenizer.decode(request.seqs[0].prompt_token_ids)
 
     def logprobs(self, index: int, token_ids, logprobs, with_prompt: bool = False):
         """The choice's logprobs for these output tokens, which follow those of its earlier calls:
@@ -345,7 +435,7 @@ class _Completions(_Reply):
         start = self.next_offsets.get(index)
         if start is None:
             start = _end_offset(self.prompt_part(index)) if self.body.echo else 0
-        out = api.completion_logprobs(self.tokenizer, token_ids, logprobs, start)
+        out = api.completion_logprobs(self.name, token_ids, logprobs, start)
         if out["tokens"]:
             self.next_offsets[index] = _end_offset(out)
         return api.join_logprobs(self.prompt_part(index), out) if with_prompt else out
@@ -359,7 +449,7 @@ class _Completions(_Reply):
             seq = request.seqs[0]
             prompt_logprobs = [None, *seq.prompt_logprobs]   # none for the first token
             part = self.prompt_parts[id(request)] = api.completion_logprobs(
-                self.tokenizer, seq.prompt_token_ids, prompt_logprobs, 0)
+                self.name, seq.prompt_token_ids, prompt_logprobs, 0)
         return part
 
     def response(self, outputs) -> dict:
@@ -374,6 +464,7 @@ class _Completions(_Reply):
                     "logprobs": self.logprobs(i, token_ids, logprobs, with_prompt=echo),
                     "finish_reason": out.finish_reason,
                     "stop_reason": out.stop_reason,
+                    "prompt_logprobs": self.prompt_logprobs(self.request_of(i)),
                 }
             )
         return self.envelope(self.object_name, choices=choices, usage=self.usage(outputs))
@@ -399,39 +490,56 @@ def _end_offset(logprobs: dict) -> int:
     return logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
 
 
-def _finish_json(out) -> str:
-    """The last two fields of a streamed choice: null until its final output."""
+def _finish_json(out, finish_reason: str | None = None) -> str:
+    """The last two fields of a streamed choice: null until its final output. finish_reason: the
+    output's own unless given."""
     if out is None:
         return 'null,"stop_reason":null'
-    return f'{_encode(out.finish_reason)},"stop_reason":{_encode(out.stop_reason)}'
+    return f'{_encode(finish_reason or out.finish_reason)},"stop_reason":{_encode(out.stop_reason)}'
 
 
 class _Chat(_Reply):
     id_prefix, object_name, chunk_name = "chatcmpl", "chat.completion", "chat.completion.chunk"
 
+    def __init__(self, tokenizer, model_name: str, body, requests: list[Request], tools: ToolChoice):
+        super().__init__(tokenizer, model_name, body, requests)
+        self.tools = tools
+        self.tool_streams = [tools.stream() for _ in self.streams]
+
     def response(self, outputs) -> dict:
-        choices = [
-            {
+        echo, choices = self.body.echo_text(), []
+        for i, (out, logprobs) in enumerate(outputs):
+            content, calls = self.tools.read(out.text)
+            logprobs = None if logprobs is None else api.chat_logprobs(self.name, out.token_ids, logprobs)
+            message = {"role": self.body.reply_role, "content": None if content is None else echo + content}
+            if calls:
+                message["tool_calls"] = calls
+            choices.append({
                 "index": i,
-                "message": {"role": "assistant", "content": out.text},
-                "logprobs": api.chat_logprobs(self.tokenizer, out.token_ids, logprobs)
-                if logprobs is not None
-                else None,
-                "finish_reason": out.finish_reason,
+                "message": message,
+                "logprobs": logprobs,
+                "finish_reason": self.tools.finish_reason(calls, out.finish_reason),
                 "stop_reason": out.stop_reason,
-            }
-            for i, (out, logprobs) in enumerate(outputs)
-        ]
-        return self.envelope(self.object_name, choices=choices, usage=self.usage(outputs))
+            })
+        return self.envelope(self.object_name, choices=choices, usage=self.usage(outputs),
+                             prompt_logprobs=self.prompt_logprobs(self.requests[0]))
 
     def choice_json(self, update: Update) -> str:
-        stream = self.streams[update.index]
-        role = '"role":"assistant",' if not stream.ids else ""
-        content = _encode(stream.delta(update))
+        stream, tools = self.streams[update.index], self.tool_streams[update.index]
+        first = not stream.ids
+        delta = tools.delta(stream.delta(update), final=update.output is not None)
+        if first:   # the role, and an echoed message, go with the first delta
+            delta = {"role": self.body.reply_role, **delta}
+            if echo := self.body.echo_text():
+                delta["content"] = echo + delta.get("content", "")
         logprobs = None
         if update.logprobs is not None:
-            logprobs = api.chat_logprobs(self.tokenizer, update.token_ids, update.logprobs)
+            logprobs = api.chat_logprobs(self.name, update.token_ids, update.logprobs)
+        out = update.output
+        if not delta and out is None and logprobs is None:   # text held back (a tool call being written)
+            return ""
+        reason = None if out is None else self.tools.finish_reason(tools.calls, out.finish_reason)
         return (
-            f'{{"index":{update.index},"delta":{{{role}"content":{content}}},'
-            f'"logprobs":{_encode(logprobs)},"finish_reason":{_finish_json(update.output)}}}'
+            f'{{"index":{update.index},"delta":{_encode(delta)},'
+            f'"logprobs":{_encode(logprobs)},"finish_reason":{_finish_json(out, reason)}}}'
         )

@@ -3,10 +3,13 @@
 
 import argparse
 import dataclasses
+import json
 import logging
+import os
 import sys
 
 from nanovllm.engine.arg_utils import EngineArgs
+from nanovllm.serve.tools import PARSERS
 
 
 def parser() -> argparse.ArgumentParser:
@@ -27,8 +30,29 @@ def parser() -> argparse.ArgumentParser:
         "fewer, larger events, less host work per token under many streams)",
     )
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1 routes (default: $VLLM_API_KEY; "
+                   "neither: no key)")
+    for what in ("origins", "methods", "headers"):
+        p.add_argument(f"--allowed-{what}", type=_json_list, default=["*"],
+                       help=f"CORS: the allowed {what}, a JSON list (default [\"*\"])")
+    p.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='let the model decide to call tools (tool_choice "auto"); needs --tool-call-parser')
+    p.add_argument("--tool-call-parser", choices=PARSERS, default=None,
+                   help="how the model writes tool calls (hermes: <tool_call>{json}</tool_call>, Qwen's)")
     EngineArgs.add_cli_args(p)  # every LLM option, as vLLM spells its flags (--max-model-len ...)
     return p
+
+
+def _json_list(text: str) -> list[str]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        value = None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise argparse.ArgumentTypeError(f'expected a JSON list of strings such as \'["*"]\', got {text!r}')
+    return value
 
 
 def serve(argv: list[str] | None = None):
@@ -43,6 +67,8 @@ def serve(argv: list[str] | None = None):
     from nanovllm.llm import LLM
 
     args = parser().parse_args(argv)
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise SystemExit(f"--enable-auto-tool-choice needs --tool-call-parser (one of: {', '.join(PARSERS)})")
     if args.model_tag:
         args.model = args.model_tag
     logging.basicConfig(
@@ -51,7 +77,15 @@ def serve(argv: list[str] | None = None):
     llm = LLM(**dataclasses.asdict(EngineArgs.from_cli_args(args)))
     try:
         uvicorn.run(
-            create_app(llm, args.served_model_name or args.model, args.stream_interval),
+            create_app(
+                llm,
+                args.served_model_name or args.model,
+                args.stream_interval,
+                api_key=args.api_key or os.environ.get("VLLM_API_KEY"),
+                tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
+                cors=dict(allow_origins=args.allowed_origins, allow_methods=args.allowed_methods,
+                          allow_headers=args.allowed_headers, allow_credentials=args.allow_credentials),
+            ),
             host=args.host,
             port=args.port,
             log_level=args.log_level,

@@ -97,7 +97,13 @@ class EngineLoop:
         except BaseException as e:  # a broken engine fails every open request, never hangs one
             logger.exception("the engine loop failed")
             self.error = e
-            self._fail_all(e)
+            self._fail_all(EngineError(f"the engine failed: {e!r}"))
+            return
+        # Stopped (the server shuts down): what was accepted is answered too, and its blocks freed.
+        self.error = EngineError("the server is shutting down")
+        for request in self.active.values():
+            self.engine.abort(request.seqs)
+        self._fail_all(self.error)
 
     def _apply_commands(self, block: bool) -> bool:
         """Apply queued commands (waiting for one when the engine is idle); False on stop."""
@@ -128,6 +134,7 @@ class EngineLoop:
             for i, request in enumerate(requests):
                 request.seqs = self.engine.add_request(request.prompt, request.params, prompt_index=i)
                 added.append(request)
+                self._check_room(request, i)
         except (ValueError, TypeError, ImportError) as e:  # the client's fault: a 400, the engine goes on
             for request in added:
                 self.engine.abort(request.seqs)
@@ -140,6 +147,16 @@ class EngineLoop:
             request.published = [seq.num_prompt_tokens for seq in request.seqs]
             self.active[id(request)] = request
         self.loop.call_soon_threadsafe(_settle, accepted, None)
+
+    def _check_room(self, request: Request, index: int):
+        """As vLLM's server (not its offline LLM, which stops at max_model_len): max_tokens must fit
+        beside the prompt."""
+        limit, prompt = self.engine.config.max_model_len, request.seqs[0].num_prompt_tokens
+        wanted = request.params.max_tokens
+        if wanted is not None and prompt + wanted > limit:
+            raise ValueError(f"prompt {index}: 'max_tokens' or 'max_completion_tokens' is too large: "
+                             f"{wanted}. This model's maximum context length is {limit} tokens and your "
+                             f"request has {prompt} input tokens ({wanted} > {limit} - {prompt})")
 
     def _publish(self):
         """Send every completion's new tokens (and its final output once finished) to its request;
@@ -176,8 +193,7 @@ class EngineLoop:
         if deliveries:
             self.loop.call_soon_threadsafe(_deliver, deliveries)
 
-    def _fail_all(self, error: BaseException):
-        failure = EngineError(f"the engine failed: {error!r}")
+    def _fail_all(self, failure: EngineError):
         self.loop.call_soon_threadsafe(_deliver, [(r, failure) for r in self.active.values()])
         self.active.clear()
         while True:  # requests still queued: refuse them too
