@@ -166,6 +166,54 @@ def test_soak_many_calls_memory_stays_flat(qwen3_dir):
         assert torch.cuda.memory_allocated() - cuda0 < 1 << 20
 
 
+# ---- shutdown -----------------------------------------------------------------------------
+
+def test_shutdown_frees_the_weights_without_the_cycle_collector(qwen3_dir):
+    # a layer and its parameters reference each other (their weight_loader): shutdown collects them
+    # itself, so the memory comes back (on a GPU, before empty_cache) even with automatic
+    # collection off, as some services run
+    import weakref
+    llm = LLM(qwen3_dir, kvcache_block_size=16, num_kvcache_blocks=8)
+    weight = weakref.ref(next(llm.model_runner.model.parameters()))
+    gc.disable()
+    try:
+        llm.shutdown()
+        assert weight() is None
+    finally:
+        gc.enable()
+
+
+def test_shutdown_from_another_thread_ends_a_running_call_with_a_clear_error(qwen3_dir):
+    import threading
+    llm = LLM(qwen3_dir, kvcache_block_size=16, num_kvcache_blocks=64, enforce_eager=True)
+    runner, stepping, shut = llm.model_runner, threading.Event(), threading.Event()
+    real_launch = runner.launch
+
+    def launch(*args, **kwargs):   # the call is inside a step when shutdown() comes
+        stepping.set()
+        shut.wait(30)
+        return real_launch(*args, **kwargs)
+    runner.launch = launch
+    outcome = []
+
+    def run():
+        try:
+            llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)
+            outcome.append(None)
+        except Exception as e:
+            outcome.append(e)
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    assert stepping.wait(30)
+    llm.shutdown()   # does not wait for the call: it releases the model under it
+    shut.set()
+    thread.join(30)
+    assert not thread.is_alive() and isinstance(outcome[0], RuntimeError), outcome
+    assert "shut down (by another thread) during this call" in str(outcome[0])
+    with pytest.raises(RuntimeError, match="shut down"):
+        llm.generate([[5, 6]], GREEDY, use_tqdm=False)
+
+
 # ---- start-up errors ----------------------------------------------------------------------
 
 def test_missing_model_folder(tmp_path):

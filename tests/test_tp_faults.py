@@ -19,7 +19,7 @@ from tp_faults_runner import assert_no_leftovers, run_scenarios
 
 SCENARIOS = ["no_main_guard", "worker_raises", "worker_killed", "worker_killed_mid_generate",
              "worker_stopped", "interrupt_in_step", "interrupt_in_shutdown", "startup_failure",
-             "interrupt_in_shutdown_then_exit"]
+             "interrupt_in_shutdown_then_exit", "worker_stopped_while_starting", "worker_killed_then_dropped"]
 
 
 @pytest.fixture(scope="module")
@@ -85,6 +85,21 @@ def test_startup_failure_on_a_worker_names_it_and_why(results):
     assert r["start"]["error"] == "WorkerError" and r["start"]["seconds"] < 30
     assert "rank 1" in r["start"]["message"] and "injected start-up failure" in r["start"]["message"]
     assert not r["shm_left"]
+
+
+def test_worker_stopped_while_it_starts_fails_the_start_within_seconds(results):
+    # stopped before its heartbeat began (still importing): the process state tells, not a beat
+    r = results("worker_stopped_while_starting")
+    assert r["stopped"], "no worker appeared to stop"
+    assert r["start"]["error"] == "WorkerError" and r["start"]["seconds"] < 15, r["start"]
+    assert "rank 1" in r["start"]["message"] and "stopped" in r["start"]["message"]
+    assert not r["pids_alive"] and not r["shm_left"]   # killed, stopped or not
+
+
+def test_a_failed_engine_is_freed_when_dropped_without_the_cycle_collector(results):
+    r = results("worker_killed_then_dropped")
+    assert r["first"]["error"] == "WorkerError"
+    assert r["alive_after_del"] == []
 
 
 RANK0 = r"""

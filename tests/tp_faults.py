@@ -7,6 +7,7 @@ prints one JSON line per scenario as it finishes. This file deliberately has no
 `if __name__ == "__main__":` guard: the workers must not run the user's script (scenario
 "no_main_guard" generates with TP=2 from it)."""
 import faulthandler
+import functools
 import json
 import os
 import signal
@@ -169,6 +170,56 @@ def startup_failure():
         return dict(start=outcome(lambda: LLM(MODEL, tensor_parallel_size=2, **OPTIONS)))
     finally:
         del os.environ["NANOVLLM_TEST_FAIL_WORKER_START"]
+
+
+def worker_killed_then_dropped():
+    """After a WorkerError, shutdown() and dropping the LLM free the workers' bookkeeping and their
+    group at once, with the cycle collector off: nothing (such as the error's traceback) keeps them."""
+    import gc
+    import weakref
+    llm = LLM(MODEL, tensor_parallel_size=2, **OPTIONS)
+    os.kill(llm.executor.workers.pids[0], signal.SIGKILL)
+    workers, group = weakref.ref(llm.executor.workers), weakref.ref(llm.executor.workers.group)
+    first = outcome(functools.partial(tokens, llm))
+    llm.shutdown()
+    gc.disable()
+    try:
+        del llm
+        alive = [name for name, ref in (("workers", workers), ("group", group)) if ref() is not None]
+    finally:
+        gc.enable()
+    return dict(first=first, alive_after_del=alive)
+
+
+def worker_stopped_while_starting():
+    """A worker stopped (SIGSTOP) as soon as it exists, while it imports, before its heartbeat
+    begins: LLM() raises within seconds, not after the start-up timeout."""
+    stopped = []
+
+    def stop_the_first_worker():
+        deadline = time.monotonic() + 60
+        while not stopped and time.monotonic() < deadline:
+            for pid in _children():
+                os.kill(pid, signal.SIGSTOP)
+                stopped.append(pid)
+            time.sleep(0.01)
+    threading.Thread(target=stop_the_first_worker, daemon=True).start()
+    start = outcome(lambda: LLM(MODEL, tensor_parallel_size=2, **OPTIONS))
+    time.sleep(0.5)
+    return dict(start=start, stopped=stopped, pids_alive=[p for p in stopped if os.path.exists(f"/proc/{p}")])
+
+
+def _children() -> list[int]:
+    """This process's child processes (Linux's /proc)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                if entry.isdigit() and int(f.read().rsplit(")", 1)[1].split()[1]) == os.getpid():
+                    found.append(int(entry))
+        except (OSError, ValueError, IndexError):
+            pass
+    return found
 
 
 for name in SCENARIOS:

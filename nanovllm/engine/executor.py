@@ -60,7 +60,7 @@ class Executor:
         also for before_sampling, which runs on rank 0 only)."""
         if self.broken:
             if not self.closed and self.workers.error is not None:
-                raise self.workers.error
+                raise self.workers.fresh_error()
             raise RuntimeError(f"{self.broken}: shut this engine down and create a new one")
         if self.workers is None:
             return self.runner.launch(batch, before_sampling=before_sampling)

@@ -72,7 +72,12 @@ def serialised(method):
                                    "Create a new LLM (and shut this one down)")
             if self._dirty:
                 self._reset()
-            return method(self, *args, **kwargs)
+            try:
+                return method(self, *args, **kwargs)
+            except Exception as e:
+                if self.executor.closed:   # shutdown() from another thread released what this call used
+                    raise RuntimeError("the engine was shut down (by another thread) during this call") from e
+                raise
     return locked
 
 

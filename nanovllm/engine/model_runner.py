@@ -1,5 +1,6 @@
 """Builds the model on its device, owns the paged KV cache and the decode CUDA graphs, and turns
 a ScheduledBatch into sampled token ids."""
+import gc
 import logging
 import os
 import time
@@ -397,5 +398,9 @@ class ModelRunner:
         self.attention_layers = []
         # the group too: it holds the rendezvous store and gloo's sockets until collected
         self.graphs = self.kv_cache = self.model = self.sampled_tokens = self.group = None
+        # The model's layers and their parameters reference each other (each parameter's
+        # weight_loader is a bound method of its layer): only the cycle collector frees them, so
+        # collect now, before giving the memory back, and also when automatic collection is off.
+        gc.collect()
         if self.use_cuda:
             torch.cuda.empty_cache()

@@ -218,7 +218,7 @@ class TPWorkers:
         """Raise WorkerError if a worker has exited (with its traceback when it wrote one) or its
         heartbeat has not moved for timeout_s while rank 0 was watching."""
         if self.error is not None:
-            raise self.error
+            raise self.fresh_error()
         now = time.monotonic()
         # Staleness counts only while rank 0 watches: after a pause (the user idle between
         # calls, or rank 0 itself stopped with Ctrl-Z) every worker starts a fresh period.
@@ -231,6 +231,9 @@ class TPWorkers:
             if code is not None:
                 self._fail(self._exit_error(w, code))
             beat = self.beats.count(w.rank)
+            if beat == 0 and _stopped(w.proc.pid):   # before its heartbeat began: still importing
+                self._fail(WorkerError(f"tensor-parallel worker rank {w.rank} (pid {w.proc.pid}) was "
+                                       "stopped (SIGSTOP, a debugger) while it was starting"))
             if beat != w.beat or not watching:
                 w.beat, w.beat_seen = beat, now
             elif beat and now - w.beat_seen > self.timeout_s:
@@ -257,7 +260,12 @@ class TPWorkers:
                 for w in self.workers:
                     if w.proc.poll() is None:
                         w.proc.kill()
-        raise self.error
+        raise self.fresh_error()
+
+    def fresh_error(self) -> WorkerError:
+        """A fresh copy of the error to raise: the stored one never carries a traceback, whose
+        frames would keep this object and its group alive after the engine is dropped."""
+        return WorkerError(*self.error.args)
 
     def raise_if_died(self, error: BaseException, grace_s: float = 2.0):
         """After rank 0 failed (a gloo collective broke): if a worker died or is dying, raise
@@ -396,3 +404,12 @@ def _worker_env() -> dict[str, str]:
     root = os.path.dirname(os.path.dirname(os.path.abspath(nanovllm.__file__)))
     path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
     return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
+
+
+def _stopped(pid: int) -> bool:
+    """Is the process stopped (SIGSTOP, Ctrl-Z alone, a debugger)? Linux's /proc; elsewhere False."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False

@@ -55,6 +55,7 @@ def create_app(engine, model_name: str, stream_interval: int = 1, *, api_key: st
             yield
         finally:
             app.state.loop.stop()
+            gc.unfreeze()   # so that shutting the engine down can collect the model
 
     app = FastAPI(title="nanovllm", lifespan=lifespan)
     app.add_middleware(CORSMiddleware, **{"allow_origins": ["*"], "allow_methods": ["*"],
