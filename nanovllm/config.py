@@ -58,6 +58,15 @@ class Config:
     hf_overrides: dict[str, Any] | Callable | None = None   # set on the HF config after loading (a dict),
                                                 # or a function of it that returns the config to use
     max_logprobs: int = 20                      # most logprobs / prompt_logprobs a request asks; -1: no cap
+    skip_tokenizer_init: bool = False           # True: no tokenizer (token-id prompts, outputs without text)
+    download_dir: str | None = None             # where hub downloads go (None: huggingface_hub's cache)
+    # vLLM's names and settings that change nothing here, so vLLM scripts run unchanged:
+    block_size: int | None = None               # vLLM's name for kvcache_block_size
+    swap_space: float = 4                       # GiB of CPU swap in vLLM; preempted sequences are recomputed
+    max_seq_len_to_capture: int = 8192          # CUDA graphs are captured per batch size, for any length
+    enable_chunked_prefill: bool | None = None  # prefill is always chunked: None or True
+    quantization: str | None = None             # unquantized checkpoints only: None
+    task: str = "auto"                          # "auto" or "generate": text generation
     hf_config: PretrainedConfig = field(init=False, repr=False)
 
     @classmethod
@@ -81,9 +90,15 @@ class Config:
         revision = options.get("revision")
         if revision is not None and not isinstance(revision, str):
             raise ValueError(f"revision must be a string (a branch, tag or commit) or None, got {revision!r}")
-        model = resolve_model(model, revision)
+        block, kv_block = options.get("block_size"), options.get("kvcache_block_size")
+        if block is not None and kv_block is not None and block != kv_block:
+            raise ValueError(f"block_size={block} and kvcache_block_size={kv_block} name the same setting: "
+                             "give one")
+        folder = options.get("download_dir")
+        model = resolve_model(model, revision, cache_dir=folder)
         tokenizer = options.get("tokenizer")
-        return model, None if tokenizer is None else resolve_model(tokenizer, revision, weights=False)
+        return model, None if tokenizer is None else resolve_model(tokenizer, revision, weights=False,
+                                                                   cache_dir=folder)
 
     def __getstate__(self):
         # hf_overrides is already applied to hf_config; a function (often a lambda) need not pickle
@@ -99,6 +114,11 @@ class Config:
             raise FileNotFoundError(f"model folder {self.model!r} does not exist")
         if not os.path.isfile(os.path.join(self.model, "config.json")):
             raise FileNotFoundError(f"model folder {self.model!r} has no config.json")
+        if self.block_size is not None:
+            _check_int(self, "block_size", 1)
+            self.kvcache_block_size = self.block_size
+        self.block_size = self.kvcache_block_size
+        _vllm_no_ops(self)
         _check_int(self, "max_num_batched_tokens", 1)
         _check_int(self, "max_num_seqs", 1)
         _check_int(self, "max_model_len", 1)
@@ -119,7 +139,8 @@ class Config:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         for name in ("enforce_eager", "disable_custom_all_reduce", "enable_prefix_caching",
-                     "async_scheduling", "trust_remote_code", "disable_log_stats", "calculate_kv_scales"):
+                     "async_scheduling", "trust_remote_code", "disable_log_stats", "calculate_kv_scales",
+                     "skip_tokenizer_init"):
             if not _is_bool(getattr(self, name)):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
             setattr(self, name, bool(getattr(self, name)))
@@ -152,6 +173,22 @@ class Config:
         self.hf_config = apply_hf_overrides(load_hf_config(self.model), self.hf_overrides)
         self.max_model_len = min(self.max_model_len, self.hf_config.max_position_embeddings)
         _check_tp_divides(self.hf_config, self.tensor_parallel_size)
+
+
+def _vllm_no_ops(cfg: "Config"):
+    """vLLM options that nanovllm takes at the values that mean what it always does."""
+    if _is_bool(cfg.swap_space) or not isinstance(cfg.swap_space, numbers.Real) or cfg.swap_space < 0:
+        raise ValueError(f"swap_space must be a number of GiB >= 0, got {cfg.swap_space!r}")
+    _check_int(cfg, "max_seq_len_to_capture", 1)
+    if cfg.enable_chunked_prefill not in (None, True):
+        raise ValueError("enable_chunked_prefill: nanovllm always chunks long prefills (within "
+                         f"max_num_batched_tokens); pass None or True, got {cfg.enable_chunked_prefill!r}")
+    if cfg.quantization is not None:
+        raise ValueError(f"quantization={cfg.quantization!r}: nanovllm runs unquantized checkpoints (the KV "
+                         "cache can be FP8: kv_cache_dtype='fp8'); pass None")
+    _check_choice(cfg, "task", ("auto", "generate"))
+    if cfg.download_dir is not None and not isinstance(cfg.download_dir, (str, os.PathLike)):
+        raise ValueError(f"download_dir must be a folder path or None, got {cfg.download_dir!r}")
 
 
 def _check_tp_divides(hf_config: PretrainedConfig, tp: int):

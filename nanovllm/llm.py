@@ -1,6 +1,9 @@
+from tqdm.auto import tqdm
+
 from nanovllm.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence, beam_score, extend
 from nanovllm.chat_utils import load_chat_template, render_chat
-from nanovllm.engine.llm_engine import LLMEngine, _as_prompt_list, serialised
+from nanovllm.engine.llm_engine import LLMEngine, _as_prompt_list, check_lora_and_priority, serialised
+from nanovllm.engine.progress import check_use_tqdm
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import SamplingParams
 
@@ -25,18 +28,44 @@ class LLM(LLMEngine):
         return self
 
     @serialised
-    def beam_search(self, prompts, params: BeamSearchParams,
-                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+    def beam_search(self, prompts, params: BeamSearchParams, lora_request=None, use_tqdm: bool = False,
+                    concurrency_limit: int | None = None) -> list[BeamSearchOutput]:
         """vLLM's LLM.beam_search: for each prompt (a string, token ids or a prompt dict), the
-        params.beam_width best beams of up to params.max_tokens tokens, best first."""
+        params.beam_width best beams of up to params.max_tokens tokens, best first. use_tqdm: one bar
+        over the token steps; concurrency_limit: search at most this many prompts at a time (the
+        same results, less memory); lora_request: None (see check_lora_and_priority)."""
         if not isinstance(params, BeamSearchParams):
             raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        check_use_tqdm(use_tqdm)
         prompts = _as_prompt_list(prompts)
+        check_lora_and_priority(lora_request, None, len(prompts))
+        cap = self.config.max_logprobs
+        if cap != -1 and 2 * params.beam_width > cap:
+            raise ValueError(f"beam_width={params.beam_width} needs the {2 * params.beam_width} most likely "
+                             f"tokens each step, more than max_logprobs={cap}: use beam_width <= {cap // 2} "
+                             "or raise LLM(max_logprobs=...) (-1: no cap)")
+        if concurrency_limit is not None and (type(concurrency_limit) is not int or concurrency_limit < 1):
+            raise ValueError(f"concurrency_limit must be an integer >= 1 or None, got {concurrency_limit!r}")
+        token_ids = [self._token_ids(p, i) for i, p in enumerate(prompts)]   # all checked first
+        limit = concurrency_limit or max(len(prompts), 1)
+        chunks = [token_ids[i:i + limit] for i in range(0, len(token_ids), limit)]
+        bar = None
+        if use_tqdm:   # one bar over the token steps, as vLLM's
+            bar = (use_tqdm if callable(use_tqdm) else tqdm)(
+                total=params.max_tokens * len(chunks), desc="Beam search", unit="token", dynamic_ncols=True)
+        try:
+            return [out for chunk in chunks for out in self._beam_search(chunk, params, bar)]
+        finally:
+            if bar is not None:
+                bar.close()
+
+    def _beam_search(self, token_ids: list[list[int]], params: BeamSearchParams,
+                     bar) -> list[BeamSearchOutput]:
         eos = self.scheduler.eos_token_ids
         step = SamplingParams(temperature=params.temperature, max_tokens=1, logprobs=2 * params.beam_width,
                               ignore_eos=True, detokenize=False)
-        beams = [[BeamSearchSequence(self._token_ids(p, i))] for i, p in enumerate(prompts)]
-        completed = [[] for _ in prompts]
+        beams = [[BeamSearchSequence(ids)] for ids in token_ids]
+        completed = [[] for _ in token_ids]
 
         def key(beam):
             return beam_score(beam, eos, params.length_penalty)
@@ -48,7 +77,9 @@ class LLM(LLMEngine):
             flat = [b for live in beams for b in live]
             if not flat:
                 break
-            outputs = iter(self.generate([b.tokens for b in flat], step, use_tqdm=use_tqdm))
+            outputs = iter(self.generate([b.tokens for b in flat], step, use_tqdm=False))
+            if bar is not None:
+                bar.update(1)
             for i, live in enumerate(beams):
                 candidates = []
                 for beam in live:
@@ -68,15 +99,23 @@ class LLM(LLMEngine):
 
     @serialised
     def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-             use_tqdm=True, chat_template: str | None = None, chat_template_content_format: str = "auto",
-             add_generation_prompt: bool = True, continue_final_message: bool = False,
-             tools: list[dict] | None = None,
-             chat_template_kwargs: dict | None = None, lora_request=None) -> list[RequestOutput]:
-        """vLLM's LLM.chat: `messages` is one conversation (a list of {"role", "content"} dicts) or a
-        list of them; each is rendered with the chat template (the tokenizer's, or `chat_template`)
-        and generated from. continue_final_message: the last (assistant) message is continued
-        rather than a new one started; tools: function definitions the template shows the model;
-        lora_request: None (see check_lora_and_priority)."""
+             use_tqdm=True, lora_request=None, chat_template: str | None = None,
+             chat_template_content_format: str = "auto", add_generation_prompt: bool = True,
+             continue_final_message: bool = False, tools: list[dict] | None = None,
+             chat_template_kwargs: dict | None = None, mm_processor_kwargs: dict | None = None,
+             tokenization_kwargs: dict | None = None) -> list[RequestOutput]:
+        """vLLM's LLM.chat (its argument order): `messages` is one conversation (a list of {"role",
+        "content"} dicts) or a list of them; each is rendered with the chat template (the
+        tokenizer's, or `chat_template`) and generated from. continue_final_message: the last
+        (assistant) message is continued rather than a new one started; tools: function definitions
+        the template shows the model; lora_request: None (see check_lora_and_priority);
+        mm_processor_kwargs, tokenization_kwargs: None or empty (text-only models, and the template
+        writes the special tokens)."""
+        for name, value in (("mm_processor_kwargs", mm_processor_kwargs),
+                            ("tokenization_kwargs", tokenization_kwargs)):
+            if value:
+                raise ValueError(f"{name}: nanovllm takes none (text-only models, prompts tokenized as "
+                                 f"the chat template wrote them); pass None, got {value!r}")
         template = load_chat_template(chat_template)
         if not isinstance(messages, (list, tuple)) or not messages:
             raise TypeError("messages must be a conversation (a list of message dicts) "

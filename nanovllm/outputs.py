@@ -18,6 +18,7 @@ class CompletionOutput:
     logprobs: list[dict[int, Logprob]] | None = None   # one dict per output token
     finish_reason: str | None = None      # "stop" or "length"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    lora_request: None = None             # vLLM's field; nanovllm serves no LoRA adapters
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -33,6 +34,8 @@ class RequestOutput:
     # SamplingParams.prompt_logprobs: None for the first prompt token, then {token id: Logprob} per token
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     num_cached_tokens: int = 0            # prompt tokens whose KV came from the prefix cache
+    metrics: None = None                  # vLLM's fields, for scripts that read them: no per-request
+    lora_request: None = None             # metrics are kept, and no LoRA adapters are served
 
     def __getitem__(self, key: str):
         # nano-vllm style: out["text"], out["token_ids"] read the first completion

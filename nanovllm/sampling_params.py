@@ -1,4 +1,5 @@
 """SamplingParams: vLLM's fields, defaults and meanings; bad values raise ValueError naming the field."""
+import copy
 import numbers
 from dataclasses import dataclass
 
@@ -46,6 +47,15 @@ class SamplingParams:
 
     def __post_init__(self):
         self.validate()
+
+    def clone(self) -> "SamplingParams":
+        """A deep copy (vLLM's), to change one request's settings without touching another's."""
+        return copy.deepcopy(self)
+
+    @classmethod
+    def from_optional(cls, **fields) -> "SamplingParams":
+        """vLLM's: SamplingParams(**fields), a field given as None taking its default."""
+        return cls(**{k: v for k, v in fields.items() if v is not None})
 
     def validate(self):
         """Check every field and normalise it (numpy scalars become Python numbers, one stop string

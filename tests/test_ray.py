@@ -114,7 +114,8 @@ def test_the_driver_reads_the_model_tokenizer_and_defaults_the_replicas_use(monk
     with pytest.raises(Stop):
         LLM("org/model", data_parallel_size=2, revision="v2", tokenizer="org/tok", tokenizer_mode="slow",
             generation_config="vllm", **ENGINE)
-    assert calls == [("resolve", ("org/model", "v2"), {}), ("resolve", ("org/tok", "v2"), {"weights": False}),
+    assert calls == [("resolve", ("org/model", "v2"), {"cache_dir": None}),
+                     ("resolve", ("org/tok", "v2"), {"weights": False, "cache_dir": None}),
                      ("tokenizer", (qwen3_dir, "slow"), {}), ("defaults", (qwen3_dir, "vllm"), {})]
 
 

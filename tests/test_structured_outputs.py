@@ -350,6 +350,9 @@ def test_invalid_constraints_are_value_errors_before_anything_is_queued(llm):
         with pytest.raises(ValueError, match="sampling_params 1"):
             llm.generate(prompts, params, use_tqdm=False)
         assert llm.scheduler.is_finished()
+    # a Lark grammar (vLLM converts those): a ValueError that shows the EBNF spelling
+    with pytest.raises(ValueError, match=r"looks like Lark.*root ::= \"yes\" \| \"no\""):
+        llm.compile_grammar(StructuredOutputsParams(grammar='?start: "yes" | "no"'))
     # One compiled grammar per distinct spec.
     one = llm.compile_grammar(StructuredOutputsParams(json={"type": "object"}))
     assert llm.compile_grammar(StructuredOutputsParams(json='{"type":"object"}')) is one

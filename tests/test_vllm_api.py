@@ -53,6 +53,56 @@ def test_vllm_options_accepted(qwen3_dir):
     assert isinstance(c.seed, int) and c.tokenizer == qwen3_dir and c.max_logprobs == -1
 
 
+def test_vllm_s_names_and_no_op_settings_are_accepted(qwen3_dir, tmp_path):
+    # as vLLM scripts pass them: block_size is kvcache_block_size; the rest mean what nanovllm does
+    c = Config.create(qwen3_dir, block_size=32, swap_space=4, max_seq_len_to_capture=8192,
+                      enable_chunked_prefill=True, quantization=None, task="generate",
+                      skip_tokenizer_init=False, download_dir=str(tmp_path))
+    assert c.kvcache_block_size == c.block_size == 32
+    assert Config.create(qwen3_dir, kvcache_block_size=48).block_size == 48
+    for bad, message in [(dict(block_size=16, kvcache_block_size=32), "name the same setting"),
+                         (dict(quantization="awq"), "unquantized checkpoints"),
+                         (dict(enable_chunked_prefill=False), "always chunks"),
+                         (dict(task="embed"), "task must be one of"),
+                         (dict(swap_space=-1), "swap_space must be"),
+                         (dict(block_size=0), "block_size must be an integer >= 1")]:
+        with pytest.raises(ValueError, match=message):
+            Config.create(qwen3_dir, **bad)
+
+
+def test_skip_tokenizer_init_serves_token_ids(qwen3_dir):
+    llm = LLM(qwen3_dir, skip_tokenizer_init=True, **ENGINE)
+    assert llm.get_tokenizer() is None
+    out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
+                       use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 3 and out.text == ""
+    with pytest.raises(ValueError, match="no tokenizer"):
+        llm.generate(["w5 w6"], use_tqdm=False)
+
+
+def test_vllm_s_small_helpers(llm):
+    # methods and fields vLLM scripts reach for
+    assert llm.llm_engine.model_config.max_model_len == ENGINE["max_model_len"]
+    assert llm.llm_engine.model_config.hf_config.vocab_size > 0
+    params = SamplingParams(temperature=0.5, stop=["x"])
+    copy = params.clone()
+    copy.stop.append("y")
+    assert copy.temperature == 0.5 and params.stop == ["x"]
+    assert vars(SamplingParams.from_optional(temperature=None, top_p=0.5)) == vars(SamplingParams(top_p=0.5))
+    out = llm.generate([[5, 6]], SamplingParams(max_tokens=1), use_tqdm=None)[0]   # None: no bar
+    assert out.metrics is None and out.lora_request is None and out.outputs[0].lora_request is None
+    # reset_prefix_cache: a cached prefix is forgotten (and refused while requests are queued)
+    prompt = list(range(10, 60))
+    llm.generate([prompt], SamplingParams(max_tokens=1), use_tqdm=False)
+    assert llm.generate([prompt], SamplingParams(max_tokens=1), use_tqdm=False)[0].num_cached_tokens > 0
+    llm.add_request([5, 6], SamplingParams(max_tokens=1))
+    assert llm.reset_prefix_cache() is False
+    while not llm.is_finished():
+        llm.step()
+    assert llm.reset_prefix_cache() is True
+    assert llm.generate([prompt], SamplingParams(max_tokens=1), use_tqdm=False)[0].num_cached_tokens == 0
+
+
 def test_hf_overrides_dict_and_function(qwen3_dir):
     assert Config.create(qwen3_dir, hf_overrides={"max_position_embeddings": 64}).max_model_len == 64
 
@@ -362,6 +412,29 @@ def test_beam_search_params_validation():
             BeamSearchParams(**bad)
 
 
+def test_beam_search_takes_vllm_s_arguments(llm):
+    from nanovllm import BeamSearchParams
+    params = BeamSearchParams(beam_width=2, max_tokens=3, ignore_eos=True)
+    prompts = ["w5 w6", "w7", [9, 10, 11]]
+    whole = llm.beam_search(prompts, params, lora_request=None, use_tqdm=False)
+    bars = []
+
+    def bar(**kwargs):   # one bar over the token steps, as vLLM draws it
+        from tqdm import tqdm
+        bars.append(kwargs)
+        return tqdm(disable=True, **kwargs)
+    two_at_a_time = llm.beam_search(prompts, params, use_tqdm=bar, concurrency_limit=2)
+    assert [[b.tokens for b in o.sequences] for o in two_at_a_time] == \
+        [[b.tokens for b in o.sequences] for o in whole]
+    assert len(bars) == 1 and bars[0]["desc"] == "Beam search"
+    with pytest.raises(ValueError, match="lora_request"):
+        llm.beam_search(prompts, params, lora_request=object())
+    with pytest.raises(ValueError, match="concurrency_limit"):
+        llm.beam_search(prompts, params, concurrency_limit=0)
+    with pytest.raises(ValueError, match=r"beam_width=11 needs the 22 most likely tokens.*beam_width <= 10"):
+        llm.beam_search(prompts, BeamSearchParams(beam_width=11, max_tokens=1))
+
+
 def test_beam_search_best_beam_is_exhaustive_best(tmp_path):
     """A 24-token vocabulary, 2 new tokens, beam_width = vocabulary: the best beam's score is the
     best score over every continuation of up to two tokens (an EOS ends one early)."""
@@ -433,6 +506,23 @@ def test_chat_template_tools_and_content_parts(llm, tmp_path):
     path.write_text(TEMPLATE)
     assert llm.chat([[{"role": "user", "content": "w7"}]], greedy, use_tqdm=False,
                     chat_template=str(path))[0].prompt_token_ids == [7, 9]
+
+
+def test_chat_takes_vllm_s_arguments(llm):
+    greedy = SamplingParams(temperature=0, max_tokens=2)
+    conversation = [{"role": "user", "content": "w5"}]
+    # vLLM's order: lora_request is the fourth argument; its multimodal and tokenization options at
+    # their defaults; chat_template_kwargs override the named defaults, as in vLLM
+    out = llm.chat(conversation, greedy, False, None, TEMPLATE, mm_processor_kwargs=None,
+                   tokenization_kwargs=None)[0]
+    assert out.prompt_token_ids == [5, 9]
+    bare = llm.chat(conversation, greedy, use_tqdm=False, chat_template=TEMPLATE,
+                    chat_template_kwargs={"add_generation_prompt": False})[0]
+    assert bare.prompt_token_ids == [5]
+    with pytest.raises(ValueError, match="tokenization_kwargs"):
+        llm.chat(conversation, greedy, chat_template=TEMPLATE, tokenization_kwargs={"truncation": True})
+    with pytest.raises(ValueError, match="may not set 'tokenize'"):
+        llm.chat(conversation, greedy, chat_template=TEMPLATE, chat_template_kwargs={"tokenize": True})
 
 
 def test_chat_errors(llm):

@@ -89,7 +89,8 @@ class LLMEngine:
         # between two queues when the failure came.
         self._queued: weakref.WeakSet[Sequence] = weakref.WeakSet()
         self.config = c = Config.create(model, **options)
-        self.tokenizer = load_tokenizer(c.tokenizer or c.model, c.tokenizer_mode)
+        self.tokenizer = (None if c.skip_tokenizer_init
+                          else load_tokenizer(c.tokenizer or c.model, c.tokenizer_mode))
         self.executor = Executor(c)   # rank 0's runner here, and the workers under TP
         eos_ids = eos_token_ids(c, self.tokenizer)
         self.scheduler = Scheduler(c.max_num_seqs, c.max_num_batched_tokens, c.max_model_len,
@@ -108,6 +109,20 @@ class LLMEngine:
 
     def get_tokenizer(self):
         return self.tokenizer
+
+    @property
+    def model_config(self) -> Config:
+        """vLLM scripts read llm.llm_engine.model_config (max_model_len, hf_config, model, dtype)."""
+        return self.config
+
+    @serialised
+    def reset_prefix_cache(self) -> bool:
+        """vLLM's: forget every cached prefix (say, after the weights changed). False, and nothing
+        done, while requests are queued or running (their blocks are in use)."""
+        if not self.is_finished():
+            return False
+        self.scheduler.block_manager.reset()
+        return True
 
     def get_default_sampling_params(self) -> SamplingParams:
         """vLLM's defaults for this model: SamplingParams() with the sampling settings of the

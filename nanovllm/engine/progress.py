@@ -9,7 +9,7 @@ REDRAW_SECONDS = 0.5
 
 
 def check_use_tqdm(use_tqdm):
-    if not (isinstance(use_tqdm, bool) or callable(use_tqdm)):
+    if not (use_tqdm is None or isinstance(use_tqdm, bool) or callable(use_tqdm)):   # None: no bar, as vLLM
         raise TypeError(f"use_tqdm must be True, False or a tqdm-like callable, got {use_tqdm!r}")
 
 

@@ -2,6 +2,7 @@
 its spec) when a request is validated, before anything is queued, so the step loop only fills token
 bitmasks; GrammarState is one sequence's matcher, advanced by the tokens appended to it."""
 import json
+import re
 import logging
 import os
 import threading
@@ -93,8 +94,16 @@ class GrammarCompiler:
         if kind == "choice":
             return c.compile_grammar(choice_grammar(params.choice))
         if kind == "grammar":
+            if _looks_like_lark(params.grammar):
+                raise ValueError("the grammar looks like Lark (`rule: ...`); xgrammar here takes EBNF "
+                                 '(GBNF): `start: "yes" | "no"` is written `root ::= "yes" | "no"`')
             return c.compile_grammar(params.grammar)
         return c.compile_structural_tag(params.structural_tag)
+
+
+def _looks_like_lark(grammar: str) -> bool:
+    """Lark's rules are `name: ...` (`?name: ...` inlined); EBNF's are `name ::= ...`."""
+    return "::=" not in grammar and re.search(r"^\s*\??[A-Za-z_]\w*\s*:", grammar, re.M) is not None
 
 
 def choice_grammar(choices: list[str]) -> str:

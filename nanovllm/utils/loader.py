@@ -143,10 +143,11 @@ def load_dummy_weights(model: nn.Module, seed: int = 0):
             param.data.normal_(0.0, 0.02, generator=gen)
 
 
-def resolve_model(model: str | os.PathLike, revision: str | None = None, weights: bool = True) -> str:
+def resolve_model(model: str | os.PathLike, revision: str | None = None, weights: bool = True,
+                  cache_dir: str | os.PathLike | None = None) -> str:
     """A local folder (a str or pathlib.Path; `~` is expanded) as is; anything else is a Hugging Face
     hub id, downloaded (safetensors only; weights=False: configuration and tokenizer files only) at
-    `revision` (None: the default branch)."""
+    `revision` (None: the default branch) into cache_dir (None: huggingface_hub's cache)."""
     if isinstance(model, os.PathLike):
         model = os.fspath(model)
     if not isinstance(model, str) or not model:
@@ -160,7 +161,7 @@ def resolve_model(model: str | os.PathLike, revision: str | None = None, weights
     from huggingface_hub import snapshot_download
     try:
         patterns = ["*.json", "*.txt", "*.model", "*.jinja"] + (["*.safetensors"] if weights else [])
-        return snapshot_download(model, revision=revision, allow_patterns=patterns)
+        return snapshot_download(model, revision=revision, allow_patterns=patterns, cache_dir=cache_dir)
     except Exception as e:
         raise FileNotFoundError(
             f"{model!r} is not a local folder and could not be downloaded from the Hugging Face hub "
