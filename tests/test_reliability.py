@@ -210,8 +210,8 @@ def test_shutdown_from_another_thread_ends_a_running_call_with_a_clear_error(qwe
     thread.join(30)
     assert not thread.is_alive() and isinstance(outcome[0], RuntimeError), outcome
     assert "shut down (by another thread) during this call" in str(outcome[0])
-    with pytest.raises(RuntimeError, match="shut down"):
-        llm.generate([[5, 6]], GREEDY, use_tqdm=False)
+    with pytest.raises(RuntimeError, match="the engine was shut down: shut this engine down"):
+        llm.generate([[5, 6]], GREEDY, use_tqdm=False)   # a later call: shut down before it began
 
 
 # ---- start-up errors ----------------------------------------------------------------------

@@ -534,6 +534,10 @@ def test_nulls_mean_defaults_and_an_empty_model_is_the_served_one(server):
     ({"prompt": "hi", "best_of": 3}, "best_of=3"),
     ({"prompt": "hi", "prompt_logprobs": 1, "stream": True}, "prompt_logprobs are not available"),
     ({"prompt": "hi", "seed": 2**64}, "seed"),
+    ({"prompt": "hi", "logprobs": -1}, "logprobs=-1 (the whole vocabulary) is more than this server allows"),
+    ({"prompt": "hi", "prompt_logprobs": 50},
+     "prompt_logprobs=50 is more than this server allows: ask for at most 20, or start the server with a "
+     "larger --max-logprobs"),
 ])
 def test_vllm_s_server_refusals(server, body, fragment):
     status, answer = _post(server + "/v1/completions", {"model": NAME, **body})
@@ -543,6 +547,9 @@ def test_vllm_s_server_refusals(server, body, fragment):
 def test_chat_max_completion_tokens_zero_is_refused_not_unlimited(server):
     status, answer = _post(server + "/v1/chat/completions", {"messages": CHAT, "max_completion_tokens": 0})
     assert status == 400 and "max_tokens" in answer["error"]["message"]
+    status, answer = _post(server + "/v1/chat/completions",
+                           {"messages": CHAT, "logprobs": True, "top_logprobs": 50})
+    assert status == 400 and answer["error"]["message"].startswith("top_logprobs=50 is more than")
 
 
 @pytest.mark.parametrize("data, headers, fragment", [

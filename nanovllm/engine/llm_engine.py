@@ -72,11 +72,13 @@ def serialised(method):
                                    "Create a new LLM (and shut this one down)")
             if self._dirty:
                 self._reset()
+            was_closed = self.executor.closed
             try:
                 return method(self, *args, **kwargs)
             except Exception as e:
-                if self.executor.closed:   # shutdown() from another thread released what this call used
-                    raise RuntimeError("the engine was shut down (by another thread) during this call") from e
+                if self.executor.closed and not was_closed:   # shutdown() from another thread released
+                    raise RuntimeError(                         # what this call was using
+                        "the engine was shut down (by another thread) during this call") from e
                 raise
     return locked
 

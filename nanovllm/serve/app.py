@@ -183,6 +183,7 @@ def create_app(engine, model_name: str, stream_interval: int = 1, *, api_key: st
         if tokenizer is None and (body.echo or body.logprobs is not None):
             raise ValueError("echo and logprobs need the model's tokenizer, and this model folder has none")
         params = body.completion_params(engine.default_sampling_overrides)
+        check_logprobs(body, params, engine.config.max_logprobs)
         await compile_grammar(engine, params)
         requests = await submit(raw, [(p, params) for p in body.prompts()])
         reply = _Completions(tokenizer, model_name, body, requests)
@@ -195,6 +196,7 @@ def create_app(engine, model_name: str, stream_interval: int = 1, *, api_key: st
         start(body)
         tools = ToolChoice(body.tools, body.tool_choice, tool_call_parser)
         params = body.chat_params(engine.default_sampling_overrides, tools.schema())
+        check_logprobs(body, params, engine.config.max_logprobs)
         await compile_grammar(engine, params)
         prompt = await asyncio.to_thread(chat_prompt, tokenizer, body)
         requests = await submit(raw, [(prompt, params)])
@@ -223,6 +225,19 @@ def chat_prompt(tokenizer, body) -> list[int]:
         chat_template_kwargs=body.chat_template_kwargs,
     )
     return encode_text(tokenizer, text, "messages", add_special_tokens=False)  # the template wrote any BOS
+
+
+def check_logprobs(body, params, cap: int):
+    """The engine's max_logprobs check, said in the request's fields and the server's flag."""
+    if cap == -1:
+        return
+    output_field = "top_logprobs" if isinstance(body, api.ChatRequest) else "logprobs"
+    prompt_field = "prompt_logprobs" if body.prompt_logprobs is not None else output_field
+    for field, k in ((output_field, params.logprobs), (prompt_field, params.prompt_logprobs)):
+        if k is not None and (k == -1 or k > cap):
+            asked = "-1 (the whole vocabulary)" if k == -1 else k
+            raise ValueError(f"{field}={asked} is more than this server allows: ask for at most {cap}, or "
+                             "start the server with a larger --max-logprobs")
 
 
 async def compile_grammar(engine, params):

@@ -94,7 +94,8 @@ class ToolStream:
     go out whole with the final delta."""
 
     def __init__(self, choice: ToolChoice):
-        self.choice, self.text, self.sent, self.calls = choice, "", 0, []
+        self.choice, self.text, self.calls = choice, "", []
+        self.sent = 0   # characters of text already sent as content
 
     def delta(self, new: str, final: bool) -> dict:
         """The delta's fields (content and / or tool_calls) for the text added since the last."""
@@ -102,11 +103,10 @@ class ToolStream:
         self.text += new
         if mode == "none":
             return {"content": new}
-        if mode == "named":
-            if self.sent == 0 and (new or final):
-                self.sent, self.calls = 1, [_call(self.choice.name, "")]
-                return {"tool_calls": [{"index": 0, **self.calls[0], "function": {
-                    "name": self.choice.name, "arguments": new}}]}
+        if mode == "named":   # the call's id, type and name go with its first arguments
+            if not self.calls and (new or final):
+                self.calls = [_call(self.choice.name, new)]
+                return {"tool_calls": [{"index": 0, **self.calls[0]}]}
             return {"tool_calls": [{"index": 0, "function": {"arguments": new}}]} if new else {}
         if final:
             _, self.calls = self.choice.read(self.text)
