@@ -26,7 +26,7 @@ def parse_conversation(messages, where: str, content_format: str = "auto") -> li
                 raise ValueError(f"{name} (role {message['role']!r}) has no 'content'")
             message["content"] = ""
         elif isinstance(content, (list, tuple)) and content_format != "openai":
-            message["content"] = "\n".join(_text_parts(content, name))
+            message["content"] = "\n".join(text_parts(content, name))
         elif not isinstance(content, (str, list, tuple)):
             raise ValueError(f"{name}: 'content' must be a string or a list of content parts, "
                              f"got {type(content).__name__}")
@@ -34,7 +34,7 @@ def parse_conversation(messages, where: str, content_format: str = "auto") -> li
     return parsed
 
 
-def _text_parts(parts, name: str) -> list[str]:
+def text_parts(parts, name: str) -> list[str]:
     texts = []
     for j, part in enumerate(parts):
         if isinstance(part, str):

@@ -35,7 +35,7 @@ class Config:
                                                 # large ones; kernels/all_reduce.py does the decode-sized)
     enable_prefix_caching: bool = True          # share the KV blocks of identical prompt prefixes
     async_scheduling: bool = True               # schedule step N+1 while the device runs step N
-    kvcache_block_size: int = 256               # tokens per KV-cache block
+    kvcache_block_size: int | None = None       # tokens per KV-cache block (None: 256, or block_size)
     num_kvcache_blocks: int | None = None       # fixed number of KV blocks (any device)
     kv_cache_memory_bytes: int | None = None    # KV-cache budget in bytes (any device; CPU default below)
     device: str = "auto"                        # "auto" (CUDA when available), "cuda", "cpu"
@@ -90,10 +90,6 @@ class Config:
         revision = options.get("revision")
         if revision is not None and not isinstance(revision, str):
             raise ValueError(f"revision must be a string (a branch, tag or commit) or None, got {revision!r}")
-        block, kv_block = options.get("block_size"), options.get("kvcache_block_size")
-        if block is not None and kv_block is not None and block != kv_block:
-            raise ValueError(f"block_size={block} and kvcache_block_size={kv_block} name the same setting: "
-                             "give one")
         folder = options.get("download_dir")
         model = resolve_model(model, revision, cache_dir=folder)
         tokenizer = options.get("tokenizer")
@@ -114,16 +110,21 @@ class Config:
             raise FileNotFoundError(f"model folder {self.model!r} does not exist")
         if not os.path.isfile(os.path.join(self.model, "config.json")):
             raise FileNotFoundError(f"model folder {self.model!r} has no config.json")
-        if self.block_size is not None:
+        if self.block_size is not None:   # vLLM's name for it
             _check_int(self, "block_size", 1)
+            if self.kvcache_block_size not in (None, self.block_size):
+                raise ValueError(f"block_size={self.block_size} and kvcache_block_size="
+                                 f"{self.kvcache_block_size} name the same setting: give one")
             self.kvcache_block_size = self.block_size
-        self.block_size = self.kvcache_block_size
+        if self.kvcache_block_size is None:
+            self.kvcache_block_size = 256
         _vllm_no_ops(self)
         _check_int(self, "max_num_batched_tokens", 1)
         _check_int(self, "max_num_seqs", 1)
         _check_int(self, "max_model_len", 1)
         _check_int(self, "tensor_parallel_size", 1)
         _check_int(self, "kvcache_block_size", 1)
+        self.block_size = self.kvcache_block_size
         if self.num_kvcache_blocks is not None:
             _check_int(self, "num_kvcache_blocks", 1)
         if self.kv_cache_memory_bytes is not None:

@@ -70,12 +70,14 @@ class LLM(LLMEngine):
         def key(beam):
             return beam_score(beam, eos, params.length_penalty)
 
-        for _ in range(params.max_tokens):
+        for steps_left in range(params.max_tokens, 0, -1):
             for done, live in zip(completed, beams):   # a beam at max_model_len can grow no more
                 done += [b for b in live if len(b.tokens) >= self.config.max_model_len]
                 live[:] = [b for b in live if len(b.tokens) < self.config.max_model_len]
             flat = [b for live in beams for b in live]
             if not flat:
+                if bar is not None:
+                    bar.update(steps_left)   # every beam ended early: the bar counts the steps it skips
                 break
             outputs = iter(self.generate([b.tokens for b in flat], step, use_tqdm=False))
             if bar is not None:

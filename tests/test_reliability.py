@@ -196,9 +196,10 @@ def test_shutdown_from_another_thread_ends_a_running_call_with_a_clear_error(qwe
     runner.launch = launch
     outcome = []
 
-    def run():
+    def run():   # chat: a serialised call (generate) inside another
         try:
-            llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)
+            llm.chat([{"role": "user", "content": "w5 w6"}], GREEDY, use_tqdm=False,
+                     chat_template="{% for m in messages %}{{ m['content'] }}{% endfor %}")
             outcome.append(None)
         except Exception as e:
             outcome.append(e)
@@ -210,6 +211,7 @@ def test_shutdown_from_another_thread_ends_a_running_call_with_a_clear_error(qwe
     thread.join(30)
     assert not thread.is_alive() and isinstance(outcome[0], RuntimeError), outcome
     assert "shut down (by another thread) during this call" in str(outcome[0])
+    assert not isinstance(outcome[0].__cause__, RuntimeError)   # said once, with what failed under it
     with pytest.raises(RuntimeError, match="the engine was shut down: shut this engine down"):
         llm.generate([[5, 6]], GREEDY, use_tqdm=False)   # a later call: shut down before it began
 

@@ -69,6 +69,10 @@ def model_path() -> str:
 @pytest.fixture(scope="module")
 def server(model_path, tmp_path_factory):
     """The server as a user starts it (python -m nanovllm.serve), stopped at the end whatever happens."""
+    yield from _serve(model_path, tmp_path_factory)
+
+
+def _serve(model_path, tmp_path_factory, *extra_flags):
     port = _free_port()
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in ENGINE.items()]
     log = open(tmp_path_factory.mktemp("server") / "server.log", "w+")  # a file: a full pipe would block it
@@ -86,6 +90,7 @@ def server(model_path, tmp_path_factory):
             "--log-level",
             "warning",
             *flags,
+            *extra_flags,
         ],
         stdout=log,
         stderr=subprocess.STDOUT,
@@ -662,7 +667,9 @@ def test_named_and_required_tool_choices_return_tool_calls(client):
     got = client.chat.completions.create(model=NAME, messages=ASK, tools=[WEATHER_TOOL],
                                          tool_choice="required", max_tokens=100, temperature=0)
     choice = got.choices[0]
-    if choice.finish_reason != "length":   # a list cut short stays text
+    if choice.finish_reason == "length":   # a list cut short stays text
+        assert choice.message.tool_calls is None and choice.message.content.startswith("[")
+    else:
         assert choice.finish_reason == "tool_calls"
         assert {c.function.name for c in choice.message.tool_calls} == {"get_weather"}
     # "auto" needs the server's tool parser, as vLLM's says; tool_choice without tools is refused
@@ -674,3 +681,34 @@ def test_named_and_required_tool_choices_return_tool_calls(client):
     text = client.chat.completions.create(model=NAME, messages=ASK, tools=[WEATHER_TOOL], tool_choice="none",
                                           max_tokens=4)
     assert text.choices[0].message.tool_calls is None and text.choices[0].message.content
+
+
+@pytest.fixture(scope="module")
+def tool_server(model_path, tmp_path_factory):
+    """A second server, as an agent deployment starts it: "auto" tool choice read by the hermes
+    parser, and an API key."""
+    yield from _serve(model_path, tmp_path_factory, "--enable-auto-tool-choice",
+                      "--tool-call-parser", "hermes", "--api-key", "sesame")
+
+
+def test_auto_tool_choice_reads_hermes_calls_and_the_key_guards_v1(tool_server):
+    _needs_xgrammar()
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=tool_server + "/v1", api_key="wrong", max_retries=0).models.list()
+    assert _get(tool_server + "/health")[0] == 200   # outside /v1: no key needed
+    keyed = openai.OpenAI(base_url=tool_server + "/v1", api_key="sesame", max_retries=0, timeout=120)
+    # the small model does not call tools by itself: a regex makes it write what a tool-calling model
+    # writes, some text and then a call
+    call = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+    regex = "Sure: " + call.replace("{", "\\{").replace("}", "\\}")
+    kw = dict(model=NAME, messages=ASK, tools=[WEATHER_TOOL], max_tokens=60, temperature=0,
+              extra_body={"structured_outputs": {"regex": regex}})
+    got = keyed.chat.completions.create(**kw).choices[0]
+    expected = [("get_weather", {"city": "Paris"})]
+    assert got.finish_reason == "tool_calls" and got.message.content == "Sure:"
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in got.message.tool_calls] == expected
+    chunks = list(keyed.chat.completions.create(stream=True, **kw))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == "Sure:"   # no tag leaks out
+    calls = [t for c in chunks for t in c.choices[0].delta.tool_calls or []]
+    assert [(t.function.name, json.loads(t.function.arguments)) for t in calls] == expected
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"

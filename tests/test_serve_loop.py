@@ -95,7 +95,7 @@ def _status(url: str, body: dict | None = None) -> tuple[int, dict | None]:
 def _serve_fake(engine, name: str) -> tuple[uvicorn.Server, str]:
     """create_app over a fake engine, given the config fields the app reads, served in a thread."""
     class Config:
-        model, max_model_len = name, 64
+        model, max_model_len, max_logprobs = name, 64, 20
 
     engine.config = Config
     return _serve_in_thread(create_app(engine, name))
@@ -318,5 +318,24 @@ def test_an_api_key_guards_the_v1_routes_only():
         with pytest.raises(urllib.error.HTTPError) as info:
             urllib.request.urlopen(wrong, timeout=30)
         assert info.value.code == 401
+    finally:
+        server.should_exit = True
+
+
+def test_with_an_api_key_a_plain_request_whose_client_left_is_still_aborted():
+    # the key check must not hide the client's disconnect from the handler (a wrapping middleware did)
+    engine = SlowEngine()
+    engine.config = types.SimpleNamespace(model="m", max_model_len=4096, max_logprobs=20)
+    server, base = _serve_in_thread(create_app(engine, "m", api_key="sesame"))
+    try:
+        body = json.dumps({"prompt": [1, 2], "max_tokens": 3000}).encode()
+        request = urllib.request.Request(base + "/v1/completions", body, {
+            "Content-Type": "application/json", "Authorization": "Bearer sesame"})
+        with pytest.raises(OSError):   # the client gives up after a second
+            urllib.request.urlopen(request, timeout=1)
+        deadline = time.monotonic() + 10
+        while not engine.aborted and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert engine.aborted and engine.steps < 1000   # aborted, long before its 3000 tokens
     finally:
         server.should_exit = True

@@ -70,6 +70,27 @@ def test_reading_calls_back():
     assert auto.read("Just text.") == ("Just text.", [])
     assert auto.read("<tool_call>{not json}</tool_call>")[1] == []   # malformed: the text as it is
     assert auto.read('<tool_call>{"name": "get_time"}</tool_call>')[0] is None   # no text before: null
+    for not_an_object in ("5", '"x"', "null", "[1]"):   # valid JSON, not a call: the text as it is
+        text = f"<tool_call>{not_an_object}</tool_call>"
+        assert auto.read(text) == (text, [])
+    # the last call may lack its closing tag (the model stopped there), as vLLM's parser reads it
+    content, calls = auto.read('Checking. <tool_call>{"name": "get_weather", "arguments": {"city": "x"}}')
+    assert content == "Checking." and _arguments(calls[0]) == {"city": "x"}
+
+
+def test_required_moves_the_tools_definitions_to_the_list_s_root():
+    # pydantic's nested models: "#/$defs/Place" must still resolve once the parameters are nested
+    place = {"type": "object", "properties": {"city": {"type": "string"}}}
+    travel = {"type": "function", "function": {"name": "travel", "parameters": {
+        "$defs": {"Place": place}, "type": "object", "properties": {"to": {"$ref": "#/$defs/Place"}}}}}
+    schema = ToolChoice([travel, WEATHER], "required").schema()
+    assert schema["$defs"] == {"Place": place}
+    assert "$defs" not in schema["items"]["anyOf"][0]["properties"]["parameters"]
+    assert travel["function"]["parameters"]["$defs"] == {"Place": place}   # the request is not changed
+    other = {"type": "function", "function": {"name": "other", "parameters": {
+        "$defs": {"Place": {"type": "string"}}, "type": "object"}}}
+    with pytest.raises(ValueError, match="'Place' differently"):
+        ToolChoice([travel, other], "required").schema()
 
 
 def _stream(choice: ToolChoice, pieces: list[str]) -> list[dict]:

@@ -125,8 +125,8 @@ def test_string_prompt_without_a_tokenizer(tmp_path):
     path = make_model(str(tmp_path / "m"), tokenizer=False)
     llm = LLM(path, **ENGINE)
     with pytest.raises(ValueError,
-                       match=r"prompt 1: the model folder has no tokenizer, "
-                             r"so prompts must be token-id lists"):
+                       match=r"prompt 1: the engine has no tokenizer \(the model folder has none, or "
+                             r"skip_tokenizer_init=True\), so prompts must be token-id lists"):
         llm.generate([[5, 6], "w5 w6"], GREEDY, use_tqdm=False)
     assert_clean(llm)
     assert len(llm.generate([[5, 6]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == 4

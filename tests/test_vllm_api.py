@@ -159,6 +159,10 @@ def test_engine_args_on_argparse(qwen3_dir):
     assert (c.max_model_len, c.enable_prefix_caching, c.dtype, c.seed) == (200, False, "float32", 3)
     e = EngineArgs.from_cli_args(args)
     assert e.max_num_seqs == 512 and LLM(**dataclasses.asdict(e)).config.num_kvcache_blocks == 64
+    # vLLM's --block-size, through EngineArgs (which passes every option, kvcache_block_size too)
+    vllm_style = EngineArgs.from_cli_args(parser.parse_args(["--model", qwen3_dir, "--block-size", "32"]))
+    assert Config.create(**dataclasses.asdict(vllm_style)).kvcache_block_size == 32
+    assert Config.create(**dataclasses.asdict(EngineArgs(model=qwen3_dir))).kvcache_block_size == 256
 
 
 # ---- prompt dicts -----------------------------------------------------------------------------
@@ -419,14 +423,24 @@ def test_beam_search_takes_vllm_s_arguments(llm):
     whole = llm.beam_search(prompts, params, lora_request=None, use_tqdm=False)
     bars = []
 
-    def bar(**kwargs):   # one bar over the token steps, as vLLM draws it
-        from tqdm import tqdm
-        bars.append(kwargs)
-        return tqdm(disable=True, **kwargs)
-    two_at_a_time = llm.beam_search(prompts, params, use_tqdm=bar, concurrency_limit=2)
+    class Bar:   # one bar over the token steps, as vLLM draws it
+        def __init__(self, **kwargs):
+            self.kwargs, self.n, self.closed = kwargs, 0, False
+            bars.append(self)
+
+        def update(self, n):
+            self.n += n
+
+        def close(self):
+            self.closed = True
+    two_at_a_time = llm.beam_search(prompts, params, use_tqdm=Bar, concurrency_limit=2)
     assert [[b.tokens for b in o.sequences] for o in two_at_a_time] == \
         [[b.tokens for b in o.sequences] for o in whole]
-    assert len(bars) == 1 and bars[0]["desc"] == "Beam search"
+    assert len(bars) == 1 and bars[0].kwargs["desc"] == "Beam search" and bars[0].closed
+    assert bars[0].n == bars[0].kwargs["total"] == 2 * 3   # two chunks of three steps
+    # beams that reach max_model_len early: the bar still ends full
+    llm.beam_search([[5] * (ENGINE["max_model_len"] - 1)], params, use_tqdm=Bar)
+    assert bars[1].n == bars[1].kwargs["total"] == 3
     with pytest.raises(ValueError, match="lora_request"):
         llm.beam_search(prompts, params, lora_request=object())
     with pytest.raises(ValueError, match="concurrency_limit"):

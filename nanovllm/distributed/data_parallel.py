@@ -79,8 +79,10 @@ class DataParallelLLM:
         # On the driver as in each replica's engine (Config.create): options checked by name, so a typo
         # fails before any replica starts; a hub id downloaded here (and on each node), at the revision
         # asked; the tokenizer the engines use renders chats here.
+        # (data_parallel_size is this call's own argument: named only in the listing of valid options)
         self.model, tokenizer = Config.resolve(model, options, also_valid=("data_parallel_size",))
-        self.tokenizer = load_tokenizer(tokenizer or self.model, options.get("tokenizer_mode", "auto"))
+        self.tokenizer = None if options.get("skip_tokenizer_init") else load_tokenizer(
+            tokenizer or self.model, options.get("tokenizer_mode", "auto"))
         self.default_sampling_overrides = default_sampling_overrides(
             self.model, options.get("generation_config", "auto"))
         self.startup_seconds: dict[str, float] = {}   # phase -> seconds, for logs and bench.py

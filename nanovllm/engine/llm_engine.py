@@ -44,6 +44,9 @@ def secondary_eos_token_ids(eos_ids: set[int], tokenizer) -> frozenset[int]:
     return frozenset(eos_ids - {primary})
 
 
+NO_TOKENIZER = "the model folder has none, or skip_tokenizer_init=True"
+
+
 def check_lora_and_priority(lora_request, priority, num_prompts: int):
     """vLLM's generate options for features nanovllm does not have, taken at their defaults so
     that vLLM code passing them explicitly runs unchanged: lora_request None; priority None or
@@ -56,6 +59,10 @@ def check_lora_and_priority(lora_request, priority, num_prompts: int):
         if any(p != 0 for p in priority):
             raise ValueError("priority: nanovllm schedules first come, first served, with no "
                              "priorities; pass None (or zeros)")
+
+
+class ShutDownDuringCall(RuntimeError):
+    """shutdown() ran in another thread while this call was using the engine."""
 
 
 def serialised(method):
@@ -75,9 +82,11 @@ def serialised(method):
             was_closed = self.executor.closed
             try:
                 return method(self, *args, **kwargs)
+            except ShutDownDuringCall:
+                raise   # from a serialised call inside this one (chat calls generate)
             except Exception as e:
                 if self.executor.closed and not was_closed:   # shutdown() from another thread released
-                    raise RuntimeError(                         # what this call was using
+                    raise ShutDownDuringCall(                   # what this call was using
                         "the engine was shut down (by another thread) during this call") from e
                 raise
     return locked
@@ -153,7 +162,7 @@ class LLMEngine:
         prompt = _unwrap_prompt_dict(prompt, where)
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError(f"{where}: the model folder has no tokenizer, "
+                raise ValueError(f"{where}: the engine has no tokenizer ({NO_TOKENIZER}), "
                                  "so prompts must be token-id lists")
             ids = encode_text(self.tokenizer, prompt, where)
         elif isinstance(prompt, (list, tuple)):
@@ -253,8 +262,8 @@ class LLMEngine:
             raise ValueError(f"sampling_params {index}: stop_token_ids must be in [0, {vocab}) "
                              "(the model's vocabulary)")
         if params.stop and self.tokenizer is None:
-            raise ValueError(f"sampling_params {index}: stop strings need a tokenizer; "
-                             "the model folder has none (use stop_token_ids)")
+            raise ValueError(f"sampling_params {index}: stop strings need a tokenizer, and the engine "
+                             f"has none ({NO_TOKENIZER}): use stop_token_ids")
         for name in ("logit_bias", "allowed_token_ids"):
             if any(t >= vocab for t in getattr(params, name) or ()):
                 raise ValueError(f"sampling_params {index}: {name} token ids must be in [0, {vocab}) "
@@ -280,8 +289,8 @@ class LLMEngine:
         before add_request, off its engine loop, so add_request then finds it cached."""
         if self._grammar_compiler is None:
             if self.tokenizer is None:
-                raise ValueError("structured outputs need a tokenizer; the model folder has none "
-                                 "(pass tokenizer=FOLDER)")
+                raise ValueError(f"structured outputs need a tokenizer, and the engine has none "
+                                 f"({NO_TOKENIZER}): pass tokenizer=FOLDER")
             from nanovllm.structured.grammars import GrammarCompiler   # xgrammar: an optional extra
             self._grammar_compiler = GrammarCompiler(self.tokenizer, self.config.hf_config.vocab_size,
                                                      self.scheduler.eos_token_ids)

@@ -63,14 +63,7 @@ def create_app(engine, model_name: str, stream_interval: int = 1, *, api_key: st
     tokenizer = engine.tokenizer
 
     if api_key:
-        @app.middleware("http")
-        async def authenticate(raw: HTTPRequest, call_next):
-            given = raw.headers.get("Authorization", "")
-            if (raw.method != "OPTIONS" and raw.url.path.startswith("/v1")
-                    and not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode())):
-                message = "Unauthorized: give the server's API key as 'Authorization: Bearer <key>'"
-                return JSONResponse(api.error_body(message, "AuthenticationError", 401), status_code=401)
-            return await call_next(raw)
+        app.add_middleware(_ApiKey, api_key=api_key)
 
     def check_model(name: str | None):
         # no name or an empty one: the served model, as vLLM takes it
@@ -131,10 +124,11 @@ def create_app(engine, model_name: str, stream_interval: int = 1, *, api_key: st
         """vLLM's: a prompt's (or a chat's) token ids, as the endpoints would take them."""
         start(body)
         need_tokenizer()
-        if body.messages is not None:
-            ids = await asyncio.to_thread(chat_prompt, tokenizer, body)
+        if body.messages is not None:   # as vLLM: special tokens added only when asked
+            ids = await asyncio.to_thread(chat_prompt, tokenizer, body, bool(body.add_special_tokens))
         else:
-            ids = encode_text(tokenizer, body.prompt, "prompt", add_special_tokens=body.add_special_tokens)
+            ids = encode_text(tokenizer, body.prompt, "prompt", add_special_tokens=body.add_special_tokens
+                              is not False)
         strs = tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
         return {"count": len(ids), "max_model_len": engine.config.max_model_len, "tokens": ids,
                 "token_strs": strs}
@@ -150,7 +144,8 @@ def create_app(engine, model_name: str, stream_interval: int = 1, *, api_key: st
 
     def need_tokenizer():
         if tokenizer is None:
-            raise ValueError("this model folder has no tokenizer: send and read token ids")
+            raise ValueError("this server has no tokenizer (the model folder has none, or "
+                             "--skip-tokenizer-init): send and read token ids")
 
     @app.get("/v1/models")
     async def models():
@@ -181,7 +176,8 @@ def create_app(engine, model_name: str, stream_interval: int = 1, *, api_key: st
     async def completions(body: api.CompletionRequest, raw: HTTPRequest):
         start(body)
         if tokenizer is None and (body.echo or body.logprobs is not None):
-            raise ValueError("echo and logprobs need the model's tokenizer, and this model folder has none")
+            raise ValueError("echo and logprobs need a tokenizer, and this server has none (the model folder "
+                             "has none, or --skip-tokenizer-init)")
         params = body.completion_params(engine.default_sampling_overrides)
         check_logprobs(body, params, engine.config.max_logprobs)
         await compile_grammar(engine, params)
@@ -208,8 +204,28 @@ def create_app(engine, model_name: str, stream_interval: int = 1, *, api_key: st
     return app
 
 
-def chat_prompt(tokenizer, body) -> list[int]:
-    """A chat request's (or a /tokenize request's) messages as the token ids of its template's text."""
+class _ApiKey:
+    """vLLM's --api-key: /v1 routes answer 401 without "Authorization: Bearer <key>". Plain ASGI
+    (not an @app.middleware, which wraps the request's receive channel): a handler still sees its
+    client disconnect."""
+
+    def __init__(self, app, api_key: str):
+        self.app, self.expected = app, f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["method"] != "OPTIONS" and scope["path"].startswith("/v1"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                message = "Unauthorized: give the server's API key as 'Authorization: Bearer <key>'"
+                response = JSONResponse(api.error_body(message, "AuthenticationError", 401), status_code=401)
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def chat_prompt(tokenizer, body, add_special_tokens: bool = False) -> list[int]:
+    """A chat request's (or a /tokenize request's) messages as the token ids of its template's text
+    (add_special_tokens False: the template wrote any BOS)."""
     if "chat_template" in (body.chat_template_kwargs or {}):
         # as vLLM by default: a request may pass variables to the server's template, not its own
         # template (which the server would render)
@@ -224,7 +240,7 @@ def chat_prompt(tokenizer, body) -> list[int]:
         tools=body.tools,
         chat_template_kwargs=body.chat_template_kwargs,
     )
-    return encode_text(tokenizer, text, "messages", add_special_tokens=False)  # the template wrote any BOS
+    return encode_text(tokenizer, text, "messages", add_special_tokens=add_special_tokens)
 
 
 def check_logprobs(body, params, cap: int):

@@ -9,6 +9,7 @@ import uuid
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
+from nanovllm.chat_utils import text_parts
 from nanovllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 
@@ -274,17 +275,14 @@ class ChatRequest(_Request):
         if not self.echo or last.get("role") != self.reply_role:
             return ""
         content = last.get("content") or ""
-        if isinstance(content, str):
-            return content
-        return "\n".join(p.get("text", "") for p in content
-                         if isinstance(p, dict) and p.get("type") == "text")
+        return content if isinstance(content, str) else "\n".join(text_parts(content, "echo"))
 
 
 class TokenizeRequest(_Body):
     """vLLM's /tokenize: a prompt, or chat messages rendered by the model's template."""
     prompt: str | None = None
     messages: list[dict] | None = None
-    add_special_tokens: bool = True
+    add_special_tokens: bool | None = None     # None: True for a prompt, False for messages (vLLM's)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     tools: list[dict] | None = None

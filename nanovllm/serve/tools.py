@@ -11,7 +11,9 @@ import re
 import uuid
 
 PARSERS = ("hermes",)
-_HERMES_OPEN, _HERMES_CALL = "<tool_call>", re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+# a call is "<tool_call>{json}</tool_call>"; the last may lack its closing tag (the model stopped there)
+_HERMES_OPEN = "<tool_call>"
+_HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>|<tool_call>\s*(.*?)\s*\Z", re.S)
 _EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 
 
@@ -51,9 +53,19 @@ class ToolChoice:
         if self.mode == "named":
             return self.parameters[self.name]
         if self.mode == "required":
-            calls = [{"properties": {"name": {"type": "string", "enum": [name]}, "parameters": parameters},
-                      "required": ["name", "parameters"]} for name, parameters in self.parameters.items()]
-            return {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": calls}}
+            # each tool's parameters nest inside the list's items, so their "$defs" (pydantic's
+            # nested models, referenced as "#/$defs/...") move up to the list's root
+            defs, calls = {}, []
+            for name, parameters in self.parameters.items():
+                parameters = dict(parameters)
+                for key, schema in parameters.pop("$defs", {}).items():
+                    if defs.setdefault(key, schema) != schema:
+                        raise ValueError(f'tools define "$defs" entry {key!r} differently: give the '
+                                         'definitions distinct names for tool_choice "required"')
+                calls.append({"properties": {"name": {"type": "string", "enum": [name]},
+                                             "parameters": parameters}, "required": ["name", "parameters"]})
+            schema = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": calls}}
+            return {**schema, "$defs": defs} if defs else schema
         return None
 
     def read(self, text: str) -> tuple[str | None, list[dict]]:
@@ -68,12 +80,12 @@ class ToolChoice:
                 return text, []
         if self.mode == "auto":
             calls = []
-            for body in _HERMES_CALL.findall(text):
+            for closed, unclosed in _HERMES_CALL.findall(text):
                 try:
-                    call = json.loads(body)
+                    call = json.loads(closed or unclosed)
                     arguments = json.dumps(call.get("arguments", {}), ensure_ascii=False)
                     calls.append(_call(call["name"], arguments))
-                except (ValueError, TypeError, KeyError):
+                except (ValueError, TypeError, KeyError, AttributeError):   # AttributeError: not an object
                     return text, []   # a malformed call: the text as it is, as vLLM's parsers answer
             if calls:
                 return text[:text.index(_HERMES_OPEN)].rstrip() or None, calls
