@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The GPU check, in one device call (at most 10 minutes): the whole pytest suite, then bench.py at
-# temperature 0.6 and greedy on GPU 0. The suite runs as four pytest processes at once: the
+# temperature 0.6 and greedy on GPU 0. The suite runs as six pytest processes at once: the
 # tensor-parallel GPU tests (tests/test_tp_gpu.py and the TP=2 lifecycle test: TP=2 with 2 or more
 # GPUs, skipped with one), the other test files that use CUDA (they skip without it) with one GPU
-# visible, as on the one-GPU machine, and all the rest with CUDA hidden, as CI runs them (two
-# processes, half the files each; the TP file is split in two as well). Prints a short table that names every failed test (and, for a stage cut off at its
+# visible, as on the one-GPU machine, and all the rest with CUDA hidden, as CI runs them (three
+# processes, a third of the files each; the TP file is split in two as well). Prints a short table that names every failed test (and, for a stage cut off at its
 # limit, the test it was in); the full logs (`pytest -v`: one line per test as it ends) and
 # bench.py's JSON records go to $OUT (default /tmp/out).
 #
@@ -12,7 +12,7 @@
 #   BENCH=0 PYTHONPATH=. bash benchmarks/gpu_check.sh   # tests only
 #
 # BUDGET (seconds, default 530) bounds the whole check: pytest gets what the two bench runs leave.
-# THREADS (default 4): torch's CPU threads in each test process (three at once, and their
+# THREADS (default 4): torch's CPU threads in each test process (six at once, and their
 # subprocesses: all of the host's threads each would oversubscribe its cores many times over).
 # Exit status 0 only when every test passed (or skipped) and both bench runs gave a figure.
 set -uo pipefail
@@ -63,8 +63,11 @@ for f in tests/test_*.py; do
     cpu_files+=("$f")
   fi
 done
-# The CUDA-hidden files in two halves, two processes: the interpreter tests are the long pole.
-cpu_half1=("${cpu_files[@]:0:${#cpu_files[@]}/2}") cpu_half2=("${cpu_files[@]:${#cpu_files[@]}/2}")
+# The CUDA-hidden files in three parts, three processes: the interpreter tests are the long pole
+# (in two halves, the second outgrew its 390 s stage limit in the twentieth session).
+third=$(( (${#cpu_files[@]} + 2) / 3 ))
+cpu_part1=("${cpu_files[@]:0:third}") cpu_part2=("${cpu_files[@]:third:third}")
+cpu_part3=("${cpu_files[@]:2*third}")
 pytest_s=$(( BUDGET - bench_runs * BENCH_S - 10 ))
 start=$SECONDS
 suite() {  # label, then what to run; writes tests_LABEL.{log,xml,rc,s}
@@ -79,8 +82,9 @@ suite() {  # label, then what to run; writes tests_LABEL.{log,xml,rc,s}
 suite tp tests/test_tp_gpu.py -k "not test_nccl" tests/test_gpu_lifecycle.py::test_tp2_shutdown_frees_the_gpu_and_engines_start_again &
 suite tpfaults tests/test_tp_gpu.py -k test_nccl &
 CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} suite gpu "${gpu_files[@]}" &
-CUDA_VISIBLE_DEVICES= suite cpu1 "${cpu_half1[@]}" &
-CUDA_VISIBLE_DEVICES= suite cpu2 "${cpu_half2[@]}"
+CUDA_VISIBLE_DEVICES= suite cpu1 "${cpu_part1[@]}" &
+CUDA_VISIBLE_DEVICES= suite cpu2 "${cpu_part2[@]}" &
+CUDA_VISIBLE_DEVICES= suite cpu3 "${cpu_part3[@]}"
 wait
 
 for label in t06 greedy; do
@@ -135,7 +139,7 @@ print(f"\n{'check':36s} result")
 ok, failures = True, []
 for label, name in (("tp", "pytest, tests/test_tp_gpu.py"), ("tpfaults", "pytest, test_tp_gpu.py NCCL faults"),
                     ("gpu", "pytest, other CUDA test files"),
-                    ("cpu1", "pytest, the rest (CUDA hidden), 1/2"), ("cpu2", "pytest, the rest (CUDA hidden), 2/2")):
+                    *((f"cpu{i}", f"pytest, the rest (CUDA hidden), {i}/3") for i in (1, 2, 3))):
     rc = int(open(os.path.join(out, f"tests_{label}.rc")).read())
     seconds = open(os.path.join(out, f"tests_{label}.s")).read().strip()
     ok = ok and rc == 0
