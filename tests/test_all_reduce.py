@@ -4,6 +4,7 @@ sum) for several calls in a row (both buffer halves, tensors over several of the
 tensor larger than a slot in two launches, bf16 and fp32), and every rank gets the rank-ordered
 sum, bit for bit. A rank whose peer never comes is ended by the abort word within seconds. On two
 GPUs, tests/test_tp_gpu.py runs it against NCCL (benchmarks/all_reduce_bench.py --check)."""
+import os
 import threading
 import time
 
@@ -32,6 +33,13 @@ def partial(rank: int, call: int, n: int, dtype) -> torch.Tensor:
 
 
 def _rank(rank: int, buffers, results, grid):
+    parent = os.getppid()
+
+    def watch_parent():   # the test's process was killed: end too, rather than wait for peers forever
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(1)
+    threading.Thread(target=watch_parent, daemon=True).start()
     from nanovllm.kernels.all_reduce import PeerAllReduce
     ar = PeerAllReduce(rank, [b.data_ptr() for b in buffers], torch.device("cpu"), slot_bytes=SLOT_BYTES,
                        **grid)
@@ -55,10 +63,16 @@ def test_interp_every_rank_gets_the_rank_ordered_sum(world, grid):
     # spawned: a forked child of a process that used torch's thread pool can hang in it
     ctx = torch.multiprocessing.get_context("spawn")
     procs = [ctx.Process(target=_rank, args=(r, buffers, results, grid)) for r in range(world)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(300)
+    try:
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(300)
+    finally:   # a rank left waiting for a peer that failed would spin on
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
     assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
     expected = []
     for call, (n, dtype) in enumerate(CALLS):
