@@ -486,6 +486,7 @@ class _Completions(_Reply):
 
     def response(self, outputs) -> dict:
         choices, echo, only = [], self.body.echo, self.body.echo_only
+        prompt_logprobs = {id(r): self.prompt_logprobs(r) for r in self.requests}   # once per prompt
         for i, (out, logprobs) in enumerate(outputs):
             prefix = self.prompt_text(i) if echo else ""
             token_ids, logprobs = ([], logprobs and []) if only else (out.token_ids, logprobs)
@@ -496,7 +497,7 @@ class _Completions(_Reply):
                     "logprobs": self.logprobs(i, token_ids, logprobs, with_prompt=echo),
                     "finish_reason": out.finish_reason,
                     "stop_reason": out.stop_reason,
-                    "prompt_logprobs": self.prompt_logprobs(self.request_of(i)),
+                    "prompt_logprobs": prompt_logprobs[id(self.request_of(i))],
                 }
             )
         return self.envelope(self.object_name, choices=choices, usage=self.usage(outputs))

@@ -46,7 +46,6 @@ class ToolChoice:
         if self.mode == "auto" and parser is None:
             raise ValueError('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser '
                              'to be set (or give tool_choice "none", "required" or a named function)')
-        self.parser = parser
 
     def schema(self) -> dict | None:
         """The JSON schema the output must follow, or None (free text)."""
@@ -120,14 +119,9 @@ class ToolStream:
                 self.calls = [_call(self.choice.name, new)]
                 return {"tool_calls": [{"index": 0, **self.calls[0]}]}
             return {"tool_calls": [{"index": 0, "function": {"arguments": new}}]} if new else {}
-        if final:
-            _, self.calls = self.choice.read(self.text)
-            end = len(self.text)
-            if self.calls:   # the content is what came before the calls ("required": none)
-                end = self.text.find(_HERMES_OPEN) if mode == "auto" else 0
-            rest = self.text[self.sent:max(end, self.sent)]
-            if self.calls:
-                rest = rest.rstrip()
+        if final:   # what read() makes content, less what was sent (always a prefix of it)
+            content, self.calls = self.choice.read(self.text)
+            rest = (content or "")[self.sent:]
             fields = {"content": rest} if rest else {}
             if self.calls:
                 fields["tool_calls"] = [{"index": i, **c} for i, c in enumerate(self.calls)]
