@@ -47,6 +47,12 @@ def secondary_eos_token_ids(eos_ids: set[int], tokenizer) -> frozenset[int]:
 NO_TOKENIZER = "the model folder has none, or skip_tokenizer_init=True"
 
 
+def past_max_logprobs(k: int | None, cap: int) -> bool:
+    """Does a request's logprobs / prompt_logprobs k (-1: the whole vocabulary) pass LLM(max_logprobs)
+    (-1: no cap)?"""
+    return k is not None and cap != -1 and (k == -1 or k > cap)
+
+
 def check_lora_and_priority(lora_request, priority, num_prompts: int):
     """vLLM's generate options for features nanovllm does not have, taken at their defaults so
     that vLLM code passing them explicitly runs unchanged: lora_request None; priority None or
@@ -274,7 +280,7 @@ class LLMEngine:
         cap = self.config.max_logprobs
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(params, name)
-            if k is not None and cap != -1 and (k == -1 or k > cap):
+            if past_max_logprobs(k, cap):
                 raise ValueError(f"sampling_params {index}: {name}={k} is more than max_logprobs={cap}; "
                                  "ask for fewer or raise LLM(max_logprobs=...) (-1: no cap)")
         if params.structured_outputs is not None:

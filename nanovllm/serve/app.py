@@ -18,7 +18,7 @@ from starlette.exceptions import HTTPException
 
 from nanovllm.chat_utils import render_chat
 from nanovllm.engine.detokenizer import IncrementalDetokenizer
-from nanovllm.engine.llm_engine import encode_text
+from nanovllm.engine.llm_engine import encode_text, past_max_logprobs
 from nanovllm.serve import protocol as api
 from nanovllm.serve.engine_loop import EngineError, EngineLoop, Request, Update
 from nanovllm.serve.tools import ToolChoice
@@ -245,12 +245,10 @@ def chat_prompt(tokenizer, body, add_special_tokens: bool = False) -> list[int]:
 
 def check_logprobs(body, params, cap: int):
     """The engine's max_logprobs check, said in the request's fields and the server's flag."""
-    if cap == -1:
-        return
     output_field = "top_logprobs" if isinstance(body, api.ChatRequest) else "logprobs"
     prompt_field = "prompt_logprobs" if body.prompt_logprobs is not None else output_field
     for field, k in ((output_field, params.logprobs), (prompt_field, params.prompt_logprobs)):
-        if k is not None and (k == -1 or k > cap):
+        if past_max_logprobs(k, cap):
             asked = "-1 (the whole vocabulary)" if k == -1 else k
             raise ValueError(f"{field}={asked} is more than this server allows: ask for at most {cap}, or "
                              "start the server with a larger --max-logprobs")
