@@ -3,8 +3,11 @@ tree (each in a child process of its own, so each starts with the whole GPU), an
 
 Both engines get the same prompts and output lengths (bench.py's `workload` / `long_workload`, seed 0),
 dummy weights, no tokenizer, temperature 0.6 with ignore_eos, their default options otherwise, one
-warm-up generate, then --runs timed generate calls. vLLM's first timed run after start-up is slower
-than its later ones, so the ratio is nanovllm's best run over vLLM's best steady run (runs 2..N).
+warm-up generate, then --runs timed generate calls of the same prompts. With --prefix-caching off (the
+default here) every run is a cold run and the ratio is best run over best run. With it on (both engines'
+own default), a run after the first finds the prompts' blocks in the prefix cache (vLLM caches blocks of
+16 tokens, nanovllm of 256: only whole blocks are cached), so the first runs are compared, and the best
+later runs.
 
 --profile adds, for each engine, a profiled run in a further child (vLLM with its engine core in-process,
 VLLM_ENABLE_V1_MULTIPROCESSING=0): every model step is labelled by its kind (prefill, mixed, decode by
@@ -86,7 +89,8 @@ class NanoEngine(Engine):
 
     def __init__(self, args):
         from nanovllm import LLM
-        options = dict(kv_cache_dtype=args.kv_cache_dtype, max_model_len=max_model_len(args.workload))
+        options = dict(kv_cache_dtype=args.kv_cache_dtype, max_model_len=max_model_len(args.workload),
+                       enable_prefix_caching=args.prefix_caching == "on")
         options.update(parse_options(args.nano_option))
         self.llm = LLM(os.path.join(ROOT, args.model) if not os.path.isabs(args.model) else args.model,
                        load_format="dummy", skip_tokenizer_init=True, **options)
@@ -124,7 +128,7 @@ class VllmEngine(Engine):
         self.llm = LLM(os.path.join(ROOT, args.model) if not os.path.isabs(args.model) else args.model,
                        load_format="dummy", skip_tokenizer_init=True, seed=0,
                        kv_cache_dtype=args.kv_cache_dtype, max_model_len=max_model_len(args.workload),
-                       **parse_options(args.vllm_option))
+                       enable_prefix_caching=args.prefix_caching == "on", **parse_options(args.vllm_option))
 
     def generate(self, prompts, max_tokens):
         from vllm import SamplingParams
@@ -136,39 +140,47 @@ class VllmEngine(Engine):
 
     def label_steps(self, labels: list):
         """vLLM's model runner (in this process: VLLM_ENABLE_V1_MULTIPROCESSING=0): execute_model and
-        sample_tokens in profiler ranges named by the step's kind."""
-        import torch
-        try:
-            from vllm.v1.worker import gpu_model_runner
-            cls = gpu_model_runner.GPUModelRunner
-        except (ImportError, AttributeError) as e:
-            print(f"vllm: steps not labelled ({e})", flush=True)
-            return
-        execute, sample = cls.execute_model, getattr(cls, "sample_tokens", None)
-        last = {"kind": "none"}
+        sample_tokens in profiler ranges named by the step's kind. vLLM 0.24 runs the runner of
+        vllm/v1/worker/gpu/ by default and the older gpu_model_runner on request: both are patched."""
+        import importlib
+        for module in ("vllm.v1.worker.gpu.model_runner", "vllm.v1.worker.gpu_model_runner"):
+            try:
+                cls = importlib.import_module(module).GPUModelRunner
+            except (ImportError, AttributeError) as e:
+                print(f"vllm: {module} not labelled ({e})", flush=True)
+                continue
+            _label_runner(cls, labels)
 
-        def execute_model(runner, scheduler_output, *a, **kw):
-            counts = list(scheduler_output.num_scheduled_tokens.values())
-            decodes = sum(c == 1 for c in counts)
-            if not counts:
-                kind = "empty"
-            elif decodes == len(counts):
-                kind = f"decode {batch_bucket(decodes)}"
-            elif decodes == 0:
-                kind = "prefill"
-            else:
-                kind = "mixed"
-            last["kind"] = kind
-            labels.append((time.perf_counter(), kind, sum(counts), len(counts)))
-            with torch.profiler.record_function(f"step|{kind}"):
-                return execute(runner, scheduler_output, *a, **kw)
 
-        def sample_tokens(runner, *a, **kw):
-            with torch.profiler.record_function(f"step|{last['kind']}"):
-                return sample(runner, *a, **kw)
-        cls.execute_model = execute_model
-        if sample is not None:
-            cls.sample_tokens = sample_tokens
+def _label_runner(cls, labels: list):
+    import torch
+    execute, sample = cls.execute_model, getattr(cls, "sample_tokens", None)
+    last = {"kind": "none"}
+
+    def execute_model(runner, scheduler_output, *a, **kw):
+        if kw.get("dummy_run"):
+            return execute(runner, scheduler_output, *a, **kw)
+        counts = list(scheduler_output.num_scheduled_tokens.values())
+        decodes = sum(c == 1 for c in counts)
+        if not counts:
+            kind = "empty"
+        elif decodes == len(counts):
+            kind = f"decode {batch_bucket(decodes)}"
+        elif decodes == 0:
+            kind = "prefill"
+        else:
+            kind = "mixed"
+        last["kind"] = kind
+        labels.append((time.perf_counter(), kind, sum(counts), len(counts)))
+        with torch.profiler.record_function(f"step|{kind}"):
+            return execute(runner, scheduler_output, *a, **kw)
+
+    def sample_tokens(runner, *a, **kw):
+        with torch.profiler.record_function(f"step|{last['kind']}"):
+            return sample(runner, *a, **kw)
+    cls.execute_model = execute_model
+    if sample is not None:
+        cls.sample_tokens = sample_tokens
 
 
 def parse_options(pairs: list[str]) -> dict:
@@ -315,7 +327,8 @@ def format_profile(engine: str, p: dict) -> str:
 # ---- the parent -----------------------------------------------------------------------------------
 
 def tag(args) -> str:
-    return f"{os.path.basename(os.path.normpath(args.model))}_{args.workload}_{args.kv_cache_dtype}"
+    name = os.path.basename(os.path.normpath(args.model))
+    return f"{name}_{args.workload}_{args.kv_cache_dtype}_cache-{args.prefix_caching}"
 
 
 def wait_gpu_free(timeout: float = 60):
@@ -347,7 +360,8 @@ def run_child(args, engine: str, profile: bool) -> dict | None:
         result = f.name
     cmd = [sys.executable, os.path.abspath(__file__), "--child", engine, "--result", result,
            "--model", args.model, "--workload", args.workload, "--kv-cache-dtype", args.kv_cache_dtype,
-           "--runs", str(args.runs), "--num-seqs", str(args.num_seqs)]
+           "--runs", str(args.runs), "--num-seqs", str(args.num_seqs),
+           "--prefix-caching", args.prefix_caching]
     cmd += ["--profile-child"] if profile else []
     cmd += [x for o in args.nano_option for x in ("--nano-option", o)]
     cmd += [x for o in args.vllm_option for x in ("--vllm-option", o)]
@@ -373,12 +387,11 @@ def run_child(args, engine: str, profile: bool) -> dict | None:
         os.unlink(result)
 
 
-def best(record: dict | None, steady: bool) -> float | None:
-    """Best tok/s of a record's runs (steady: past the first, where there are more)."""
-    if not record or not record["runs"]:
+def best(record: dict | None, runs: slice) -> float | None:
+    """Best tok/s of a record's runs in that slice."""
+    if not record or not record["runs"][runs]:
         return None
-    runs = record["runs"][1:] if steady and len(record["runs"]) > 1 else record["runs"]
-    return max(r["tok_s"] for r in runs)
+    return max(r["tok_s"] for r in record["runs"][runs])
 
 
 def main():
@@ -389,6 +402,9 @@ def main():
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--num-seqs", type=int, default=256,
                    help="the workload's first N prompts (256: bench.py's)")
+    p.add_argument("--prefix-caching", default="off", choices=["off", "on"],
+                   help="off (default): every run is a cold run; on (both engines' default): from the second "
+                        "run on, the repeated prompts hit the prefix cache")
     p.add_argument("--engines", nargs="+", default=["vllm", "nanovllm"], choices=["vllm", "nanovllm"])
     p.add_argument("--profile", action="store_true", help="also one profiled run per engine")
     p.add_argument("--no-timing", action="store_true", help="only the profiled runs")
@@ -425,15 +441,19 @@ def main():
     if args.out:
         with open(os.path.join(args.out, f"vs_vllm_{tag(args)}.json"), "w") as f:
             json.dump(records, f, indent=1)
-    ours, theirs = best(records.get("nanovllm"), steady=False), best(records.get("vllm"), steady=True)
     for engine in args.engines:
         rec = records.get(engine)
         if rec:
             runs = ", ".join(f"{r['tok_s']:,.0f}" for r in rec["runs"])
             print(f"{engine}: start-up {rec['startup_s']:.1f}s, runs {runs} tok/s", flush=True)
-    if ours and theirs:
-        print(f"{tag(args)}: nanovllm best {ours:,.0f} tok/s / vLLM best steady {theirs:,.0f} = "
-              f"{ours / theirs:.3f}x", flush=True)
+    comparisons = ([("cold, best run", slice(None))] if args.prefix_caching == "off" else
+                   [("first run (cold)", slice(0, 1)),
+                    ("best later run (prefix cache hits)", slice(1, None))])
+    for label, runs in comparisons:
+        ours, theirs = best(records.get("nanovllm"), runs), best(records.get("vllm"), runs)
+        if ours and theirs:
+            print(f"{tag(args)}, {label}: nanovllm {ours:,.0f} tok/s / vLLM {theirs:,.0f} = "
+                  f"{ours / theirs:.3f}x", flush=True)
 
 
 if __name__ == "__main__":
