@@ -2,7 +2,8 @@
 output tokens each (133,966 in all), temperature 0.6, ignore_eos. With no checkpoint at hand it runs
 the Qwen3-0.6B architecture (configs/qwen3-0.6b) with dummy weights. The figure is also given as a
 fraction of the workload's physical limit on this GPU's measured copy bandwidth and bf16 peak
-(nanovllm/utils/roofline.py; docs/benchmarks.md).
+(nanovllm/utils/roofline.py; docs/benchmarks.md): for separate prefill and decode steps, and the
+overlap bound no engine can pass. The timed run is cold: its prompts are new to the prefix cache.
 --structured-json also runs the workload with every request constrained by one JSON schema.
 --workload long: 256 prompts of 4,000-8,000 random tokens, 64 output tokens each (prefill-bound);
 --ttft-32k also times the first token of one 32,768-token prompt; --attention-backend picks the
@@ -90,6 +91,17 @@ def workload_limits(args, prompts, params, gpu: roofline.DeviceLimits):
     shape = dict(tp=args.tensor_parallel_size, dp=args.data_parallel_size, kv_bytes=kv_bytes(args))
     return (roofline.workload_limit(config, prompt_lens, output_lens, gpu, **shape),
             roofline.workload_limit(config, prompt_lens, output_lens, roofline.H200, **shape))
+
+
+def overlap_limit(args, prompts, params, gpu: roofline.DeviceLimits) -> float | None:
+    """The overlap bound at `gpu`'s figures (roofline.workload_limit's bound="overlap"), or None
+    without a config.json."""
+    config = model_config(args)
+    if config is None:
+        return None
+    return roofline.workload_limit(config, [len(p) for p in prompts], [sp.max_tokens for sp in params], gpu,
+                                   tp=args.tensor_parallel_size, dp=args.data_parallel_size,
+                                   kv_bytes=kv_bytes(args), bound="overlap")
 
 
 def data_parallel_replicas(job, prompts, params, args, gpu: roofline.DeviceLimits) -> dict:
@@ -249,6 +261,7 @@ def main():
     # This GPU's figures, measured after the run, in the memory the engine leaves free.
     gpu = roofline.device_limits()
     limit, documented = workload_limits(args, prompts, params, gpu)
+    overlap = overlap_limit(args, prompts, params, gpu)
     runner = getattr(llm, "model_runner", None)   # a data-parallel LLM's runners live in its replicas
     backend = runner.attention_backend.name if runner else args.attention_backend
     prompt_tokens = sum(map(len, prompts))
@@ -264,6 +277,8 @@ def main():
                   output_tokens=tokens, seconds=round(seconds, 3), tokens_per_s=round(tokens / seconds, 1),
                   h200_limit_tokens_per_s=round(limit) if limit else None,
                   fraction_of_h200_limit=round(tokens / seconds / limit, 3) if limit else None,
+                  overlap_limit_tokens_per_s=round(overlap) if overlap else None,
+                  fraction_of_overlap_limit=round(tokens / seconds / overlap, 3) if overlap else None,
                   copy_bytes_per_s=gpu.copy_bytes_per_s, bf16_flop_per_s=gpu.bf16_flop_per_s,
                   limit_figures=gpu.source,
                   documented_h200_limit_tokens_per_s=round(documented) if limit else None)
@@ -278,11 +293,14 @@ def main():
     print(f"Total: {tokens} tok, Time: {seconds:.2f}s, Throughput: {tokens / seconds:.2f} tok/s{of_limit}, "
           f"start-up {startup:.1f}s" + (f" ({phases})" if phases else ""))
     if limit:
-        print(f"Limit: {limit:,.0f} output tok/s on {args.data_parallel_size * args.tensor_parallel_size} "
+        gpus = args.data_parallel_size * args.tensor_parallel_size
+        print(f"Limit, separate phases: {limit:,.0f} output tok/s on {gpus} "
               f"GPU(s) at copy {gpu.copy_bytes_per_s / 1e12:.2f} TB/s, bf16 {gpu.bf16_flop_per_s / 1e12:.0f} "
               f"TFLOP/s ({gpu.source})" + ("" if documented == limit else
                                            f"; at the documented H200 figures {documented:,.0f} "
                                            f"({tokens / seconds / documented:.1%} of it)"))
+        print(f"Limit, prefill overlapped with decode: {overlap:,.0f} output tok/s "
+              f"({tokens / seconds / overlap:.1%} of it)")
     print(f"Workload {args.workload}, attention {backend}: {prompt_tokens} prompt + {tokens} output tok, "
           f"{(prompt_tokens + tokens) / seconds:.0f} tok/s prompt and output together")
     if args.data_parallel_size > 1:

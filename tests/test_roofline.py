@@ -179,3 +179,26 @@ def test_long_workload_is_prefill_heavy_and_leaves_the_default_alone():
     assert bench.long_workload(256, 0.6)[0] == prompts   # seeded
     _, default_params = bench.workload(256, 1024, 1024, 0.6)
     assert sum(p.max_tokens for p in default_params) == 133_966   # nano-vllm's workload, unchanged
+
+
+def test_the_overlap_bound_sums_all_flops_and_all_decode_reads():
+    # One sequence (memory-bound steps) and 100,000 one-token prompts (compute-bound prefill): the
+    # overlap bound hides the prefill's FLOPs under the decode steps' reads, up to the larger total.
+    lens, outs = [1] + [1] * 100_000, [1000] + [1] * 100_000
+    shapes = ModelShapes.from_config(TINY)
+    steps = roofline.decode_steps(shapes, lens, outs, kv_bytes=2)
+    flops = roofline.prefill_flops(shapes, lens) + sum(f for _, f in steps)
+    reads = sum(r for r, _ in steps)
+    expected = sum(outs) / max(flops / H200.bf16_flop_per_s, reads / H200.copy_bytes_per_s)
+    assert workload_limit(TINY, lens, outs, bound="overlap") == pytest.approx(expected, rel=1e-9)
+    assert workload_limit(TINY, lens, outs, bound="overlap") > workload_limit(TINY, lens, outs)
+    with pytest.raises(ValueError, match="bound must be one of"):
+        workload_limit(TINY, lens, outs, bound="sum")
+
+
+@pytest.mark.parametrize("model", ["qwen3-0.6b", "qwen3-8b"])
+def test_the_overlap_bound_is_never_below_separate_phases(model):
+    prompt_lens, output_lens = roofline.default_workload_lens()
+    separate = workload_limit(config_of(model), prompt_lens, output_lens)
+    overlap = workload_limit(config_of(model), prompt_lens, output_lens, bound="overlap")
+    assert separate < overlap < 2 * separate

@@ -31,7 +31,11 @@ Weights are bf16 (2 bytes); K/V take `kv_bytes` bytes per value (2 for bf16, 1 f
 - Not counted: embedding lookups, norms, rotary, sampling, activations' traffic between kernels,
   writing new K/V, kernel launches, the host.
 
-The limit is the workload's output tokens over the sum of those seconds. `python -m
+The limit ("separate" phases) is the workload's output tokens over the sum of those seconds: a bound
+for an engine that runs prefill and decode in separate steps. A scheduler that puts prompt chunks
+into the decode steps can hide prefill FLOPs under the decode steps' memory time, so beside it stands
+the "overlap" bound: the larger of all FLOPs (prefill and decode) at the peak and all decode bytes
+(one weight read per decode step, every context's K/V) at the copy bandwidth; no engine passes it. `python -m
 nanovllm.utils.roofline MODEL_FOLDER... [--tp N...]` prints this GPU's figures and the limits of
 bench.py's default workload."""
 import functools
@@ -192,30 +196,57 @@ def _sparse_layers(config: dict) -> int:
     return sum(i not in dense and (i + 1) % step == 0 for i in range(config["num_hidden_layers"]))
 
 
-def prefill_seconds(shapes: ModelShapes, prompt_lens: list[int], gpu: DeviceLimits) -> float:
-    flops = (2 * shapes.active_params * sum(prompt_lens) + 2 * shapes.lm_head_params * len(prompt_lens)
-             + sum(shapes.attention_flops_per_key * n * n / 2 for n in prompt_lens))
-    return flops / gpu.bf16_flop_per_s
+def prefill_flops(shapes: ModelShapes, prompt_lens: list[int]) -> float:
+    return (2 * shapes.active_params * sum(prompt_lens) + 2 * shapes.lm_head_params * len(prompt_lens)
+            + sum(shapes.attention_flops_per_key * n * n / 2 for n in prompt_lens))
 
 
-def decode_seconds(shapes: ModelShapes, prompt_lens: list[int], output_lens: list[int], gpu: DeviceLimits,
-                   kv_bytes: float) -> float:
-    seconds = 0.0
+def decode_steps(shapes: ModelShapes, prompt_lens: list[int], output_lens: list[int],
+                 kv_bytes: float) -> list[tuple[float, float]]:
+    """(bytes read, FLOPs) of each decode step."""
+    steps = []
     for step in range(max(output_lens, default=0)):
         contexts = [n + step for n, out in zip(prompt_lens, output_lens) if step < out]
         reads = (WEIGHT_BYTES * shapes.params_read(len(contexts))
                  + shapes.kv_values_per_token * kv_bytes * sum(contexts))
         flops = (2 * (shapes.active_params + shapes.lm_head_params) * len(contexts)
                  + shapes.attention_flops_per_key * sum(contexts))
-        seconds += max(reads / gpu.copy_bytes_per_s, flops / gpu.bf16_flop_per_s)
-    return seconds
+        steps.append((reads, flops))
+    return steps
+
+
+def prefill_seconds(shapes: ModelShapes, prompt_lens: list[int], gpu: DeviceLimits) -> float:
+    return prefill_flops(shapes, prompt_lens) / gpu.bf16_flop_per_s
+
+
+def decode_seconds(shapes: ModelShapes, prompt_lens: list[int], output_lens: list[int], gpu: DeviceLimits,
+                   kv_bytes: float) -> float:
+    """Each decode step at the larger of its reads at the copy bandwidth and its FLOPs at the peak."""
+    return sum(max(reads / gpu.copy_bytes_per_s, flops / gpu.bf16_flop_per_s)
+               for reads, flops in decode_steps(shapes, prompt_lens, output_lens, kv_bytes))
+
+
+def workload_seconds(shapes: ModelShapes, prompt_lens: list[int], output_lens: list[int], gpu: DeviceLimits,
+                     kv_bytes: float, bound: str) -> float:
+    """"separate": prefill at the bf16 peak, then each decode step at the larger of its reads and
+    its FLOPs; "overlap": the larger of all FLOPs at the peak and all decode reads at the copy
+    bandwidth, as if prefill ran inside the memory-bound decode steps."""
+    if bound == "separate":
+        return (prefill_seconds(shapes, prompt_lens, gpu)
+                + decode_seconds(shapes, prompt_lens, output_lens, gpu, kv_bytes))
+    steps = decode_steps(shapes, prompt_lens, output_lens, kv_bytes)
+    flops = prefill_flops(shapes, prompt_lens) + sum(f for _, f in steps)
+    return max(flops / gpu.bf16_flop_per_s, sum(r for r, _ in steps) / gpu.copy_bytes_per_s)
+
+
+BOUNDS = ("separate", "overlap")
 
 
 def workload_limit(config: dict, prompt_lens: list[int], output_lens: list[int], gpu: DeviceLimits = H200,
-                   tp: int = 1, kv_bytes: float = 2, dp: int = 1) -> float:
+                   tp: int = 1, kv_bytes: float = 2, dp: int = 1, bound: str = "separate") -> float:
     """Output tokens/s no engine can exceed on dp replicas of tp GPUs each with `gpu`'s figures, for
     prompts of prompt_lens tokens that each generate output_lens tokens (the module's docstring says
-    what is counted)."""
+    what is counted). bound: "separate" phases (prefill steps, then decode steps) or "overlap"."""
     for name, value in (("tp", tp), ("dp", dp)):
         if type(value) is not int or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -224,11 +255,12 @@ def workload_limit(config: dict, prompt_lens: list[int], output_lens: list[int],
                          f"got {kv_bytes}")
     if len(prompt_lens) != len(output_lens) or not prompt_lens:
         raise ValueError("prompt_lens and output_lens must be non-empty lists of one length")
+    if bound not in BOUNDS:
+        raise ValueError(f"bound must be one of {BOUNDS}, got {bound!r}")
     shapes = ModelShapes.from_config(config)
     shares = [list(range(len(prompt_lens)))] if dp == 1 else _replica_shares(prompt_lens, output_lens, dp)
-    slowest = max(prefill_seconds(shapes, [prompt_lens[i] for i in share], gpu)
-                  + decode_seconds(shapes, [prompt_lens[i] for i in share], [output_lens[i] for i in share],
-                                   gpu, kv_bytes)
+    slowest = max(workload_seconds(shapes, [prompt_lens[i] for i in share], [output_lens[i] for i in share],
+                                   gpu, kv_bytes, bound)
                   for share in shares if share)
     return sum(output_lens) / (slowest / tp)
 
@@ -266,10 +298,12 @@ def main():
         with open(os.path.join(model, "config.json")) as f:
             config = json.load(f)
         for tp in args.tp:
-            limit = workload_limit(config, prompt_lens, output_lens, gpu, tp, args.kv_bytes)
-            documented = workload_limit(config, prompt_lens, output_lens, H200, tp, args.kv_bytes)
-            print(f"{model} tp={tp} kv_bytes={args.kv_bytes:g}: limit {limit:,.0f} output tok/s "
-                  f"({documented:,.0f} at the documented H200 figures)")
+            for bound in BOUNDS:
+                limit = workload_limit(config, prompt_lens, output_lens, gpu, tp, args.kv_bytes, bound=bound)
+                documented = workload_limit(config, prompt_lens, output_lens, H200, tp, args.kv_bytes,
+                                            bound=bound)
+                print(f"{model} tp={tp} kv_bytes={args.kv_bytes:g} {bound}: limit {limit:,.0f} output tok/s "
+                      f"({documented:,.0f} at the documented H200 figures)")
 
 if __name__ == "__main__":
     main()
