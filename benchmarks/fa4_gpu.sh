@@ -12,7 +12,7 @@
 #   GPU call 1:  bash benchmarks/fa4_gpu.sh half1          # carry [".whl-fa4/part1"]
 #   GPU call 2:  bash benchmarks/fa4_gpu.sh half2 [WHAT]   # carry [".whl-fa4/part2"], within 30 s
 #   later calls on the same warm machine: bash benchmarks/fa4_gpu.sh run WHAT
-# WHAT: any of tests, bench, decode (default: all three, in that order); logs go to $OUT.
+# WHAT: any of tests, bench (default: both, in that order); logs go to $OUT.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PARTS=${FA4_PARTS:-/tmp/fa4parts}
@@ -77,7 +77,7 @@ run() {
     set +e   # one failing piece still leaves the others to run; each prints its exit status
     mkdir -p "$OUT"
     local what=("$@")
-    ((${#what[@]})) || what=(tests bench decode)
+    ((${#what[@]})) || what=(tests bench)
     for w in "${what[@]}"; do
         case $w in
         tests)
@@ -93,10 +93,7 @@ run() {
                     2>&1 | tee "$OUT/bench_default_$backend.log" | tail -3
                 echo "bench default $backend: exit ${PIPESTATUS[0]}"
             done ;;
-        decode)
-            timeout 300 python3 benchmarks/fa4_decode.py --prefill --json "$OUT/fa4_decode.json" 2>&1 | tee "$OUT/fa4_decode.log"
-            echo "decode: exit ${PIPESTATUS[0]}" ;;
-        *) echo "unknown WHAT $w: use tests, bench, decode" >&2; exit 2 ;;
+        *) echo "unknown WHAT $w: use tests, bench" >&2; exit 2 ;;
         esac
     done
 }
@@ -108,5 +105,5 @@ prepare) prepare ;;
 half1) half1 ;;
 half2) install; fa4_env; run "$@" ;;
 run) fa4_env; run "$@" ;;
-*) echo "usage: $0 prepare | half1 | half2 [tests bench decode] | run [tests bench decode]" >&2; exit 2 ;;
+*) echo "usage: $0 prepare | half1 | half2 [tests bench] | run [tests bench]" >&2; exit 2 ;;
 esac

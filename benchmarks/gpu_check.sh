@@ -64,7 +64,7 @@ for f in tests/test_*.py; do
   fi
 done
 # The CUDA-hidden files in three parts, three processes: the interpreter tests are the long pole
-# (in two halves, the second outgrew its 390 s stage limit in the twentieth session).
+# (in two halves, the second ran past a 390 s stage limit).
 third=$(( (${#cpu_files[@]} + 2) / 3 ))
 cpu_part1=("${cpu_files[@]:0:third}") cpu_part2=("${cpu_files[@]:third:third}")
 cpu_part3=("${cpu_files[@]:2*third}")

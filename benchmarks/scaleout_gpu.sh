@@ -64,8 +64,6 @@ elif [[ $STAGE == ray ]]; then
   CUDA_VISIBLE_DEVICES=0 bench dp1 90
   bench dp2 180 --data-parallel-size 2
   grep -E "^  (replica|driver)" "$OUT/bench_dp2.log" | sed "s/^/[dp2] /"   # each replica's share and time
-  # each replica's share on one engine in-process: against the replicas' engine seconds, Ray's cost
-  CUDA_VISIBLE_DEVICES=0 timeout -k 10 100 python benchmarks/dp_share.py 2>&1 | grep -E "^(replica|dp_share)"
   CUDA_VISIBLE_DEVICES= tests ray 180 tests/test_ray.py
   python -m ray.scripts.scripts stop --force > /dev/null 2>&1   # any Ray process a timeout left behind
 else
