@@ -560,12 +560,11 @@ def test_chat_errors(llm):
 
 # ---- progress bar -----------------------------------------------------------------------------------
 
-def test_progress_bar_counts_prompts_and_takes_a_callable(llm, monkeypatch):
+def test_progress_bar_counts_prompts_and_takes_a_callable(llm):
     import io
     from functools import partial
 
     from tqdm import tqdm
-    from nanovllm.engine import progress
     bars = []
 
     def make(**kwargs):
@@ -577,14 +576,39 @@ def test_progress_bar_counts_prompts_and_takes_a_callable(llm, monkeypatch):
     bar = bars[0]
     assert bar.total == 2 and bar.n == 2 and len(outs) == 2   # prompts, not the 6 sequences
     assert "est. speed input" in bar.postfix and "output" in bar.postfix
-    # Redraws are throttled: with no minimum interval each of the ~6 steps would draw a line.
-    monkeypatch.setattr(progress, "REDRAW_SECONDS", 10.0)
+    # It draws when prompts finish, not every step: four that finish together draw the empty bar
+    # and then the full one, once.
     log = io.StringIO()
     llm.generate([[5, 6]] * 4, SamplingParams(max_tokens=20, ignore_eos=True),
                  use_tqdm=partial(tqdm, file=log))
-    assert log.getvalue().count("\r") <= 4
+    assert log.getvalue().count("\r") == 2 and log.getvalue().count("4/4") == 1
     with pytest.raises(TypeError, match="use_tqdm must be True, False or a tqdm-like callable"):
         llm.generate([[5]], use_tqdm="yes")
+
+
+def test_progress_bar_draws_as_vllm_s(llm):
+    """vLLM's bar (LLM._run_engine): it advances as each prompt finishes, draws the full bar once,
+    and its speeds are the finished prompts' tokens over the time: each prompt's tokens once per
+    completion, cached or not, and every output token."""
+    import io
+    import re
+
+    from tqdm import tqdm
+    log = io.StringIO()
+
+    class Bar(tqdm):   # tqdm drawing every update (no minimum interval) into `log`
+        def __init__(self, **kwargs):
+            super().__init__(file=log, **{**kwargs, "mininterval": 0})
+    prefix = [5, 6, 7, 8] * 4   # one block, which the second prompt may find cached
+    params = [SamplingParams(max_tokens=k, n=n, ignore_eos=True) for k, n in ((3, 2), (6, 1), (9, 1))]
+    outs = llm.generate([prefix, prefix + [9], [5, 6]], params, use_tqdm=Bar)
+    lines = [line for line in log.getvalue().split("\r") if line.strip()]
+    assert [re.search(r"(\d)/3 ", line)[1] for line in lines] == ["0", "1", "2", "3"]
+    speeds = re.search(r"input: ([\d.]+) toks/s, output: ([\d.]+) toks/s", lines[-1])
+    prompt_tokens = sum(len(o.prompt_token_ids) * len(o.outputs) for o in outs)   # 2 * 16 + 17 + 2
+    output_tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)        # 2 * 3 + 6 + 9
+    assert float(speeds[1]) / float(speeds[2]) == pytest.approx(prompt_tokens / output_tokens, rel=1e-3)
+    assert "input: 0.00 toks/s, output: 0.00 toks/s" in lines[0]
 
 
 def test_log_stats_when_asked(qwen3_dir, caplog):
