@@ -539,6 +539,13 @@ def test_chat_takes_vllm_s_arguments(llm):
         llm.chat(conversation, greedy, chat_template=TEMPLATE, chat_template_kwargs={"tokenize": True})
 
 
+def test_chat_of_no_conversations_is_no_outputs(llm):
+    # as vLLM's chat and as generate([]): [] is an empty batch, not a malformed conversation
+    assert llm.chat([]) == [] and llm.chat([], use_tqdm=False) == [] and llm.generate([]) == []
+    with pytest.raises(TypeError, match="messages must be a conversation"):
+        llm.chat("hello")
+
+
 def test_chat_errors(llm):
     with pytest.raises(ValueError, match="needs a tokenizer with a chat template"):
         llm.chat([{"role": "user", "content": "w5"}])
