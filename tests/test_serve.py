@@ -88,7 +88,7 @@ def _serve(model_path, tmp_path_factory, *extra_flags):
             "--served-model-name",
             NAME,
             "--log-level",
-            "warning",
+            "info",   # as a user starts it: the start-up log is read by a test
             *flags,
             *extra_flags,
         ],
@@ -625,6 +625,30 @@ def test_chat_content_null_template_kwargs_and_echo(server, client):
         else:
             text = got.choices[0].message.content
         assert text.startswith("The sky is") and len(text) > len("The sky is")
+
+
+def test_unknown_routes_and_methods_get_openai_errors(server, client):
+    # as every other error here (and as vLLM's handler writes HTTP errors): OpenAI's error object
+    status, answer = _get(server + "/v1/nowhere")
+    assert status == 404 and json.loads(answer) == {"error": {
+        "message": "Not Found: GET /v1/nowhere", "type": "Not Found", "param": None, "code": 404}}
+    request = urllib.request.Request(server + "/v1/completions", method="GET")
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(request, timeout=10)
+    assert e.value.code == 405 and e.value.headers["allow"] == "POST"
+    error = json.loads(e.value.read())["error"]
+    assert error["type"] == "Method Not Allowed" and error["code"] == 405
+    assert error["message"] == "Method Not Allowed: GET /v1/completions (it takes POST)"
+    with pytest.raises(openai.NotFoundError) as e:   # what the openai client makes of it
+        client.get("/nowhere", cast_to=object)
+    assert e.value.message.startswith("Error code: 404") and "Not Found: GET /v1/nowhere" in str(e.value)
+
+
+def test_start_up_log_names_the_engine_s_attention_backend(server, llm):
+    # the engine's own words (the server adds none of its own)
+    with open(SERVER_LOG[0]) as f:
+        log = f.read()
+    assert f"attention: {llm.model_runner.attention_backend.description}\n" in log
 
 
 def test_tokenize_detokenize_version_and_cors(server, client):
