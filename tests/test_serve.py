@@ -28,6 +28,7 @@ for _module, _package in (
 
 import openai  # noqa: E402
 
+import nanovllm  # noqa: E402
 from nanovllm import LLM, SamplingParams  # noqa: E402
 from nanovllm.utils.default_model import default_model_path  # noqa: E402
 
@@ -662,7 +663,8 @@ def test_tokenize_detokenize_version_and_cors(server, client):
     assert status == 200 and chat["count"] == used
     assert _post(server + "/tokenize", {"prompt": "a", "messages": CHAT})[0] == 400
     assert _post(server + "/detokenize", {"tokens": [10**9]})[0] == 400
-    assert _get(server + "/version")[0] == 200
+    status, answer = _get(server + "/version")
+    assert status == 200 and json.loads(answer) == {"version": nanovllm.__version__}
     preflight = urllib.request.Request(server + "/v1/chat/completions", method="OPTIONS", headers={
         "Origin": "http://example.com", "Access-Control-Request-Method": "POST"})
     with urllib.request.urlopen(preflight, timeout=10) as r:

@@ -3,7 +3,7 @@ EngineArgs, prompt dicts, stop semantics, SamplingParams extras, prompt logprobs
 import pytest
 import torch
 
-from conftest import EOS, HFOracle, make_model, tokens
+from conftest import EOS, REPO, HFOracle, make_model, tokens
 from nanovllm import LLM, SamplingParams
 from nanovllm.config import Config
 
@@ -39,6 +39,18 @@ def test_dtype_spellings(qwen3_dir, dtype, name):
 def test_bad_option_values(qwen3_dir, options, message):
     with pytest.raises(ValueError, match=message):
         Config.create(qwen3_dir, **options)
+
+
+def test_version_has_one_source():
+    # vLLM's vllm.__version__; the server's /version and the package metadata read the same constant
+    import re
+
+    import nanovllm
+    from nanovllm.version import __version__
+    assert nanovllm.__version__ == __version__ and re.fullmatch(r"\d+\.\d+\.\d+\S*", __version__)
+    pyproject = (REPO / "pyproject.toml").read_text()
+    assert 'dynamic = ["version"]' in pyproject and '{attr = "nanovllm.version.__version__"}' in pyproject
+    assert not re.search(r"^version\s*=\s*\"", pyproject, re.MULTILINE)   # no second copy
 
 
 def test_unknown_option_is_type_error(qwen3_dir):

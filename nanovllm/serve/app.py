@@ -9,7 +9,6 @@ import logging
 import time
 from contextlib import asynccontextmanager
 from http import HTTPStatus
-from importlib.metadata import PackageNotFoundError, version
 
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
@@ -23,6 +22,7 @@ from nanovllm.engine.llm_engine import encode_text, past_max_logprobs
 from nanovllm.serve import protocol as api
 from nanovllm.serve.engine_loop import EngineError, EngineLoop, Request, Update
 from nanovllm.serve.tools import ToolChoice
+from nanovllm.version import __version__
 
 logger = logging.getLogger(__name__)
 
@@ -120,10 +120,7 @@ def create_app(engine, model_name: str, stream_interval: int = 1, *, api_key: st
 
     @app.get("/version")
     async def server_version():
-        try:
-            return {"version": version("nanovllm")}
-        except PackageNotFoundError:   # run from a checkout that was never installed
-            return {"version": "unknown"}
+        return {"version": __version__}
 
     @app.post("/tokenize")
     async def tokenize(body: api.TokenizeRequest):
