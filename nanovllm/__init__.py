@@ -4,6 +4,7 @@ from nanovllm.inputs import TextPrompt, TokensPrompt
 from nanovllm.llm import LLM
 from nanovllm.outputs import CompletionOutput, RequestOutput
 from nanovllm.sampling_params import SamplingParams
+from nanovllm.version import __version__
 
 __all__ = ["LLM", "EngineArgs", "SamplingParams", "RequestOutput", "CompletionOutput", "TextPrompt",
-           "TokensPrompt", "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence"]
+           "TokensPrompt", "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence", "__version__"]

@@ -36,21 +36,28 @@ class BeamSearchSequence:
     tokens: list[int]                     # the prompt and the beam's tokens, as in vLLM
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)   # one dict per generated token
     cum_logprob: float = 0.0
-    text: str | None = None               # filled for the returned beams: the text of `tokens`
+    text: str | None = None               # the returned beams': `tokens` decoded, prompt and EOS text too
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 
 
 @dataclass
 class BeamSearchOutput:
-    sequences: list[BeamSearchSequence]   # the best beam_width beams, best first
+    sequences: list[BeamSearchSequence]   # the best beam_width beams, best score first
+
+
+def get_beam_search_score(tokens: list[int], cumulative_logprob: float, eos_token_id,
+                          length_penalty: float = 1.0) -> float:
+    """vLLM's: the score beams are sorted by, the cumulative logprob over the length (prompt
+    included, a final EOS not) to the power length_penalty. eos_token_id: one id, as vLLM takes
+    it, or a set of them (the engine's EOS ids, which end a beam here)."""
+    eos = {eos_token_id} if isinstance(eos_token_id, int) else eos_token_id
+    length = len(tokens) - (tokens[-1] in eos)
+    return cumulative_logprob / (length ** length_penalty)
 
 
 def beam_score(beam: BeamSearchSequence, eos_token_ids, length_penalty: float) -> float:
-    """vLLM's get_beam_search_score: the cumulative logprob over the length (prompt included, a
-    final EOS not) to the power length_penalty."""
-    length = len(beam.tokens) - (beam.tokens[-1] in eos_token_ids)
-    return beam.cum_logprob / (length ** length_penalty)
+    return get_beam_search_score(beam.tokens, beam.cum_logprob, eos_token_ids, length_penalty)
 
 
 def extend(beam: BeamSearchSequence, step_logprobs: dict[int, Logprob]) -> list[BeamSearchSequence]:

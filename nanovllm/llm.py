@@ -119,10 +119,11 @@ class LLM(LLMEngine):
                 raise ValueError(f"{name}: nanovllm takes none (text-only models, prompts tokenized as "
                                  f"the chat template wrote them); pass None, got {value!r}")
         template = load_chat_template(chat_template)
-        if not isinstance(messages, (list, tuple)) or not messages:
+        if not isinstance(messages, (list, tuple)):
             raise TypeError("messages must be a conversation (a list of message dicts) "
                             "or a list of conversations")
-        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        # [] is no conversations, as in vLLM: generate([]) answers []
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [render_chat(self.tokenizer, c, f"conversation {i}", chat_template=template,
                                content_format=chat_template_content_format,
                                add_generation_prompt=add_generation_prompt,

@@ -42,10 +42,24 @@ def test_chat_example(monkeypatch, capsys, tmp_path):
     assert "<|im_start|>system\\nYou are a helpful assistant" in out and "'system: You are a helpful" in out
 
 
-def test_beam_search_example(monkeypatch, capsys):
-    out = run_example("beam_search.py", SMALL + ["--beam-width", "2", "--max-tokens", "4"],
+def test_beam_search_example_prints_the_best_beam_first_with_its_score(monkeypatch, capsys):
+    """What a newcomer reads: each prompt once, then its beams best first with the score that
+    ranked them, each beam's own text, without the prompt or the EOS token's text."""
+    import re
+    out = run_example("beam_search.py", SMALL + ["--beam-width", "4", "--max-tokens", "8"],
                       monkeypatch, capsys)
-    assert out.count("beam 0:") == 2 and out.count("beam 1:") == 2 and "The capital of France is" in out
+    blocks = out.split("Prompt: ")[1:]
+    assert [b.splitlines()[0] for b in blocks] == ["'The capital of France is'", "'Hello, my name is'"]
+    for block in blocks:
+        prompt = block.splitlines()[0][1:-1]
+        scores = [float(s) for s in re.findall(r"beam \d: score (-?[\d.]+)", block)]
+        texts = re.findall(r"\)  (.*)$", block, re.MULTILINE)
+        assert len(scores) == len(texts) == 4 and scores == sorted(scores, reverse=True)
+        assert not any(t[1:].startswith(prompt) for t in texts)
+    assert "<|im_end|>" not in out
+    # the short answer that ended with EOS ranks first by score, though its cum_logprob is not
+    # comparable with the longer beams'
+    assert re.search(r"beam 0: score -[\d.]+ \(cum_logprob -[\d.]+, finish_reason 'stop'\)  ' Paris\.'", out)
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +76,25 @@ def test_eos_text_is_not_in_the_output(smol):
                     use_tqdm=False)[0].outputs[0]
     assert out.finish_reason == "stop" and out.token_ids[-1] == smol.tokenizer.eos_token_id
     assert "Paris" in out.text and "<|im_end|>" not in out.text
+
+
+def test_beam_text_is_the_whole_sequence_as_in_vllm(smol):
+    """vLLM's LLM.beam_search: a beam's tokens and text hold the prompt, and an EOS that ended it
+    is in both (decoded with the special tokens, unlike generate's text); the beams are sorted by
+    get_beam_search_score."""
+    from nanovllm import BeamSearchParams
+    from nanovllm.beam_search import get_beam_search_score
+    tokenizer = smol.get_tokenizer()
+    prompt = "The capital of France is"
+    beams = smol.beam_search([prompt], BeamSearchParams(beam_width=4, max_tokens=8))[0].sequences
+    assert all(b.tokens[:5] == tokenizer.encode(prompt) for b in beams)
+    assert all(b.text == tokenizer.decode(b.tokens) for b in beams)
+    ended = [b for b in beams if b.finish_reason == "stop"]
+    assert ended and all(b.tokens[-1] == tokenizer.eos_token_id for b in ended)
+    assert ended[0].text == "The capital of France is Paris.<|im_end|>"
+    scores = [get_beam_search_score(b.tokens, b.cum_logprob, tokenizer.eos_token_id) for b in beams]
+    assert scores == sorted(scores, reverse=True)
+    assert [len(b.logprobs) for b in beams] == [len(b.tokens) - 5 for b in beams]   # one per new token
 
 
 def test_continue_final_message(smol):

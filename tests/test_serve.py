@@ -28,6 +28,7 @@ for _module, _package in (
 
 import openai  # noqa: E402
 
+import nanovllm  # noqa: E402
 from nanovllm import LLM, SamplingParams  # noqa: E402
 from nanovllm.utils.default_model import default_model_path  # noqa: E402
 
@@ -88,7 +89,7 @@ def _serve(model_path, tmp_path_factory, *extra_flags):
             "--served-model-name",
             NAME,
             "--log-level",
-            "warning",
+            "info",   # as a user starts it: the start-up log is read by a test
             *flags,
             *extra_flags,
         ],
@@ -627,6 +628,30 @@ def test_chat_content_null_template_kwargs_and_echo(server, client):
         assert text.startswith("The sky is") and len(text) > len("The sky is")
 
 
+def test_unknown_routes_and_methods_get_openai_errors(server, client):
+    # as every other error here (and as vLLM's handler writes HTTP errors): OpenAI's error object
+    status, answer = _get(server + "/v1/nowhere")
+    assert status == 404 and json.loads(answer) == {"error": {
+        "message": "Not Found: GET /v1/nowhere", "type": "Not Found", "param": None, "code": 404}}
+    request = urllib.request.Request(server + "/v1/completions", method="GET")
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(request, timeout=10)
+    assert e.value.code == 405 and e.value.headers["allow"] == "POST"
+    error = json.loads(e.value.read())["error"]
+    assert error["type"] == "Method Not Allowed" and error["code"] == 405
+    assert error["message"] == "Method Not Allowed: GET /v1/completions (it takes POST)"
+    with pytest.raises(openai.NotFoundError) as e:   # what the openai client makes of it
+        client.get("/nowhere", cast_to=object)
+    assert e.value.message.startswith("Error code: 404") and "Not Found: GET /v1/nowhere" in str(e.value)
+
+
+def test_start_up_log_names_the_engine_s_attention_backend(server, llm):
+    # the engine's own words (the server adds none of its own)
+    with open(SERVER_LOG[0]) as f:
+        log = f.read()
+    assert f"attention: {llm.model_runner.attention_backend.description}\n" in log
+
+
 def test_tokenize_detokenize_version_and_cors(server, client):
     status, tokens = _post(server + "/tokenize",
                            {"model": NAME, "prompt": PROMPTS[0], "return_token_strs": True})
@@ -638,7 +663,8 @@ def test_tokenize_detokenize_version_and_cors(server, client):
     assert status == 200 and chat["count"] == used
     assert _post(server + "/tokenize", {"prompt": "a", "messages": CHAT})[0] == 400
     assert _post(server + "/detokenize", {"tokens": [10**9]})[0] == 400
-    assert _get(server + "/version")[0] == 200
+    status, answer = _get(server + "/version")
+    assert status == 200 and json.loads(answer) == {"version": nanovllm.__version__}
     preflight = urllib.request.Request(server + "/v1/chat/completions", method="OPTIONS", headers={
         "Origin": "http://example.com", "Access-Control-Request-Method": "POST"})
     with urllib.request.urlopen(preflight, timeout=10) as r:

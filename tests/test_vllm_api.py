@@ -3,7 +3,7 @@ EngineArgs, prompt dicts, stop semantics, SamplingParams extras, prompt logprobs
 import pytest
 import torch
 
-from conftest import EOS, HFOracle, make_model, tokens
+from conftest import EOS, REPO, HFOracle, make_model, tokens
 from nanovllm import LLM, SamplingParams
 from nanovllm.config import Config
 
@@ -39,6 +39,18 @@ def test_dtype_spellings(qwen3_dir, dtype, name):
 def test_bad_option_values(qwen3_dir, options, message):
     with pytest.raises(ValueError, match=message):
         Config.create(qwen3_dir, **options)
+
+
+def test_version_has_one_source():
+    # vLLM's vllm.__version__; the server's /version and the package metadata read the same constant
+    import re
+
+    import nanovllm
+    from nanovllm.version import __version__
+    assert nanovllm.__version__ == __version__ and re.fullmatch(r"\d+\.\d+\.\d+\S*", __version__)
+    pyproject = (REPO / "pyproject.toml").read_text()
+    assert 'dynamic = ["version"]' in pyproject and '{attr = "nanovllm.version.__version__"}' in pyproject
+    assert not re.search(r"^version\s*=\s*\"", pyproject, re.MULTILINE)   # no second copy
 
 
 def test_unknown_option_is_type_error(qwen3_dir):
@@ -539,6 +551,13 @@ def test_chat_takes_vllm_s_arguments(llm):
         llm.chat(conversation, greedy, chat_template=TEMPLATE, chat_template_kwargs={"tokenize": True})
 
 
+def test_chat_of_no_conversations_is_no_outputs(llm):
+    # as vLLM's chat and as generate([]): [] is an empty batch, not a malformed conversation
+    assert llm.chat([]) == [] and llm.chat([], use_tqdm=False) == [] and llm.generate([]) == []
+    with pytest.raises(TypeError, match="messages must be a conversation"):
+        llm.chat("hello")
+
+
 def test_chat_errors(llm):
     with pytest.raises(ValueError, match="needs a tokenizer with a chat template"):
         llm.chat([{"role": "user", "content": "w5"}])
@@ -560,12 +579,11 @@ def test_chat_errors(llm):
 
 # ---- progress bar -----------------------------------------------------------------------------------
 
-def test_progress_bar_counts_prompts_and_takes_a_callable(llm, monkeypatch):
+def test_progress_bar_counts_prompts_and_takes_a_callable(llm):
     import io
     from functools import partial
 
     from tqdm import tqdm
-    from nanovllm.engine import progress
     bars = []
 
     def make(**kwargs):
@@ -577,14 +595,39 @@ def test_progress_bar_counts_prompts_and_takes_a_callable(llm, monkeypatch):
     bar = bars[0]
     assert bar.total == 2 and bar.n == 2 and len(outs) == 2   # prompts, not the 6 sequences
     assert "est. speed input" in bar.postfix and "output" in bar.postfix
-    # Redraws are throttled: with no minimum interval each of the ~6 steps would draw a line.
-    monkeypatch.setattr(progress, "REDRAW_SECONDS", 10.0)
+    # It draws when prompts finish, not every step: four that finish together draw the empty bar
+    # and then the full one, once.
     log = io.StringIO()
     llm.generate([[5, 6]] * 4, SamplingParams(max_tokens=20, ignore_eos=True),
                  use_tqdm=partial(tqdm, file=log))
-    assert log.getvalue().count("\r") <= 4
+    assert log.getvalue().count("\r") == 2 and log.getvalue().count("4/4") == 1
     with pytest.raises(TypeError, match="use_tqdm must be True, False or a tqdm-like callable"):
         llm.generate([[5]], use_tqdm="yes")
+
+
+def test_progress_bar_draws_as_vllm_s(llm):
+    """vLLM's bar (LLM._run_engine): it advances as each prompt finishes, draws the full bar once,
+    and its speeds are the finished prompts' tokens over the time: each prompt's tokens once per
+    completion, cached or not, and every output token."""
+    import io
+    import re
+
+    from tqdm import tqdm
+    log = io.StringIO()
+
+    class Bar(tqdm):   # tqdm drawing every update (no minimum interval) into `log`
+        def __init__(self, **kwargs):
+            super().__init__(file=log, **{**kwargs, "mininterval": 0})
+    prefix = [5, 6, 7, 8] * 4   # one block, which the second prompt may find cached
+    params = [SamplingParams(max_tokens=k, n=n, ignore_eos=True) for k, n in ((3, 2), (6, 1), (9, 1))]
+    outs = llm.generate([prefix, prefix + [9], [5, 6]], params, use_tqdm=Bar)
+    lines = [line for line in log.getvalue().split("\r") if line.strip()]
+    assert [re.search(r"(\d)/3 ", line)[1] for line in lines] == ["0", "1", "2", "3"]
+    speeds = re.search(r"input: ([\d.]+) toks/s, output: ([\d.]+) toks/s", lines[-1])
+    prompt_tokens = sum(len(o.prompt_token_ids) * len(o.outputs) for o in outs)   # 2 * 16 + 17 + 2
+    output_tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)        # 2 * 3 + 6 + 9
+    assert float(speeds[1]) / float(speeds[2]) == pytest.approx(prompt_tokens / output_tokens, rel=1e-3)
+    assert "input: 0.00 toks/s, output: 0.00 toks/s" in lines[0]
 
 
 def test_log_stats_when_asked(qwen3_dir, caplog):

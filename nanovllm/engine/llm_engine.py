@@ -413,17 +413,17 @@ class LLMEngine:
         seqs = [seq for request in requests for seq in request]
         try:
             while not all(seq.is_finished for seq in seqs):
-                finished, batch = self._step()   # generate holds the lock and resets on errors
-                done = 0
+                finished, _ = self._step()   # generate holds the lock and resets on errors
+                done = []   # the prompts this step finished (each its n sequences)
                 for seq in finished:
                     i = prompt_of.get(seq.seq_id)
                     if i is not None:
                         unfinished[i] -= 1
-                        done += unfinished[i] == 0
-                if batch.is_prefill:
-                    progress.step(batch.num_tokens, sum(batch.samples), done)
-                else:   # every decode sequence samples one token
-                    progress.step(0, len(batch.seqs), done)
+                        if unfinished[i] == 0:
+                            done.append(requests[i])
+                if done:   # as vLLM counts them: each completion's prompt tokens, and its output tokens
+                    progress.finished(len(done), sum(s.num_prompt_tokens for r in done for s in r),
+                                      sum(s.num_completion_tokens for r in done for s in r))
         finally:
             summary = progress.close()
         if not self.config.disable_log_stats:

@@ -1,11 +1,11 @@
-"""generate's progress bar, vLLM's kind: it counts finished prompts and shows input and output
-tokens/s averaged over the run; it redraws at most every REDRAW_SECONDS, so a log file gets a
-few lines a second, not one per step."""
+"""generate's progress bar, as vLLM's LLM._run_engine draws it: "Processed prompts" advances as
+prompts finish, and its postfix shows the input and output tokens/s of the finished prompts (a
+prompt's tokens count once for each of its n completions, as vLLM counts them) over the time
+since the bar started. It draws only when prompts finish (tqdm keeps that to a few lines a
+second), and its last line once: close() draws it."""
 import time
 
 from tqdm.auto import tqdm
-
-REDRAW_SECONDS = 0.5
 
 
 def check_use_tqdm(use_tqdm):
@@ -17,36 +17,36 @@ class Progress:
     def __init__(self, use_tqdm, num_prompts: int):
         """use_tqdm: True / False, or a tqdm-like callable (tqdm's constructor arguments) to draw with."""
         check_use_tqdm(use_tqdm)
-        self.start = self.last_draw = time.perf_counter()
+        self.start = time.perf_counter()
         self.input_tokens = self.output_tokens = 0
+        self.seconds = 0.0   # from the start to the last prompt that finished
         self.bar = None
         if use_tqdm:
             make = use_tqdm if callable(use_tqdm) else tqdm
             self.bar = make(total=num_prompts, desc="Processed prompts", dynamic_ncols=True,
-                            mininterval=REDRAW_SECONDS, postfix=self._speeds(1.0))
+                            postfix=self._speeds())
 
-    def step(self, prompt_tokens: int, output_tokens: int, prompts_done: int):
-        """After a step: the prompt tokens it computed, the tokens it sampled, the prompts it finished."""
+    def finished(self, prompts: int, prompt_tokens: int, output_tokens: int):
+        """Prompts that finished in one step: how many, their prompt tokens (once per completion)
+        and their completions' tokens."""
         self.input_tokens += prompt_tokens
         self.output_tokens += output_tokens
-        if self.bar is None:
+        self.seconds = time.perf_counter() - self.start
+        if self.bar is None or not prompts:
             return
-        now = time.perf_counter()
-        if prompts_done:
-            self.bar.update(prompts_done)   # tqdm redraws within its mininterval
-        if now - self.last_draw >= REDRAW_SECONDS:
-            self.last_draw = now
-            self.bar.set_postfix_str(self._speeds(now - self.start))
+        self.bar.postfix = self._speeds()
+        if self.bar.n + prompts < self.bar.total:
+            self.bar.update(prompts)   # tqdm draws it unless it drew a moment ago
+        else:
+            self.bar.n += prompts      # the last ones: counted, not drawn, so close() draws the full bar once
 
-    def _speeds(self, seconds: float) -> str:
-        seconds = max(seconds, 1e-9)
+    def _speeds(self) -> str:
+        seconds = max(self.seconds, 1e-9)
         return (f"est. speed input: {self.input_tokens / seconds:.2f} toks/s, "
                 f"output: {self.output_tokens / seconds:.2f} toks/s")
 
     def close(self) -> str:
-        """Close the bar; return the run's summary (for the log)."""
-        summary = self._speeds(time.perf_counter() - self.start)
+        """Close the bar (drawing its last line); return its speeds (for the log)."""
         if self.bar is not None:
-            self.bar.set_postfix_str(summary, refresh=False)
             self.bar.close()
-        return summary
+        return self._speeds()

@@ -8,7 +8,7 @@ import json
 import logging
 import time
 from contextlib import asynccontextmanager
-from importlib.metadata import PackageNotFoundError, version
+from http import HTTPStatus
 
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
@@ -22,6 +22,7 @@ from nanovllm.engine.llm_engine import encode_text, past_max_logprobs
 from nanovllm.serve import protocol as api
 from nanovllm.serve.engine_loop import EngineError, EngineLoop, Request, Update
 from nanovllm.serve.tools import ToolChoice
+from nanovllm.version import __version__
 
 logger = logging.getLogger(__name__)
 
@@ -82,13 +83,18 @@ def create_app(engine, model_name: str, stream_interval: int = 1, *, api_key: st
         return JSONResponse(api.error_body(details, "BadRequestError", 400), status_code=400)
 
     @app.exception_handler(HTTPException)
-    async def http_error(_, exc: HTTPException):
-        # a body that is not even text (FastAPI's 400): OpenAI's error shape too; other statuses
-        # (an unknown route) keep FastAPI's {"detail": ...}, as vLLM's do
-        if exc.status_code != 400:
-            return JSONResponse({"detail": exc.detail}, status_code=exc.status_code, headers=exc.headers)
-        message = f"{exc.detail}: send a JSON object encoded as UTF-8"
-        return JSONResponse(api.error_body(message, "BadRequestError", 400), status_code=400)
+    async def http_error(raw: HTTPRequest, exc: HTTPException):
+        # Starlette's own errors, in OpenAI's shape as every other error here: a body that is not
+        # even text (400), an unknown route (404), a wrong method (405, with its Allow header).
+        # The type is the status's phrase, as vLLM's handler writes it.
+        if exc.status_code == 400:
+            message = f"{exc.detail}: send a JSON object encoded as UTF-8"
+            return JSONResponse(api.error_body(message, "BadRequestError", 400), status_code=400)
+        message = f"{exc.detail}: {raw.method} {raw.url.path}"
+        if allowed := (exc.headers or {}).get("Allow"):
+            message += f" (it takes {allowed})"
+        return JSONResponse(api.error_body(message, HTTPStatus(exc.status_code).phrase, exc.status_code),
+                            status_code=exc.status_code, headers=exc.headers)
 
     @app.exception_handler(ValueError)
     @app.exception_handler(TypeError)
@@ -114,10 +120,7 @@ def create_app(engine, model_name: str, stream_interval: int = 1, *, api_key: st
 
     @app.get("/version")
     async def server_version():
-        try:
-            return {"version": version("nanovllm")}
-        except PackageNotFoundError:   # run from a checkout that was never installed
-            return {"version": "unknown"}
+        return {"version": __version__}
 
     @app.post("/tokenize")
     async def tokenize(body: api.TokenizeRequest):
