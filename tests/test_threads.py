@@ -30,11 +30,20 @@ TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
 CHAT = [[{"role": "user", "content": "w7 w8 w9"}], [{"role": "user", "content": "w50 w51"}]]
 
 
+class Close(float):
+    """A logprob that equals any within 1e-3: a request queued by hand is batched with another
+    caller's, and a different batch may round the last bits differently. (Rounding to 4 places was
+    not enough: -2.99135 rounds either way, and under load the test saw -2.9914 against -2.9913.)"""
+    def __eq__(self, other):
+        return abs(self - other) < 1e-3
+
+    __hash__ = float.__hash__
+
+
 def summary(outputs) -> list:
-    """What a caller sees. Logprobs are rounded: a request queued by hand is batched with another
-    caller's, and a different batch may round the last bits differently."""
+    """What a caller sees, logprobs compared within 1e-3 (Close)."""
     def logprobs(c):
-        return [{t: (round(lp.logprob, 4), lp.rank) for t, lp in d.items()} for d in c.logprobs or []]
+        return [{t: (Close(lp.logprob), lp.rank) for t, lp in d.items()} for d in c.logprobs or []]
     return [(o.prompt, [(list(c.token_ids), c.text, c.finish_reason, logprobs(c)) for c in o.outputs])
             for o in outputs]
 
