@@ -1,5 +1,5 @@
 """Host (CPU) cost of one decode step's bookkeeping at batch 256, without a GPU: Scheduler.schedule,
-StepInput.of, DecodeInputs.pack (CUDA-graph layout), Sampler.prepare (temperature 0.6) and
+StepInput.of, DecodeInputs.pack (CUDA-graph layout), SamplingPrep.prepare (temperature 0.6) and
 Scheduler.postprocess, on a tiny model. These run on the host between two GPU steps, so they bound
 how much of each decode step the GPU sits idle. Usage: PYTHONPATH=. python benchmarks/bench_host.py"""
 import os
@@ -25,7 +25,7 @@ def main(batch=256, prompt_len=600, steps=200):
     while sched.waiting:                                  # prefill everything (host bookkeeping only)
         b = sched.schedule()
         sched.postprocess(b, [7] * len(b.sampling_seqs))
-    phases = ("schedule", "StepInput.of", "DecodeInputs.pack", "Sampler.prepare", "postprocess")
+    phases = ("schedule", "StepInput.of", "DecodeInputs.pack", "SamplingPrep.prepare", "postprocess")
     times = {k: [] for k in phases}
 
     def timed(name, fn, *args):
@@ -38,7 +38,7 @@ def main(batch=256, prompt_len=600, steps=200):
         batch_ = timed("schedule", sched.schedule)
         step = timed("StepInput.of", StepInput.of, batch_)
         timed("DecodeInputs.pack", DecodeInputs.pack, step, 256, 4, runner.block_size)
-        timed("Sampler.prepare", runner.sampler.prepare, batch_.sampling_seqs)
+        timed("SamplingPrep.prepare", runner.sampling_prep.prepare, batch_.sampling_seqs)
         timed("postprocess", sched.postprocess, batch_, [11 + i % 300] * len(batch_.seqs))
     total = 0.0
     for name, ts in times.items():

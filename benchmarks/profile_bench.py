@@ -30,7 +30,7 @@ from nanovllm.engine.sampled_tokens import PendingSample  # noqa: E402
 HOST_PHASES = [
     ("scheduler", "schedule", "scheduler.schedule"),
     ("scheduler", "complete", "scheduler.complete (apply tokens, stop checks)"),
-    ("model_runner.sampler", "prepare", "sampler.prepare (sampling tensors)"),
+    ("model_runner.sampling_prep", "prepare", "sampling_prep.prepare (sampling tensors)"),
     (DecodeInputs, "pack", "DecodeInputs.pack (decode inputs)"),
     ("model_runner", "prepare_prefill", "runner.prepare_prefill (inputs, H2D)"),
     (PendingSample, "result", "tokens to host (waits for the GPU)"),

@@ -26,6 +26,7 @@ from nanovllm.engine.sampled_tokens import PendingSample
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.stop_checker import StopChecker
+from nanovllm.engine import sampling_prep
 from nanovllm.layers import sampler
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -45,7 +46,7 @@ PARAMS = [
     SamplingParams(temperature=0, max_tokens=7, ignore_eos=True),
 ]
 ENGINE_MODULES = (llm_engine, scheduler, block_manager, sequence, stop_checker, detokenizer, model_runner,
-                  decode_graphs, step_input, sampled_tokens, sampler)
+                  decode_graphs, step_input, sampled_tokens, sampler, sampling_prep)
 ENGINE_FILES = {m.__file__ for m in ENGINE_MODULES}
 
 

@@ -13,6 +13,7 @@ from nanovllm.config import Config
 from nanovllm.engine.block_manager import cdiv
 from nanovllm.engine.decode_graphs import DecodeGraphs, DecodeInputs
 from nanovllm.engine.sampled_tokens import PendingSample, prompt_logprobs
+from nanovllm.engine.sampling_prep import SamplingPrep
 from nanovllm.engine.scheduler import ScheduledBatch
 from nanovllm.engine.step_input import StepInput
 from nanovllm.kernels import paged_kv_slots
@@ -104,7 +105,8 @@ class ModelRunner:
             if not config.disable_custom_all_reduce:
                 connect_peer_all_reduce(self.device)   # decode-sized sums over peer memory (CUDA TP)
             self.model.eval()
-            self.sampler = Sampler(config.hf_config.vocab_size, self.device, config.seed)
+            self.sampling_prep = SamplingPrep(config.hf_config.vocab_size, self.device, config.seed)
+            self.sampler = Sampler()
             # The last step's sampled token ids on the device, row i for its i-th sampling sequence:
             # a step launched before they reach the host reads its input tokens from here.
             # A step samples at most min(max_num_seqs, max_num_batched_tokens) sequences (the scheduler's
@@ -313,7 +315,7 @@ class ModelRunner:
                 before_sampling()
             # Built while the device runs the forward pass just queued: the host's share of sampling
             # (a grammar's token bitmasks, penalty counts) overlaps it.
-            sampling = self.sampler.prepare(batch.sampling_seqs)
+            sampling = self.sampling_prep.prepare(batch.sampling_seqs)
             out = self.sampler.sample(logits, sampling)
             self.keep_sampled(out.token_ids)
             self.share_sampled(out.token_ids.numel())
