@@ -1,5 +1,5 @@
-"""Host time of LLMEngine's prompt validation on bench.py's prompt shapes (256 prompts of 100-1024
-token ids), which runs inside bench.py's timed generate.
+"""Host time of the engine's prompt validation (RequestBuilder.token_ids) on bench.py's prompt shapes
+(256 prompts of 100-1024 token ids), which runs inside bench.py's timed generate.
 
     PYTHONPATH=. python benchmarks/bench_validation.py
 """
@@ -23,7 +23,7 @@ ts = []
 for _ in range(7):
     t = time.perf_counter()
     for i, p in enumerate(prompts):
-        llm._token_ids(p, i)
+        llm.requests.token_ids(p, i)
     ts.append(time.perf_counter() - t)
 print(f"validate {sum(map(len, prompts))} token ids in 256 prompts: "
       f"median {statistics.median(ts) * 1e3:.1f} ms")

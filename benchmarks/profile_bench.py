@@ -37,6 +37,9 @@ HOST_PHASES = [
 ]
 
 
+STEP_LABEL = "engine step (run_ahead.step, all of it)"
+
+
 class HookPointMissing(RuntimeError):
     pass
 
@@ -149,11 +152,11 @@ def host_profile(llm, lines: list[str], prompts, params):
         hooks.wrap("model_runner", "run_decode", "runner.run_decode (decode forward launch)",
                    before=decode_started)
         hooks.wrap("model_runner.sampler", "sample", "sampler.sample (launch)", after=sampled)
-        hooks.wrap("", "_step", "engine._step (a step, all of it)", after=stepped)
+        hooks.wrap("run_ahead", "step", STEP_LABEL, after=stepped)
         t = time.perf_counter()
         llm.generate(prompts, params, use_tqdm=False)
         total = time.perf_counter() - t
-        hooks.check_all_ran([label for _, _, label in HOST_PHASES] + ["engine._step (a step, all of it)"])
+        hooks.check_all_ran([label for _, _, label in HOST_PHASES] + [STEP_LABEL])
         if not step_wall:
             raise HookPointMissing("no decode step was seen: the engine's step no longer returns "
                                    "(finished, batch); update stepped() in benchmarks/profile_bench.py")

@@ -108,12 +108,11 @@ class ModelRunner:
             self.sampling_prep = SamplingPrep(config.hf_config.vocab_size, self.device, config.seed)
             self.sampler = Sampler()
             # The last step's sampled token ids on the device, row i for its i-th sampling sequence:
-            # a step launched before they reach the host reads its input tokens from here.
+            # a step launched before they reach the host reads its input tokens from here (run_ahead.py).
             # A step samples at most min(max_num_seqs, max_num_batched_tokens) sequences (the scheduler's
             # limits), so a huge max_num_seqs allocates nothing more.
             rows = min(config.max_num_seqs, config.max_num_batched_tokens)
             self.sampled_tokens = torch.zeros(rows, dtype=torch.int64, device=self.device)
-            self.pending_rows: dict[int, int] = {}   # rank 0: seq_id -> row of sampled_tokens
             self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
             for layer in self.attention_layers:
                 layer.prefill_attention = self.attention_backend.prefill
@@ -319,7 +318,6 @@ class ModelRunner:
             out = self.sampler.sample(logits, sampling)
             self.keep_sampled(out.token_ids)
             self.share_sampled(out.token_ids.numel())
-        self.pending_rows = {seq.seq_id: row for row, seq in enumerate(batch.sampling_seqs)}
         pending = PendingSample(out, sampling)
         pending.prompt_logprobs = prompt
         return pending
@@ -340,7 +338,7 @@ class ModelRunner:
 
     def step_input(self, batch: ScheduledBatch) -> StepInput:
         """What every rank needs to run the batch (the other ranks get it from rank 0)."""
-        return StepInput.of(batch, self.pending_rows)
+        return StepInput.of(batch)
 
     def keep_sampled(self, token_ids: torch.Tensor):
         """Rank 0: store a step's sampled tokens, row i for its i-th sampling sequence."""
