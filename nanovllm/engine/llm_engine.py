@@ -74,7 +74,7 @@ class LLMEngine:
         # SamplingParams fields the model's generation config sets (used when none are given).
         self.default_sampling_overrides = default_sampling_overrides(c.model, c.generation_config)
         self.requests = RequestBuilder(c, self.tokenizer, self.model_runner.num_kvcache_blocks, eos_ids,
-                                       self.get_default_sampling_params)
+                                       self.default_sampling_overrides)
         self.outputs = OutputBuilder(self.tokenizer)
         self.run_ahead = RunAhead(self.scheduler, self.executor, c.async_scheduling)
 
@@ -107,7 +107,7 @@ class LLMEngine:
         """vLLM's defaults for this model: SamplingParams() with the sampling settings of the
         model's generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty,
         max_new_tokens as max_tokens); LLM(generation_config="vllm") ignores that file."""
-        return SamplingParams(**self.default_sampling_overrides)
+        return self.requests.default_params()
 
     def compile_grammar(self, params: StructuredOutputsParams):
         """See RequestBuilder.compile_grammar (a server compiles off its engine loop)."""

@@ -17,12 +17,13 @@ NO_TOKENIZER = "the model folder has none, or skip_tokenizer_init=True"
 
 class RequestBuilder:
     """Checks prompts and SamplingParams against one engine's model (vocabulary, max_model_len, KV
-    cache, tokenizer) and builds their Sequences. defaults: the SamplingParams of a request given
-    none (the model's generation config)."""
+    cache, tokenizer) and builds their Sequences. default_overrides: the SamplingParams fields of a
+    request given none (the model's generation config). (It holds no reference to the engine: an
+    engine dropped without the cycle collector must still be freed at once.)"""
 
     def __init__(self, config: Config, tokenizer, num_kvcache_blocks: int, eos_token_ids: set[int],
-                 defaults: Callable[[], SamplingParams]):
-        self.config, self.tokenizer, self.defaults = config, tokenizer, defaults
+                 default_overrides: dict):
+        self.config, self.tokenizer, self.default_overrides = config, tokenizer, default_overrides
         self.num_kvcache_blocks = num_kvcache_blocks
         self.eos_token_ids = eos_token_ids
         self._eos = frozenset(eos_token_ids)   # each Sequence's (for its min_tokens ban)
@@ -78,7 +79,7 @@ class RequestBuilder:
         """One checked SamplingParams per prompt (see sampling_params_list)."""
         if isinstance(sampling_params, SamplingParams):
             self.check_params(sampling_params, 0)
-        params = sampling_params_list(sampling_params, n, self.defaults)
+        params = sampling_params_list(sampling_params, n, self.default_params)
         if isinstance(sampling_params, (list, tuple)):
             checked = set()
             for i, p in enumerate(params):
@@ -86,6 +87,9 @@ class RequestBuilder:
                     self.check_params(p, i)
                     checked.add(id(p))
         return params
+
+    def default_params(self) -> SamplingParams:
+        return SamplingParams(**self.default_overrides)
 
     def check_params(self, params: SamplingParams, index: int):
         try:
