@@ -105,7 +105,7 @@ def overlap_limit(args, prompts, params, gpu: roofline.DeviceLimits) -> float | 
 
 
 def data_parallel_replicas(job, prompts, params, args, gpu: roofline.DeviceLimits) -> dict:
-    """Where a data-parallel run's time went (job: the DataParallelLLM's last_job): each replica's
+    """Where a data-parallel run's time went (job: the DataParallelEngine's last_job): each replica's
     share, the seconds inside its engine and, when the model folder has a config.json, its limit (its
     own prompts and outputs alone; the job's limit is the slowest replica's, as workload_limit's dp)."""
     config, shape = model_config(args), dict(tp=args.tensor_parallel_size, kv_bytes=kv_bytes(args))

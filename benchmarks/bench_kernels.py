@@ -151,7 +151,7 @@ def sampling_case(n, fused, vocab=151936):
     if fused:
         ms = median_ms(lambda: gumbel_max_sample(logits, temps, seeds))
     else:
-        sampler = Sampler(logits.size(1), logits.device)
+        sampler = Sampler()
         params = SamplingTensors(temperatures=temps, all_greedy=False)
         ms = median_ms(lambda: sampler.sample(logits, params))
     return ms, logits.numel() * 2 / (ms * 1e-3)

@@ -30,11 +30,14 @@ from nanovllm.engine.sampled_tokens import PendingSample  # noqa: E402
 HOST_PHASES = [
     ("scheduler", "schedule", "scheduler.schedule"),
     ("scheduler", "complete", "scheduler.complete (apply tokens, stop checks)"),
-    ("model_runner.sampler", "prepare", "sampler.prepare (sampling tensors)"),
+    ("model_runner.sampling_prep", "prepare", "sampling_prep.prepare (sampling tensors)"),
     (DecodeInputs, "pack", "DecodeInputs.pack (decode inputs)"),
     ("model_runner", "prepare_prefill", "runner.prepare_prefill (inputs, H2D)"),
     (PendingSample, "result", "tokens to host (waits for the GPU)"),
 ]
+
+
+STEP_LABEL = "engine step (run_ahead.step, all of it)"
 
 
 class HookPointMissing(RuntimeError):
@@ -149,11 +152,11 @@ def host_profile(llm, lines: list[str], prompts, params):
         hooks.wrap("model_runner", "run_decode", "runner.run_decode (decode forward launch)",
                    before=decode_started)
         hooks.wrap("model_runner.sampler", "sample", "sampler.sample (launch)", after=sampled)
-        hooks.wrap("", "_step", "engine._step (a step, all of it)", after=stepped)
+        hooks.wrap("run_ahead", "step", STEP_LABEL, after=stepped)
         t = time.perf_counter()
         llm.generate(prompts, params, use_tqdm=False)
         total = time.perf_counter() - t
-        hooks.check_all_ran([label for _, _, label in HOST_PHASES] + ["engine._step (a step, all of it)"])
+        hooks.check_all_ran([label for _, _, label in HOST_PHASES] + [STEP_LABEL])
         if not step_wall:
             raise HookPointMissing("no decode step was seen: the engine's step no longer returns "
                                    "(finished, batch); update stepped() in benchmarks/profile_bench.py")

@@ -1,6 +1,6 @@
 """Where a decode step's time goes with structured outputs: the same batch generated free and with
 every request constrained by one JSON schema, each step split into the host's grammar work
-(GrammarState.accept of the sampled tokens, the bitmask fill in Sampler.prepare), the wait for the
+(GrammarState.accept of the sampled tokens, the bitmask fill in SamplingPrep.prepare), the wait for the
 device's tokens, and the rest (scheduling, inputs, launch). Short: about a minute on an H200.
 
   GPU:  PYTHONPATH=.:/tmp/site python benchmarks/structured_profile.py --tokenizer .whl-xgr/smollm2-tokenizer
@@ -24,7 +24,7 @@ sys.path.insert(0, ROOT)
 from bench import STRUCTURED_SCHEMA  # noqa: E402
 from nanovllm import LLM, SamplingParams  # noqa: E402
 from nanovllm.engine.executor import Executor  # noqa: E402
-from nanovllm.layers.sampler import Sampler  # noqa: E402
+from nanovllm.engine.sampling_prep import SamplingPrep  # noqa: E402
 from nanovllm.sampling_params import StructuredOutputsParams  # noqa: E402
 from nanovllm.structured import grammars  # noqa: E402
 
@@ -32,7 +32,7 @@ MINLENGTH = {"type": "object", "required": ["id", "text"],
              "properties": {"id": {"type": "integer"}, "text": {"type": "string", "minLength": 8192}}}
 SCHEMAS = {"bench": STRUCTURED_SCHEMA, "minlength": MINLENGTH}
 PHASES = {"accept": (grammars.GrammarState, "accept"), "fill": (grammars, "fill_bitmask"),
-          "prepare": (Sampler, "prepare"), "wait": (Executor, "result")}
+          "prepare": (SamplingPrep, "prepare"), "wait": (Executor, "result")}
 
 
 class PhaseTimer:

@@ -94,3 +94,24 @@ def render_chat(tokenizer, conversation, where: str = "conversation 0", *, chat_
                                              tokenize=False, **options)
     except jinja2.TemplateError as e:   # the template refused the conversation (raise_exception) or is broken
         raise ValueError(f"{where}: the chat template failed: {e}") from None
+
+
+def chat_prompts(tokenizer, messages, *, chat_template: str | None = None, content_format: str = "auto",
+                 add_generation_prompt: bool = True, continue_final_message: bool = False,
+                 tools: list[dict] | None = None, chat_template_kwargs: dict | None = None) -> list[dict]:
+    """LLM.chat's `messages` (one conversation, a list of message dicts, or a list of them) as
+    TokensPrompts: each rendered with the chat template (a string or a file: see load_chat_template)
+    and encoded as the template wrote it."""
+    template = load_chat_template(chat_template)
+    if not isinstance(messages, (list, tuple)):
+        raise TypeError("messages must be a conversation (a list of message dicts) "
+                        "or a list of conversations")
+    # [] is no conversations, as in vLLM: generate([]) answers []
+    conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+    prompts = [render_chat(tokenizer, c, f"conversation {i}", chat_template=template,
+                           content_format=content_format, add_generation_prompt=add_generation_prompt,
+                           continue_final_message=continue_final_message, tools=tools,
+                           chat_template_kwargs=chat_template_kwargs)
+               for i, c in enumerate(conversations)]
+    # The template already writes any BOS it wants; encoding must not add another.
+    return [{"prompt_token_ids": tokenizer.encode(p, add_special_tokens=False), "prompt": p} for p in prompts]

@@ -1,31 +1,52 @@
 from tqdm.auto import tqdm
 
 from nanovllm.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence, beam_score, extend
-from nanovllm.chat_utils import load_chat_template, render_chat
-from nanovllm.engine.llm_engine import LLMEngine, _as_prompt_list, check_lora_and_priority, serialised
+from nanovllm.chat_utils import chat_prompts
+from nanovllm.engine.llm_engine import LLMEngine, serialised
 from nanovllm.engine.progress import check_use_tqdm
+from nanovllm.engine.requests import as_prompt_list, check_lora_and_priority
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import SamplingParams
 
 
-class LLM(LLMEngine):
-    """The user's entry point: `LLM(model, **options).generate(prompts, sampling_params)`.
-    With data_parallel_size=N > 1 it returns a DataParallelLLM instead: N engines on Ray (the `ray`
-    extra), with the same generate / chat / get_tokenizer / shutdown."""
-
-    def __new__(cls, model: str, data_parallel_size: int = 1, **options):
-        if type(data_parallel_size) is int and data_parallel_size == 1:
-            return super().__new__(cls)
-        from nanovllm.distributed.data_parallel import DataParallelLLM   # validates the value
-        return DataParallelLLM(model, data_parallel_size=data_parallel_size, **options)
+class LLM:
+    """The user's entry point: `LLM(model, **options).generate(prompts, sampling_params)`, a facade
+    over its engine, llm.llm_engine (as in vLLM): an LLMEngine or, with data_parallel_size=N > 1, a
+    DataParallelEngine (N engines on Ray, the `ray` extra: distributed/data_parallel.py). Both have
+    generate, get_tokenizer, get_default_sampling_params and shutdown, and what chat and beam_search,
+    written here once, need: tokenizer, config, eos_token_ids, prompt_token_ids and one_call. Every
+    other attribute read is the engine's (llm.scheduler, llm.step, llm.last_job, ...)."""
 
     def __init__(self, model: str, data_parallel_size: int = 1, **options):
-        super().__init__(model, **options)
+        if type(data_parallel_size) is int and data_parallel_size == 1:
+            self.llm_engine = LLMEngine(model, **options)
+        else:
+            from nanovllm.distributed.data_parallel import DataParallelEngine   # validates the value
+            self.llm_engine = DataParallelEngine(model, data_parallel_size=data_parallel_size, **options)
 
-    @property
-    def llm_engine(self) -> LLMEngine:
-        """vLLM scripts reach the engine as llm.llm_engine (get_tokenizer, ...); here the LLM is one."""
-        return self
+    def __getattr__(self, name: str):
+        # Only for names LLM itself lacks. (No engine yet: its construction failed.)
+        if name == "llm_engine" or name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(self.llm_engine, name)
+
+    def one_call(self):
+        """The engine's: hold it for one call of this LLM (see LLMEngine.one_call)."""
+        return self.llm_engine.one_call()
+
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm=True, lora_request=None, priority=None) -> list[RequestOutput]:
+        """vLLM's LLM.generate (see LLMEngine.generate)."""
+        return self.llm_engine.generate(prompts, sampling_params, use_tqdm, lora_request, priority)
+
+    def get_tokenizer(self):
+        return self.llm_engine.get_tokenizer()
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        return self.llm_engine.get_default_sampling_params()
+
+    def shutdown(self):
+        self.llm_engine.shutdown()
 
     @serialised
     def beam_search(self, prompts, params: BeamSearchParams, lora_request=None, use_tqdm: bool = False,
@@ -37,7 +58,7 @@ class LLM(LLMEngine):
         if not isinstance(params, BeamSearchParams):
             raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
         check_use_tqdm(use_tqdm)
-        prompts = _as_prompt_list(prompts)
+        prompts = as_prompt_list(prompts)
         check_lora_and_priority(lora_request, None, len(prompts))
         cap = self.config.max_logprobs
         if cap != -1 and 2 * params.beam_width > cap:
@@ -46,7 +67,7 @@ class LLM(LLMEngine):
                              "or raise LLM(max_logprobs=...) (-1: no cap)")
         if concurrency_limit is not None and (type(concurrency_limit) is not int or concurrency_limit < 1):
             raise ValueError(f"concurrency_limit must be an integer >= 1 or None, got {concurrency_limit!r}")
-        token_ids = [self._token_ids(p, i) for i, p in enumerate(prompts)]   # all checked first
+        token_ids = self.llm_engine.prompt_token_ids(prompts)   # all checked first
         limit = concurrency_limit or max(len(prompts), 1)
         chunks = [token_ids[i:i + limit] for i in range(0, len(token_ids), limit)]
         bar = None
@@ -61,7 +82,7 @@ class LLM(LLMEngine):
 
     def _beam_search(self, token_ids: list[list[int]], params: BeamSearchParams,
                      bar) -> list[BeamSearchOutput]:
-        eos = self.scheduler.eos_token_ids
+        eos, max_model_len, tokenizer = self.eos_token_ids, self.config.max_model_len, self.tokenizer
         step = SamplingParams(temperature=params.temperature, max_tokens=1, logprobs=2 * params.beam_width,
                               ignore_eos=True, detokenize=False)
         beams = [[BeamSearchSequence(ids)] for ids in token_ids]
@@ -72,8 +93,8 @@ class LLM(LLMEngine):
 
         for steps_left in range(params.max_tokens, 0, -1):
             for done, live in zip(completed, beams):   # a beam at max_model_len can grow no more
-                done += [b for b in live if len(b.tokens) >= self.config.max_model_len]
-                live[:] = [b for b in live if len(b.tokens) < self.config.max_model_len]
+                done += [b for b in live if len(b.tokens) >= max_model_len]
+                live[:] = [b for b in live if len(b.tokens) < max_model_len]
             flat = [b for live in beams for b in live]
             if not flat:
                 if bar is not None:
@@ -93,7 +114,7 @@ class LLM(LLMEngine):
         for done, live in zip(completed, beams):
             best = sorted(done + live, key=key, reverse=True)[:params.beam_width]
             for beam in best:
-                beam.text = self.tokenizer.decode(beam.tokens) if self.tokenizer else None
+                beam.text = tokenizer.decode(beam.tokens) if tokenizer else None
                 ended = beam.tokens[-1] in eos and not params.ignore_eos
                 beam.finish_reason = "stop" if ended else "length"
             results.append(BeamSearchOutput(best))
@@ -118,19 +139,9 @@ class LLM(LLMEngine):
             if value:
                 raise ValueError(f"{name}: nanovllm takes none (text-only models, prompts tokenized as "
                                  f"the chat template wrote them); pass None, got {value!r}")
-        template = load_chat_template(chat_template)
-        if not isinstance(messages, (list, tuple)):
-            raise TypeError("messages must be a conversation (a list of message dicts) "
-                            "or a list of conversations")
-        # [] is no conversations, as in vLLM: generate([]) answers []
-        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [render_chat(self.tokenizer, c, f"conversation {i}", chat_template=template,
+        prompts = chat_prompts(self.tokenizer, messages, chat_template=chat_template,
                                content_format=chat_template_content_format,
                                add_generation_prompt=add_generation_prompt,
                                continue_final_message=continue_final_message, tools=tools,
                                chat_template_kwargs=chat_template_kwargs)
-                   for i, c in enumerate(conversations)]
-        # The template already writes any BOS it wants; encoding must not add another.
-        ids = [{"prompt_token_ids": self.tokenizer.encode(p, add_special_tokens=False), "prompt": p}
-               for p in prompts]
-        return self.generate(ids, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)

@@ -138,7 +138,7 @@ def assert_clean(llm):
     sched = llm.scheduler
     bm = sched.block_manager
     assert not sched.waiting and not sched.running
-    assert getattr(llm, "_in_flight", None) is None   # no launched step left unapplied
+    assert getattr(llm.run_ahead, "in_flight", None) is None   # no launched step left unapplied
     assert bm.num_free_blocks == bm.num_blocks
     assert all(b.ref_count == 0 for b in bm.blocks)
 

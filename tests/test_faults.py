@@ -18,7 +18,8 @@ import pytest
 from conftest import assert_clean, random_prompts
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine import (block_manager, decode_graphs, detokenizer, llm_engine, model_runner,
-                             sampled_tokens, scheduler, sequence, step_input, stop_checker)
+                             output_builder, requests, run_ahead, sampled_tokens, sampling_prep, scheduler,
+                             sequence, step_input, stop_checker)
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.detokenizer import IncrementalDetokenizer
 from nanovllm.engine.model_runner import ModelRunner
@@ -45,7 +46,8 @@ PARAMS = [
     SamplingParams(temperature=0, max_tokens=7, ignore_eos=True),
 ]
 ENGINE_MODULES = (llm_engine, scheduler, block_manager, sequence, stop_checker, detokenizer, model_runner,
-                  decode_graphs, step_input, sampled_tokens, sampler)
+                  decode_graphs, step_input, sampled_tokens, sampler, sampling_prep, requests, output_builder,
+                  run_ahead)
 ENGINE_FILES = {m.__file__ for m in ENGINE_MODULES}
 
 
@@ -171,7 +173,7 @@ FUNCTIONS = [
     (Sequence, "append_token"), (StopChecker, "check"),
     (IncrementalDetokenizer, "step"), (IncrementalDetokenizer, "find_stop"),
     (ModelRunner, "launch"), (PendingSample, "result"),
-    (llm_engine.LLMEngine, "_apply"), (llm_engine.LLMEngine, "_output"),
+    (run_ahead.RunAhead, "apply"), (output_builder.OutputBuilder, "request_output"),
 ]
 
 

@@ -220,7 +220,7 @@ def test_a_replica_killed_mid_job_loses_no_prompt(ray_session, dp_llm, reference
     """(The last test of dp_llm: it leaves no replica alive.)"""
     prompts, expected = reference
     llm = dp_llm
-    llm.requests_per_call = 2   # many small calls, so the job is surely unfinished at the kill
+    llm.llm_engine.requests_per_call = 2   # many small calls, so the job is surely unfinished at the kill
     victim = llm.replica_pids[0]
 
     def kill_after_first_results():

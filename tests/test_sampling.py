@@ -6,6 +6,7 @@ import torch
 
 from conftest import EOS, HFOracle, random_prompts
 from nanovllm import LLM, SamplingParams
+from nanovllm.engine.sampling_prep import SamplingPrep
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.sampler import (Sampler, SamplingTensors, apply_min_p, apply_penalties,
@@ -92,7 +93,7 @@ def draw_frequencies(logits: torch.Tensor, **knobs) -> torch.Tensor:
     rows = logits.expand(DRAWS, -1).clone()
     t = SamplingTensors(temperatures=torch.full((DRAWS,), knobs.pop("temperature", 1.0)), all_greedy=False,
                         **{k: torch.full((DRAWS,), v) for k, v in knobs.items()})
-    tokens = Sampler(rows.size(1)).sample(rows, t).token_ids
+    tokens = Sampler().sample(rows, t).token_ids
     return torch.bincount(tokens, minlength=logits.numel()).double() / DRAWS
 
 
@@ -131,7 +132,7 @@ def test_top_k_and_min_p_distributions():
 
 def test_seeded_rows_ignore_the_rest_of_the_batch():
     logits = torch.randn(4, 50)
-    sampler = Sampler(logits.size(1))
+    sampler = Sampler()
 
     def sample(rows, seeds):
         t = SamplingTensors(temperatures=torch.ones(len(rows)), all_greedy=False, seeds=seeds)
@@ -238,14 +239,14 @@ def test_stop_token_ids_and_min_tokens(llm):
 def test_min_tokens_bans_eos_and_stop_tokens_in_the_sampler():
     seq = Sequence([5, 6], SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[7]),
                    eos_token_ids=frozenset({EOS}))
-    sampler = Sampler(16)
-    t = sampler.prepare([seq])
+    sampler, prep = Sampler(), SamplingPrep(16)
+    t = prep.prepare([seq])
     logits = torch.zeros(1, 16)
     logits[0, EOS], logits[0, 7], logits[0, 3] = 5.0, 4.0, 1.0
     assert sampler.sample(logits, t).token_ids.tolist() == [3]
     seq.append_token(3)
     seq.append_token(3)   # two outputs: the ban is lifted
-    t = sampler.prepare([seq])
+    t = prep.prepare([seq])
     assert t is None and sampler.sample(logits, t).token_ids.tolist() == [EOS]   # plain greedy
 
 
@@ -255,8 +256,8 @@ def test_min_tokens_bans_eos_with_ignore_eos_too():
                    eos_token_ids=frozenset({EOS}))
     logits = torch.zeros(1, 16)
     logits[0, EOS], logits[0, 3] = 5.0, 1.0
-    sampler = Sampler(16)
-    assert sampler.sample(logits, sampler.prepare([seq])).token_ids.tolist() == [3]
+    sampler, prep = Sampler(), SamplingPrep(16)
+    assert sampler.sample(logits, prep.prepare([seq])).token_ids.tolist() == [3]
 
 
 def test_logprobs_are_log_softmax_of_transformers_logits(llm, oracle):

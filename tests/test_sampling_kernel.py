@@ -15,7 +15,8 @@ import torch
 from conftest import interp, random_prompts, run_interpreted_tests
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine.sequence import Sequence
-from nanovllm.layers.sampler import Sampler, step_seed
+from nanovllm.engine.sampling_prep import SamplingPrep, step_seed
+from nanovllm.layers.sampler import Sampler
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 LOGITS8 = [1.0, 2.0, 0.5, -0.5, 2.2, 2.2, 0.0, 1.5]   # two tied maxima: greedy picks 4
@@ -36,31 +37,31 @@ def test_row_seeds_only_for_temperature_only_steps_of_a_fused_sampler():
     seqs = [Sequence([5, 6], SamplingParams(temperature=0.6)),
             Sequence([5, 6], SamplingParams(temperature=0.6, seed=7)),
             Sequence([5, 6], SamplingParams(temperature=0))]
-    t = Sampler(16, seed=0, fused=True).prepare(seqs)
+    t = SamplingPrep(16, seed=0, fused=True).prepare(seqs)
     seeds = t.row_seeds.tolist()
     assert seeds[1] == step_seed(7, seqs[1].index, 0) & (2 ** 63 - 1)   # seeded: batch-independent
     assert seeds[2] == 0 and 0 <= seeds[0] < 2 ** 63
     assert seeds[0] == random.Random(0).getrandbits(63)   # unseeded: the engine seed's first draw
     # The same engine seed gives the same unseeded seeds; a new step gives fresh ones.
-    sampler = Sampler(16, seed=0, fused=True)
-    assert sampler.prepare(seqs).row_seeds.tolist() == seeds
-    assert sampler.prepare(seqs).row_seeds[0].item() != seeds[0]
+    prep = SamplingPrep(16, seed=0, fused=True)
+    assert prep.prepare(seqs).row_seeds.tolist() == seeds
+    assert prep.prepare(seqs).row_seeds[0].item() != seeds[0]
     # Not fused (CPU by default) or another knob: the torch path, with its seed list.
-    assert Sampler(16).prepare(seqs).row_seeds is None
+    assert SamplingPrep(16).prepare(seqs).row_seeds is None
     for extra in (dict(top_k=3), dict(top_p=0.9), dict(min_p=0.1), dict(logprobs=1),
                   dict(presence_penalty=0.5), dict(min_tokens=2, stop_token_ids=[3])):
         other = Sequence([5, 6], SamplingParams(temperature=0.6, **extra))
-        t = Sampler(16, seed=0, fused=True).prepare(seqs + [other])
+        t = SamplingPrep(16, seed=0, fused=True).prepare(seqs + [other])
         assert t.row_seeds is None and t.seeds == [(1, step_seed(7, seqs[1].index, 0))], extra
 
 
 def test_cpu_logits_take_the_torch_path_even_with_row_seeds():
     seqs = [Sequence([5], SamplingParams(temperature=0.6, seed=3))]
-    t = Sampler(8, fused=True).prepare(seqs)
+    t = SamplingPrep(8, fused=True).prepare(seqs)
     assert t.row_seeds is not None
     logits = torch.tensor([LOGITS8]).bfloat16()   # the torch path converts to fp32 itself
-    expect = Sampler(8).sample(logits.float(), Sampler(8).prepare(seqs)).token_ids
-    assert torch.equal(Sampler(8, fused=True).sample(logits, t).token_ids, expect)
+    expect = Sampler().sample(logits.float(), SamplingPrep(8).prepare(seqs)).token_ids
+    assert torch.equal(Sampler().sample(logits, t).token_ids, expect)
 
 
 # ---- the kernel under the interpreter ----------------------------------------------------------
@@ -242,7 +243,7 @@ def print_timing(logits, temps, seeds):
         return sorted(times)[reps // 2]
 
     torch_params = SamplingTensors(temperatures=temps, all_greedy=False)
-    sampler = Sampler(logits.size(1), logits.device)
+    sampler = Sampler()
     fused = median_ms(lambda: gumbel_max_sample(logits, temps, seeds))
     unfused = median_ms(lambda: sampler.sample(logits, torch_params))   # converts to fp32 first
     print(f"\nsampling {tuple(logits.shape)} bf16 T=0.6: fused {fused:.3f} ms, torch path {unfused:.3f} ms")

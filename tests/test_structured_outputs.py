@@ -13,6 +13,7 @@ import torch
 
 from nanovllm import SamplingParams
 from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.sampling_prep import SamplingPrep
 from nanovllm.layers.sampler import Sampler, apply_bitmask
 from nanovllm.sampling_params import GuidedDecodingParams, StructuredOutputsParams
 from nanovllm.structured.grammars import GrammarVocab
@@ -93,15 +94,15 @@ def test_masked_tokens_are_never_sampled_by_the_torch_path(knobs, monkeypatch):
         assert rows == list(range(1, n)) and bitmask.shape == (n, 3) and (bitmask == -1).all()
         bitmask[rows] = mask[rows]
     monkeypatch.setattr("nanovllm.structured.grammars.fill_bitmask", fill)
-    sampler = Sampler(vocab)
+    sampler, prep = Sampler(), SamplingPrep(vocab)
     for _ in range(20):
-        tokens = sampler.sample(logits, sampler.prepare(seqs)).token_ids
+        tokens = sampler.sample(logits, prep.prepare(seqs)).token_ids
         assert allowed.gather(1, tokens.unsqueeze(1)).all()
     # A greedy batch with a grammar is masked too.
     greedy = [Sequence([1], SamplingParams(temperature=0), grammar=FakeGrammar())] * n
     monkeypatch.setattr("nanovllm.structured.grammars.fill_bitmask",
                         lambda bitmask, rows, grammars: bitmask.copy_(mask))
-    tokens = sampler.sample(logits, sampler.prepare(greedy)).token_ids
+    tokens = sampler.sample(logits, prep.prepare(greedy)).token_ids
     assert torch.equal(tokens, logits.masked_fill(~allowed, float("-inf")).argmax(dim=-1))
 
 

@@ -2,8 +2,8 @@
 one node (a placement group per replica). A job's prompts are balanced over the replicas by the
 tokens they will compute and read, and its outputs returned in prompt order; a replica that dies has its
 unfinished prompts re-run on the live ones."""
+import contextlib
 import heapq
-import inspect
 import os
 import re
 import time
@@ -13,8 +13,9 @@ from dataclasses import dataclass
 from nanovllm.config import Config
 from nanovllm.distributed.ray_utils import import_ray, init_ray
 from nanovllm.engine.generation_defaults import default_sampling_overrides
-from nanovllm.engine.llm_engine import _as_prompt_list, _unwrap_prompt_dict, check_lora_and_priority
-from nanovllm.llm import LLM
+from nanovllm.engine.llm_engine import LLMEngine
+from nanovllm.engine.requests import (as_prompt_list, check_lora_and_priority, sampling_params_list,
+                                      unwrap_prompt_dict)
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.hf_files import load_tokenizer
@@ -23,32 +24,43 @@ PLACEMENT_TIMEOUT_S = 300        # how long a replica may wait for its GPUs befo
 CALLS_IN_FLIGHT = 2              # per replica: the next chunk is queued while one runs
 
 
+@dataclass
+class ReplicaInfo:
+    """What a started replica tells the driver."""
+    pid: int
+    startup_s: float            # seconds its engine took to start
+    config: Config              # its engine's (every replica's is the same)
+    eos_token_ids: set[int]
+
+
 class _Replica:
     """One engine in a Ray actor process (made a remote class when Ray is imported)."""
 
     def __init__(self, model: str, options: dict):
         t = time.perf_counter()
-        self.llm = LLM(model, **options)
+        self.engine = LLMEngine(model, **options)
         self.engine_startup_s = time.perf_counter() - t
 
-    def ready(self) -> tuple[int, float]:
-        """(process id, seconds the engine took to start)"""
-        return os.getpid(), self.engine_startup_s
+    def ready(self) -> ReplicaInfo:
+        return ReplicaInfo(os.getpid(), self.engine_startup_s, self.engine.config, self.engine.eos_token_ids)
 
     def generate(self, prompts: list, params: list[SamplingParams]) -> tuple[list[RequestOutput], float]:
         """The outputs, and the seconds the engine's generate took (to tell the driver's overhead apart)."""
         t = time.perf_counter()
-        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        outputs = self.engine.generate(prompts, params, use_tqdm=False)
         return outputs, time.perf_counter() - t
 
+    def prompt_token_ids(self, prompts: list) -> list[list[int]]:
+        return self.engine.prompt_token_ids(prompts)
+
     def shutdown(self):
-        self.llm.shutdown()
+        self.engine.shutdown()
 
 
 @dataclass
 class _Chunk:
     indices: list[int]     # the job's prompt indices, ascending
-    cost: int              # estimated work (see DataParallelLLM._cost)
+    cost: int              # estimated work (see DataParallelEngine._cost)
 
 
 @dataclass
@@ -66,10 +78,11 @@ class JobTiming:
         return self.wall_s - max(self.engine_s.values(), default=0.0)
 
 
-class DataParallelLLM:
-    """`LLM(model, data_parallel_size=N, **options)` with N > 1 returns one of these: the same
-    generate / chat / get_tokenizer / shutdown, over N engine replicas on a Ray cluster (RAY_ADDRESS,
-    else a local one). Every option but data_parallel_size goes to each replica's engine."""
+class DataParallelEngine:
+    """The engine of `LLM(model, data_parallel_size=N, **options)` with N > 1: LLMEngine's generate /
+    get_tokenizer / get_default_sampling_params / shutdown (and what LLM's chat and beam_search
+    need), over N engine replicas on a Ray cluster (RAY_ADDRESS, else a local one). Every option but
+    data_parallel_size goes to each replica's engine."""
 
     requests_per_call = 1024     # a replica's share is sent in chunks of this many prompts
 
@@ -101,11 +114,12 @@ class DataParallelLLM:
         except BaseException:
             self.shutdown()
             raise
-        self.replica_pids = [pid for pid, _ in ready]
+        self.replica_pids = [info.pid for info in ready]
         # replicas: placing and starting all of them (a Ray worker process each, importing nanovllm,
         # then its engine); engine: the slowest replica's engine start-up alone
         self.startup_seconds["replicas"] = time.perf_counter() - started - self.startup_seconds["ray_init"]
-        self.startup_seconds["engine"] = max(s for _, s in ready)
+        self.startup_seconds["engine"] = max(info.startup_s for info in ready)
+        self.config, self.eos_token_ids = ready[0].config, ready[0].eos_token_ids
         self.completed_requests = 0   # of the running job; another thread may read it
         self.rerun_requests = 0       # prompts re-run because their replica died (all jobs)
         self.last_job: JobTiming | None = None
@@ -131,17 +145,28 @@ class DataParallelLLM:
         """As one engine's: SamplingParams with the model's generation_config.json settings."""
         return SamplingParams(**self.default_sampling_overrides)
 
-    # LLM.chat without the single engine's lock: renders the conversations here, then calls generate.
-    chat = inspect.unwrap(LLM.chat)
+    def one_call(self):
+        """Nothing to hold: the driver keeps no state a call needs alone, and each replica's engine
+        serves its calls one at a time."""
+        return contextlib.nullcontext()
+
+    def prompt_token_ids(self, prompts) -> list[list[int]]:
+        """Each prompt's token ids, checked by a live replica's engine as it checks a job's."""
+        ray, prompts = import_ray(), as_prompt_list(prompts)
+        self._check_live()
+        try:
+            return ray.get(self.replicas[self.live[0]].prompt_token_ids.remote(prompts))
+        except Exception as e:
+            raise _with_job_indices(e, list(range(len(prompts)))) from e
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True, lora_request=None, priority=None) -> list[RequestOutput]:
-        if not self.live:
-            raise RuntimeError("every data-parallel replica has died (or was shut down); start a new LLM")
+        self._check_live()
         started = time.perf_counter()
-        prompts = _as_prompt_list(prompts)
+        prompts = as_prompt_list(prompts)
         check_lora_and_priority(lora_request, priority, len(prompts))
-        params = _params_list(sampling_params, len(prompts), self.get_default_sampling_params)
+        # one SamplingParams per prompt (each replica validates their values)
+        params = sampling_params_list(sampling_params, len(prompts), self.get_default_sampling_params)
         costs = [self._cost(p, sp) for p, sp in zip(prompts, params)]
         queues = {r: deque(self._chunks(share, costs))
                   for r, share in zip(self.live, assign_by_cost(costs, len(self.live)))}
@@ -154,11 +179,15 @@ class DataParallelLLM:
         self.last_job = timing
         return outputs
 
+    def _check_live(self):
+        if not self.live:
+            raise RuntimeError("every data-parallel replica has died (or was shut down); start a new LLM")
+
     def _cost(self, prompt, params: SamplingParams) -> int:
         """The work a request will cost, as far as known beforehand (max_tokens outputs), in tokens:
         see request_cost. It counts the K/V each decode step reads, most of a step's time: balancing
         prompt + output tokens instead left one replica 5% more to read on bench.py's workload."""
-        prompt = _unwrap_prompt_dict(prompt, "")
+        prompt = unwrap_prompt_dict(prompt, "")
         if isinstance(prompt, str):
             n = len(self.tokenizer.encode(prompt)) if self.tokenizer else len(prompt.split())
         else:
@@ -263,21 +292,6 @@ def assign_by_cost(costs: list[int], n: int) -> list[list[int]]:
         shares[r].append(i)
         heapq.heappush(heap, (load + costs[i], r))
     return [sorted(s) for s in shares]
-
-
-def _params_list(sampling_params, n: int, default) -> list[SamplingParams]:
-    """One SamplingParams per prompt (each replica validates their values); None: default()'s."""
-    if sampling_params is None:
-        return [default()] * n
-    if isinstance(sampling_params, SamplingParams):
-        return [sampling_params] * n
-    if not isinstance(sampling_params, (list, tuple)) or not all(
-            isinstance(p, SamplingParams) for p in sampling_params):
-        raise TypeError("sampling_params must be a SamplingParams or a list of them")
-    if len(sampling_params) != n:
-        raise ValueError(f"got {len(sampling_params)} SamplingParams for {n} prompts; "
-                         "give one, or one per prompt")
-    return list(sampling_params)
 
 
 def _replica_bundle(ray, tp: int, device: str) -> dict:

@@ -6,6 +6,7 @@ conversations) to generated text. Use it as
 """
 import numpy as np
 
+from nanovllm.chat_utils import chat_prompts
 from nanovllm.distributed.ray_utils import import_ray
 from nanovllm.sampling_params import SamplingParams
 
@@ -18,7 +19,7 @@ class NanoVLLMPredictor:
     def __init__(self, model: str, sampling_params: SamplingParams | dict | None = None,
                  prompt_column: str = "prompt", messages_column: str = "messages", **engine_options):
         import_ray()   # built by Ray Data; without Ray, say which extra is missing
-        from nanovllm.llm import LLM
+        from nanovllm.engine.llm_engine import LLMEngine
         if isinstance(sampling_params, dict):
             sampling_params = SamplingParams(**sampling_params)
         if sampling_params is not None and not isinstance(sampling_params, SamplingParams):
@@ -26,7 +27,7 @@ class NanoVLLMPredictor:
                             f"got {type(sampling_params).__name__}")
         self.params = sampling_params or SamplingParams()
         self.prompt_column, self.messages_column = prompt_column, messages_column
-        self.llm = LLM(model, **engine_options)
+        self.llm = LLMEngine(model, **engine_options)
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         # batch: {column: [batch_size] array} (Ray Data's "numpy" batch format)
@@ -35,7 +36,8 @@ class NanoVLLMPredictor:
                                         use_tqdm=False)
         elif self.messages_column in batch:
             conversations = [[dict(m) for m in _plain(c)] for c in batch[self.messages_column]]
-            outputs = self.llm.chat(conversations, self.params, use_tqdm=False)
+            outputs = self.llm.generate(chat_prompts(self.llm.tokenizer, conversations), self.params,
+                                        use_tqdm=False)
         else:
             raise KeyError(f"the batch has neither a {self.prompt_column!r} nor a {self.messages_column!r} "
                            f"column (columns: {sorted(batch)}); set prompt_column or messages_column")

@@ -1,8 +1,6 @@
 """Importing and starting Ray, with errors that say what to install."""
 import os
 
-import nanovllm
-
 RAY_EXTRA_HINT = "pip install 'nanovllm[ray]' (or: pip install 'ray[data]')"
 
 
@@ -29,5 +27,5 @@ def init_ray(**ray_init_kwargs) -> bool:
 
 
 def _pythonpath() -> str:
-    package_parent = os.path.dirname(os.path.dirname(os.path.abspath(nanovllm.__file__)))
+    package_parent = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     return os.pathsep.join(p for p in (package_parent, os.environ.get("PYTHONPATH")) if p)

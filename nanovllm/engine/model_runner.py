@@ -13,6 +13,7 @@ from nanovllm.config import Config
 from nanovllm.engine.block_manager import cdiv
 from nanovllm.engine.decode_graphs import DecodeGraphs, DecodeInputs
 from nanovllm.engine.sampled_tokens import PendingSample, prompt_logprobs
+from nanovllm.engine.sampling_prep import SamplingPrep
 from nanovllm.engine.scheduler import ScheduledBatch
 from nanovllm.engine.step_input import StepInput
 from nanovllm.kernels import paged_kv_slots
@@ -104,14 +105,13 @@ class ModelRunner:
             if not config.disable_custom_all_reduce:
                 connect_peer_all_reduce(self.device)   # decode-sized sums over peer memory (CUDA TP)
             self.model.eval()
-            self.sampler = Sampler(config.hf_config.vocab_size, self.device, config.seed)
-            # The last step's sampled token ids on the device, row i for its i-th sampling sequence:
-            # a step launched before they reach the host reads its input tokens from here.
-            # A step samples at most min(max_num_seqs, max_num_batched_tokens) sequences (the scheduler's
-            # limits), so a huge max_num_seqs allocates nothing more.
+            self.sampling_prep = SamplingPrep(config.hf_config.vocab_size, self.device, config.seed)
+            self.sampler = Sampler()
+            # The last step's sampled token ids on the device, row i for its i-th sampling sequence: a
+            # step launched before they reach the host reads its input tokens here (run_ahead.py). At
+            # most min(max_num_seqs, max_num_batched_tokens) rows: a huge max_num_seqs costs nothing.
             rows = min(config.max_num_seqs, config.max_num_batched_tokens)
             self.sampled_tokens = torch.zeros(rows, dtype=torch.int64, device=self.device)
-            self.pending_rows: dict[int, int] = {}   # rank 0: seq_id -> row of sampled_tokens
             self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
             for layer in self.attention_layers:
                 layer.prefill_attention = self.attention_backend.prefill
@@ -289,12 +289,11 @@ class ModelRunner:
     def launch(self, batch: ScheduledBatch, step: StepInput | None = None,
                before_sampling: Callable[[], None] | None = None) -> PendingSample:
         """Queue the batch's model step and sampling on the device and return at once; the
-        PendingSample's result() waits for one sampled token (and its logprobs when the sequence
-        asked) per sequence that reached its end. The sampled tokens also stay on the device, where
-        the next step reads the inputs of sequences whose token is still pending. step: the
+        PendingSample's result() waits for one sampled token (and its logprobs when asked) per
+        sequence that reached its end; they also stay on the device (keep_sampled). step: the
         batch's StepInput when the caller built it already (to send it to the other ranks).
-        before_sampling: called once the forward pass is queued, before sampling is prepared (the
-        engine applies the previous step's tokens there, which a grammar's bitmask needs)."""
+        before_sampling: called once the forward pass is queued, before sampling is prepared (where
+        RunAhead applies the previous step's tokens, for a grammar's bitmask)."""
         if not batch.seqs:
             return PendingSample(None, None)
         step = step or self.step_input(batch)
@@ -313,14 +312,10 @@ class ModelRunner:
                 before_sampling()
             # Built while the device runs the forward pass just queued: the host's share of sampling
             # (a grammar's token bitmasks, penalty counts) overlaps it.
-            sampling = self.sampler.prepare(batch.sampling_seqs)
+            sampling = self.sampling_prep.prepare(batch.sampling_seqs)
             out = self.sampler.sample(logits, sampling)
             self.keep_sampled(out.token_ids)
-            self.share_sampled(out.token_ids.numel())
-        self.pending_rows = {seq.seq_id: row for row, seq in enumerate(batch.sampling_seqs)}
-        pending = PendingSample(out, sampling)
-        pending.prompt_logprobs = prompt
-        return pending
+        return PendingSample(out, sampling, prompt)
 
     def check_first_logits(self, logits: torch.Tensor):
         """NaN or inf logits mean broken weights (or a float16 overflow); sampling would turn them into
@@ -330,7 +325,6 @@ class ModelRunner:
             return
         # Send rank 0's (dummy) tokens all the same, so the other ranks stay in step.
         self.keep_sampled(torch.zeros(logits.shape[0], dtype=torch.int64, device=logits.device))
-        self.share_sampled(logits.shape[0])
         fp16 = " (or float16 activations overflow: try dtype='bfloat16')" \
             if self.dtype == torch.float16 else ""
         raise BrokenLogitsError(f"the model's logits contain NaN or inf: the weights in "
@@ -338,19 +332,18 @@ class ModelRunner:
 
     def step_input(self, batch: ScheduledBatch) -> StepInput:
         """What every rank needs to run the batch (the other ranks get it from rank 0)."""
-        return StepInput.of(batch, self.pending_rows)
+        return StepInput.of(batch)
 
     def keep_sampled(self, token_ids: torch.Tensor):
-        """Rank 0: store a step's sampled tokens, row i for its i-th sampling sequence."""
+        """Rank 0: store a step's sampled tokens, row i for its i-th sampling sequence, where the next
+        step may read its input tokens (see run_ahead.py), and send them to the other ranks."""
         self.sampled_tokens[:token_ids.numel()].copy_(token_ids)
+        self.share_sampled(token_ids.numel())
 
     def share_sampled(self, n: int):
-        """Every rank, after a step that sampled n tokens: rank 0's sampled_tokens rows reach the
-        others (a later step may read its inputs from there). n is the same on every rank; 0 (a
-        step that only computed prompt logprobs) sends nothing."""
-        if n == 0:
-            return
-        if self.group is not None and self.group.size > 1:
+        """Every rank, after a step that sampled n tokens (the same n on every rank): rank 0's
+        sampled_tokens rows reach the others. 0 (a step that only computed prompt logprobs): nothing."""
+        if n and self.group is not None and self.group.size > 1:
             with tp_group(self.group):
                 broadcast(self.sampled_tokens[:n])
 

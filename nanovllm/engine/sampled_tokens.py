@@ -21,9 +21,10 @@ class PendingSample:
     queued right behind the sampler (into pinned memory), so waiting for them does not wait for
     work queued later, such as the next step."""
 
-    def __init__(self, out: SamplerOutput | None, sampling: SamplingTensors | None):
+    def __init__(self, out: SamplerOutput | None, sampling: SamplingTensors | None,
+                 prompt_logprobs: "PendingPromptLogprobs | None" = None):
         self.num_logprobs = sampling.num_logprobs if sampling is not None else None
-        self.prompt_logprobs: PendingPromptLogprobs | None = None
+        self.prompt_logprobs = prompt_logprobs
         self.host, self.event = None, None
         if out is None:
             return

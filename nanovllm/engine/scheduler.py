@@ -15,6 +15,10 @@ class ScheduledBatch:
     # Sequences ended while scheduling (they outgrew the whole KV cache); not run, but reported
     # by complete with the step's other finished sequences.
     finished: list[Sequence] = field(default_factory=list)
+    # Decode while the batch before is in flight: per sequence, the row of that batch's sampled
+    # tokens (on the device) holding its input token, -1 where the host has it. Set at launch by
+    # RunAhead (run_ahead.py), which keeps what is in flight.
+    token_rows: list[int] | None = None
     # Per sequence: does this step reach the end of its tokens, so a token is sampled for it? Fixed
     # when the batch is made (advance then moves num_computed_tokens on).
     samples: list[bool] = field(init=False)

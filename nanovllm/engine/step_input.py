@@ -4,7 +4,7 @@ Rank 0 builds it from the ScheduledBatch and sends it to the other ranks (pickle
 memory), so it is flat lists of ints rather than Sequence objects: a decode step carries one token
 per sequence, never the whole history. When the engine runs a step ahead, a decode sequence's input
 token may still be on the device only: then its id here is 0 and `token_rows` says which row of the
-previous step's sampled tokens (kept on every rank's device) holds it."""
+previous step's sampled tokens (kept on every rank's device) holds it (see run_ahead.py)."""
 from dataclasses import dataclass
 
 from nanovllm.engine.scheduler import ScheduledBatch
@@ -24,19 +24,16 @@ class StepInput:
                                           # also computed (for prompt_logprobs); None when no sequence asks
 
     @classmethod
-    def of(cls, batch: ScheduledBatch, pending_rows: dict[int, int] | None = None) -> "StepInput":
-        """pending_rows: seq_id -> row in the previous step's sampled tokens, for the sequences
-        whose newest token is pending (decode only: a prompt is all known tokens)."""
+    def of(cls, batch: ScheduledBatch) -> "StepInput":
         seqs = batch.seqs
         starts = [seq.num_computed_tokens for seq in seqs]
         token_ids = [seq.token_ids[s:s + n] for seq, s, n in zip(seqs, starts, batch.num_new_tokens)]
-        token_rows = None
-        if any(seq.num_pending for seq in seqs):
-            assert not batch.is_prefill and pending_rows is not None
-            token_rows = [pending_rows[seq.seq_id] if seq.num_pending else -1 for seq in seqs]
+        if batch.token_rows is not None:   # a pending input token: its placeholder id is 0
             token_ids = [ids or [0] for ids in token_ids]
+        else:
+            assert not any(seq.num_pending for seq in seqs), "a pending input token needs its row"
         return cls(batch.is_prefill, [seq.seq_id for seq in seqs], starts, token_ids,
-                   [seq.block_table for seq in seqs], batch.samples, token_rows,
+                   [seq.block_table for seq in seqs], batch.samples, batch.token_rows,
                    prompt_logprob_counts(batch, starts))
 
     @property

@@ -32,7 +32,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-import nanovllm
 from nanovllm.config import Config
 from nanovllm.utils import command_pipe
 from nanovllm.utils.distributed import (STARTUP_TIMEOUT, TPGroup, abort_tp_group, destroy_tp_group,
@@ -401,7 +400,7 @@ def _worker_env() -> dict[str, str]:
     """The parent's environment, with the folder holding this nanovllm first on the path (the
     worker must import the same code as rank 0), and one OpenMP thread per worker process: the
     ranks share the host's cores."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(nanovllm.__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # nanovllm's parent
     path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
     return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
 

@@ -18,7 +18,7 @@ from starlette.exceptions import HTTPException
 
 from nanovllm.chat_utils import render_chat
 from nanovllm.engine.detokenizer import IncrementalDetokenizer
-from nanovllm.engine.llm_engine import encode_text, past_max_logprobs
+from nanovllm.engine.requests import encode_text, past_max_logprobs
 from nanovllm.serve import protocol as api
 from nanovllm.serve.engine_loop import EngineError, EngineLoop, Request, Update
 from nanovllm.serve.tools import ToolChoice

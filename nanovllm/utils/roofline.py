@@ -26,7 +26,7 @@ Weights are bf16 (2 bytes); K/V take `kv_bytes` bytes per value (2 for bf16, 1 f
   are not charged: the limit assumes they overlap the GEMMs. (Two per layer of B x hidden bf16 values:
   for the Qwen3-8B shapes at B = 256, 72 x 2 MiB per step, about 0.34 ms at NVLink's 450 GB/s each
   way, against 3.8 ms for the workload's average decode step at TP=2.)
-- Data parallelism: D replicas of N GPUs each get the requests DataParallelLLM assigns them; the
+- Data parallelism: D replicas of N GPUs each get the requests DataParallelEngine assigns them; the
   limit is all output tokens over the slowest replica's time.
 - Not counted: embedding lookups, norms, rotary, sampling, activations' traffic between kernels,
   writing new K/V, kernel launches, the host.
