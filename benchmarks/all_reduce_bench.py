@@ -24,7 +24,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from nanovllm.kernels.all_reduce import BLOCK, PROGRAMS, PeerAllReduce  # noqa: E402
-from nanovllm.utils.distributed import (TPGroup, all_reduce, exchange, init_tp_group,  # noqa: E402
+from nanovllm.parallel.parallel_state import (TPGroup, all_reduce, exchange, init_tp_group,  # noqa: E402
                                         master_store, tp_group, worker_store)
 
 CALLS = 50     # all-reduces in one graph

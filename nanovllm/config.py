@@ -192,6 +192,20 @@ def _vllm_no_ops(cfg: "Config"):
         raise ValueError(f"download_dir must be a folder path or None, got {cfg.download_dir!r}")
 
 
+def num_experts_of(config: PretrainedConfig) -> int:
+    """The experts per MoE layer; 0 for a dense model."""
+    # transformers 5 stores Qwen3-MoE's num_experts as num_local_experts (an attribute alias)
+    return getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None) or 0
+
+
+def is_sparse_layer(config: PretrainedConfig, layer_index: int) -> bool:
+    """transformers' rule: experts unless the layer is in mlp_only_layers, and then only every
+    decoder_sparse_step-th layer (1: all of them)."""
+    step = getattr(config, "decoder_sparse_step", 1) or 1
+    return (layer_index not in (getattr(config, "mlp_only_layers", None) or [])
+            and num_experts_of(config) > 0 and (layer_index + 1) % step == 0)
+
+
 def _check_tp_divides(hf_config: PretrainedConfig, tp: int):
     """Refuse a tensor_parallel_size that does not split the model's heads and MLP evenly, before
     any worker starts (the sharded layers check again as they are built)."""
@@ -199,7 +213,6 @@ def _check_tp_divides(hf_config: PretrainedConfig, tp: int):
     sizes = {"num_attention_heads": heads,
              "num_key_value_heads": getattr(hf_config, "num_key_value_heads", None) or heads}
     # the models' own rule for which layers have experts (the rest have a dense MLP)
-    from nanovllm.layers.fused_moe import is_sparse_layer
     sparse = [is_sparse_layer(hf_config, i) for i in range(getattr(hf_config, "num_hidden_layers", 0) or 0)]
     if any(sparse):
         sizes["moe_intermediate_size"] = getattr(hf_config, "moe_intermediate_size", None)

@@ -13,7 +13,7 @@ import torch
 import torch.multiprocessing
 
 from conftest import interp, run_interpreted_tests
-from nanovllm.utils.distributed import TPGroup, all_reduce, tp_group
+from nanovllm.parallel.parallel_state import TPGroup, all_reduce, tp_group
 
 SLOT_BYTES = 1 << 19   # small buffers and grids: the interpreter is slow
 GRID = dict(programs=64, block=1024)
@@ -137,7 +137,7 @@ def test_all_reduce_uses_the_peer_kernel_for_sums_that_fit_and_the_backend_other
 
 def test_exchange_gives_every_rank_all_payloads_in_rank_order():
     """connect()'s handle exchange through the group's store: 3 ranks as threads, each its own group."""
-    from nanovllm.utils.distributed import exchange, master_store, worker_store
+    from nanovllm.parallel.parallel_state import exchange, master_store, worker_store
     master = master_store(3)
     got = {}
 
@@ -183,7 +183,7 @@ def test_connect_fails_on_every_rank_when_one_rank_cannot_share_and_nobody_waits
     """A rank whose buffer cannot be made still answers the exchange, so every rank raises at once
     (and frees what it made) instead of waiting for it; with no failure both connect."""
     from nanovllm.kernels import all_reduce
-    from nanovllm.utils.distributed import exchange, master_store, worker_store
+    from nanovllm.parallel.parallel_state import exchange, master_store, worker_store
     monkeypatch.setattr(all_reduce, "_Driver", _FakeDriver)
     monkeypatch.setattr(_FakeDriver, "FAIL", fail)
     monkeypatch.setattr(_FakeDriver, "released", [])

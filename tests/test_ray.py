@@ -13,7 +13,8 @@ import pytest
 
 from conftest import REPO, random_prompts, tokens
 from nanovllm import LLM, SamplingParams
-from nanovllm.distributed.data_parallel import JobTiming, assign_by_cost, request_cost
+from nanovllm.distributed.data_parallel import JobTiming
+from nanovllm.utils.balance import assign_by_cost, request_cost
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 ENGINE = dict(device="cpu", enforce_eager=True, kvcache_block_size=16, num_kvcache_blocks=64,

@@ -175,7 +175,7 @@ class _Recorder:
 def test_destroying_a_group_resets_its_captured_graphs_first():
     """NCCL cannot destroy a communicator while a CUDA graph that captured its collectives lives:
     the group resets those graphs before it shuts its backend down."""
-    from nanovllm.utils.distributed import TPGroup, destroy_tp_group
+    from nanovllm.parallel.parallel_state import TPGroup, destroy_tp_group
     calls = []
     group = TPGroup(0, 2, _Recorder("backend", calls), store=None)
     group.graphs.extend([_Recorder("graph 8", calls), _Recorder("graph 16", calls)])
@@ -188,7 +188,7 @@ def test_an_aborted_group_is_aborted_once_and_not_shut_down():
     also inside a replaying graph), then its captured graphs are reset (on the H200 abort did not
     finish while a graph held the communicator); a graceful shutdown of it afterwards could wait
     for the peer, so destroy does nothing more."""
-    from nanovllm.utils.distributed import TPGroup, abort_tp_group, destroy_tp_group
+    from nanovllm.parallel.parallel_state import TPGroup, abort_tp_group, destroy_tp_group
     calls = []
     group = TPGroup(0, 2, _Recorder("backend", calls), store=None)
     group.graphs.append(_Recorder("graph 8", calls))
@@ -201,7 +201,7 @@ def test_an_aborted_group_is_aborted_once_and_not_shut_down():
 def test_the_watch_threads_abort_leaves_the_graphs_to_rank_0():
     """The watch thread aborts without touching the graphs (rank 0's thread may be launching
     them); destroying the group later resets them."""
-    from nanovllm.utils.distributed import TPGroup, abort_tp_group, destroy_tp_group
+    from nanovllm.parallel.parallel_state import TPGroup, abort_tp_group, destroy_tp_group
     calls = []
     group = TPGroup(0, 2, _Recorder("backend", calls), store=None)
     group.graphs.append(_Recorder("graph 8", calls))
@@ -216,7 +216,7 @@ def test_an_abort_that_blocks_is_left_behind_after_its_time(monkeypatch, caplog)
     returns after ABORT_TIMEOUT_S and says so."""
     import threading
 
-    from nanovllm.utils import distributed
+    from nanovllm.parallel import parallel_state as distributed
     monkeypatch.setattr(distributed, "ABORT_TIMEOUT_S", 0.2)
     release = threading.Event()
 

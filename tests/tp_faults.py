@@ -21,7 +21,7 @@ from conftest import random_prompts  # noqa: E402
 
 from nanovllm import LLM, SamplingParams  # noqa: E402
 from nanovllm.engine import tp_worker  # noqa: E402
-from nanovllm.utils import command_pipe  # noqa: E402
+from nanovllm.parallel import command_pipe  # noqa: E402
 
 MODEL, DEVICE, SCENARIOS = sys.argv[1], sys.argv[2], sys.argv[3:]
 faulthandler.register(signal.SIGUSR1, all_threads=True)   # the runner asks where a hung scenario is

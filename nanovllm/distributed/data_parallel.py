@@ -3,7 +3,6 @@ one node (a placement group per replica). A job's prompts are balanced over the 
 tokens they will compute and read, and its outputs returned in prompt order; a replica that dies has its
 unfinished prompts re-run on the live ones."""
 import contextlib
-import heapq
 import os
 import re
 import time
@@ -18,6 +17,7 @@ from nanovllm.engine.requests import (as_prompt_list, check_lora_and_priority, s
                                       unwrap_prompt_dict)
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import SamplingParams
+from nanovllm.utils.balance import assign_by_cost, request_cost
 from nanovllm.utils.hf_files import load_tokenizer
 
 PLACEMENT_TIMEOUT_S = 300        # how long a replica may wait for its GPUs before start-up fails
@@ -274,24 +274,6 @@ class DataParallelEngine:
 def check_data_parallel_size(value):
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"data_parallel_size must be an integer >= 1, got {value!r}")
-
-
-def request_cost(prompt_tokens: int, max_tokens: int) -> int:
-    """A request's prompt tokens (its prefill) plus, for each output token, the context computing it
-    reads: the prompt and the output tokens before it."""
-    return prompt_tokens + max_tokens * prompt_tokens + max_tokens * (max_tokens - 1) // 2
-
-
-def assign_by_cost(costs: list[int], n: int) -> list[list[int]]:
-    """Split request indices over n replicas so their summed costs are close: the largest request
-    first to the least-loaded replica (LPT). Each replica's indices come back ascending."""
-    heap = [(0, r) for r in range(n)]
-    shares: list[list[int]] = [[] for _ in range(n)]
-    for i in sorted(range(len(costs)), key=lambda i: -costs[i]):
-        load, r = heapq.heappop(heap)
-        shares[r].append(i)
-        heapq.heappush(heap, (load + costs[i], r))
-    return [sorted(s) for s in shares]
 
 
 def _replica_bundle(ray, tp: int, device: str) -> dict:

@@ -6,7 +6,7 @@ from typing import NamedTuple
 import torch
 
 from nanovllm.engine.step_input import StepInput
-from nanovllm.utils.distributed import wait_for_device
+from nanovllm.parallel.parallel_state import wait_for_device
 
 
 class DecodeInputs(NamedTuple):

@@ -22,7 +22,7 @@ from nanovllm.layers.attention_backends import select_attention_backend
 from nanovllm.layers.sampler import Sampler
 from nanovllm.models import get_model_class
 from nanovllm.utils.context import Context, forward_context
-from nanovllm.utils.distributed import (TPGroup, broadcast, connect_peer_all_reduce, host_barrier,
+from nanovllm.parallel.parallel_state import (TPGroup, broadcast, connect_peer_all_reduce, host_barrier,
                                         min_across_ranks, tp_group, wait_for_device)
 from nanovllm.utils.loader import load_dummy_weights, load_model
 

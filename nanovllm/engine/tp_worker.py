@@ -33,10 +33,10 @@ from dataclasses import dataclass, field
 import torch
 
 from nanovllm.config import Config
-from nanovllm.utils import command_pipe
-from nanovllm.utils.distributed import (STARTUP_TIMEOUT, TPGroup, abort_tp_group, destroy_tp_group,
+from nanovllm.parallel import command_pipe
+from nanovllm.parallel.parallel_state import (STARTUP_TIMEOUT, TPGroup, abort_tp_group, destroy_tp_group,
                                         init_tp_group, master_store, reset_captured_graphs)
-from nanovllm.utils.heartbeat import Heartbeats
+from nanovllm.parallel.heartbeat import Heartbeats
 
 # A worker whose heartbeat has not moved for this long is reported as not answering. Its
 # heartbeat comes from a thread of its own, so a long step does not delay it: only a stopped

@@ -16,10 +16,10 @@ import torch
 from nanovllm.config import Config
 from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.tp_worker import HEARTBEAT_S, TRACEBACK_BYTES, use_cuda
-from nanovllm.utils import command_pipe
-from nanovllm.utils.distributed import (abort_tp_group, close_peer_all_reduce, init_tp_group,
+from nanovllm.parallel import command_pipe
+from nanovllm.parallel.parallel_state import (abort_tp_group, close_peer_all_reduce, init_tp_group,
                                         reset_captured_graphs, worker_store)
-from nanovllm.utils.heartbeat import Heartbeats
+from nanovllm.parallel.heartbeat import Heartbeats
 
 
 def main():

@@ -2,7 +2,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanovllm.utils.distributed import all_reduce, gather_last_dim, tp_rank, tp_size
+from nanovllm.parallel.parallel_state import all_reduce, gather_last_dim, tp_rank, tp_size
 
 
 class VocabParallelEmbedding(nn.Module):

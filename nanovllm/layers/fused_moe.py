@@ -8,21 +8,16 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from nanovllm.config import num_experts_of
 from nanovllm.kernels import ATTENTION_BACKEND
 from nanovllm.kernels.moe_reference import fused_moe_ref, select_experts
 from nanovllm.layers.linear import ReplicatedLinear, _divide, _shard
-from nanovllm.utils.distributed import all_reduce, tp_rank, tp_size
+from nanovllm.parallel.parallel_state import all_reduce, tp_rank, tp_size
 from nanovllm.utils.loader import default_weight_loader
 
 if ATTENTION_BACKEND != "torch":
     from nanovllm.kernels.fused_moe import fused_moe_triton
     from nanovllm.kernels.moe_routing import select_experts_triton
-
-
-def num_experts_of(config: PretrainedConfig) -> int:
-    """The experts per MoE layer; 0 for a dense model."""
-    # transformers 5 stores Qwen3-MoE's num_experts as num_local_experts (an attribute alias)
-    return getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None) or 0
 
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool):
@@ -96,11 +91,3 @@ class SparseMoeBlock(nn.Module):
         # x: [num_tokens, hidden] -> [num_tokens, hidden]
         topk_weights, topk_ids = route(self.gate(x), self.top_k, self.renormalize)
         return all_reduce(self.experts(x, topk_weights, topk_ids))
-
-
-def is_sparse_layer(config: PretrainedConfig, layer_index: int) -> bool:
-    """transformers' rule: experts unless the layer is in mlp_only_layers, and then only every
-    decoder_sparse_step-th layer (1: all of them)."""
-    step = getattr(config, "decoder_sparse_step", 1) or 1
-    return (layer_index not in (getattr(config, "mlp_only_layers", None) or [])
-            and num_experts_of(config) > 0 and (layer_index + 1) % step == 0)

@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanovllm.utils.distributed import all_reduce, tp_rank, tp_size
+from nanovllm.parallel.parallel_state import all_reduce, tp_rank, tp_size
 from nanovllm.utils.loader import default_weight_loader
 
 

@@ -1,7 +1,8 @@
 from torch import nn
 from transformers import PretrainedConfig
 
-from nanovllm.layers.fused_moe import SparseMoeBlock, is_sparse_layer
+from nanovllm.config import is_sparse_layer
+from nanovllm.layers.fused_moe import SparseMoeBlock
 from nanovllm.models.llama import LlamaMLP
 from nanovllm.models.qwen3 import Qwen3ForCausalLM
 

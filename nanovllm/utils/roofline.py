@@ -46,6 +46,8 @@ from dataclasses import dataclass
 
 import torch
 
+from nanovllm.utils.balance import assign_by_cost, request_cost
+
 WEIGHT_BYTES = 2   # bf16
 
 
@@ -267,7 +269,6 @@ def workload_limit(config: dict, prompt_lens: list[int], output_lens: list[int],
 
 def _replica_shares(prompt_lens: list[int], output_lens: list[int], dp: int) -> list[list[int]]:
     # the engine's own split (no Ray needed)
-    from nanovllm.distributed.data_parallel import assign_by_cost, request_cost
     return assign_by_cost([request_cost(n, out) for n, out in zip(prompt_lens, output_lens)], dp)
 
 
