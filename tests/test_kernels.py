@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import assert_nearly_equal, interp, run_interpreted_tests
-from nanovllm.kernels import (ATTENTION_BACKEND, paged_decode_attention, paged_kv_slots, prefill_attention,
+from nanovllm.kernels import (KERNELS, paged_decode_attention, paged_kv_slots, prefill_attention,
                               qk_norm_rope_store)
 from nanovllm.kernels.flash_prefill import gather_kv_varlen
 from nanovllm.kernels.reference import (causal_mask, dequantize_kv, gather_paged_kv,
@@ -121,8 +121,25 @@ def test_gather_kv_varlen_concatenates_each_sequence():
     assert torch.equal(v, torch.cat([gather_paged_kv(v_cache, tables[i], n) for i, n in enumerate(k_lens)]))
 
 
+def test_kernels_switch_reads_its_variable_and_the_deprecated_one(caplog):
+    from nanovllm.kernels.backend import choose_kernels
+    assert choose_kernels({"NANOVLLM_KERNELS": "torch"}) == "torch"
+    with pytest.raises(ValueError, match="NANOVLLM_KERNELS='cuda': use one of triton, torch"):
+        choose_kernels({"NANOVLLM_KERNELS": "cuda"})
+    with caplog.at_level("WARNING", logger="nanovllm.kernels.backend"):
+        assert choose_kernels({"NANOVLLM_ATTENTION_BACKEND": "torch"}) == "torch"
+    assert [r.getMessage() for r in caplog.records] == [
+        "NANOVLLM_ATTENTION_BACKEND is deprecated: set NANOVLLM_KERNELS=torch instead"]
+    with pytest.raises(ValueError, match="NANOVLLM_ATTENTION_BACKEND='x'"):
+        choose_kernels({"NANOVLLM_ATTENTION_BACKEND": "x"})
+    caplog.clear()
+    # the new name wins, and then the old one is not read
+    assert choose_kernels({"NANOVLLM_KERNELS": "torch", "NANOVLLM_ATTENTION_BACKEND": "x"}) == "torch"
+    assert not caplog.records
+
+
 def test_backend_on_cpu_tensors_is_the_reference():
-    assert ATTENTION_BACKEND in ("triton", "torch")
+    assert KERNELS in ("triton", "torch")
     lens = [3, 6]
     k_cache, v_cache, tables = make_paged(lens, 4, num_kv_heads=2, head_dim=8)
     ctx = torch.tensor(lens, dtype=torch.int32)

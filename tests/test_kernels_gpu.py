@@ -13,7 +13,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 from conftest import assert_nearly_equal  # noqa: E402
 from nanovllm.engine.decode_graphs import longest_first  # noqa: E402
-from nanovllm.kernels import (ATTENTION_BACKEND, add_rms_norm, paged_decode_attention,  # noqa: E402
+from nanovllm.kernels import (KERNELS, add_rms_norm, paged_decode_attention,  # noqa: E402
                               paged_kv_slots, prefill_attention, qk_norm_rope_store, rms_norm,
                               silu_and_mul)
 from nanovllm.kernels.reference import (add_rms_norm_ref, gather_paged_kv,  # noqa: E402
@@ -52,7 +52,7 @@ def decode_ref(q, k_cache, v_cache, tables, ctx, chunk=32):
 
 
 def test_backend_is_a_gpu_backend():
-    assert ATTENTION_BACKEND == "triton"
+    assert KERNELS == "triton"
 
 
 def test_aten_flash_attention_is_usable():
