@@ -18,7 +18,6 @@ path (which converts to fp32 first); its bytes are one read of the bf16 logits.
 """
 import argparse
 import contextlib
-import dataclasses
 import json
 from functools import partial
 
@@ -209,18 +208,15 @@ def sweep(json_path, which):
                                  of_copy=bw / copy_bw))
             print(f"{batch:5d} " + "".join(f"{f:10.1%}" for f in fractions))
     if which == "tiles_fp8":
-        # decode_attention.FP8_DECODE's tile and warps (benchmarks/fp8_decode_sweep.py times more
-        # knobs, against bf16 and the reference); a tile too large for shared memory shows as n/a
-        shapes = [(64, 4), (128, 4), (128, 8), (256, 8), (64, 2), (32, 2)]
+        # decode_attention.FP8_BLOCK_N x FP8_NUM_WARPS; a tile too large for shared memory shows as n/a
+        shapes = [(64, 1), (64, 4), (128, 4), (128, 8), (256, 8), (64, 2), (32, 2), (32, 1)]
         print("FP8 decode mixed ctx 100-2048, % of copy bandwidth, auto splits, by (block_n, num_warps)")
         print("batch " + "".join(f"{f'{n}x{w}':>12}" for n, w in shapes))
         for batch in (256, 128, 64, 16):
             cells = []
             for block_n, warps in shapes:
-                config = dataclasses.replace(decode_attention.FP8_DECODE, block_n=block_n, num_warps=warps,
-                                             max_registers=None)
                 try:
-                    with knobs(decode_attention, FP8_DECODE=config):
+                    with knobs(decode_attention, FP8_BLOCK_N=block_n, FP8_NUM_WARPS=warps):
                         ms, bw = mixed_decode_case(batch, fp8=True)
                 except triton.runtime.errors.OutOfResources:
                     cells.append(f"{'n/a':>12}")
