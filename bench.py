@@ -6,8 +6,8 @@ fraction of the workload's physical limit on this GPU's measured copy bandwidth 
 overlap bound no engine can pass. The timed run is cold: its prompts are new to the prefix cache.
 --structured-json also runs the workload with every request constrained by one JSON schema.
 --workload long: 256 prompts of 4,000-8,000 random tokens, 64 output tokens each (prefill-bound);
---ttft-32k also times the first token of one 32,768-token prompt; --attention-backend picks the
-prefill back end (auto, flash_attn_4, triton)."""
+--ttft-32k also times the first token of one 32,768-token prompt; --prefill-attention picks the
+prefill attention kernel (auto, flash_attn_4, torch_flash; --attention-backend is its former name)."""
 import argparse
 import glob
 import json
@@ -229,10 +229,13 @@ def main():
                    help="long: 256 prompts of 4,000-8,000 tokens, 64 output tokens each")
     p.add_argument("--ttft-32k", action="store_true",
                    help=f"also time the first token of one {TTFT_PROMPT_LEN:,}-token prompt (median of 3)")
-    p.add_argument("--attention-backend", default="auto", choices=["auto", "flash_attn_4", "triton"],
-                   help="prefill attention: FlashAttention-4 over the paged cache, or torch's FA2 (triton)")
+    p.add_argument("--prefill-attention", "--attention-backend", default="auto",
+                   choices=["auto", "flash_attn_4", "torch_flash", "triton"],
+                   help="FlashAttention-4 over the paged cache, or torch's FlashAttention-2 (torch_flash; "
+                   "triton is its former name)")
     p.add_argument("--json", help="write the figures to this file")
     args = p.parse_args()
+    args.prefill_attention = {"triton": "torch_flash"}.get(args.prefill_attention, args.prefill_attention)
     max_model_len = 4096
     if args.workload == "long":
         max_model_len = 8192
@@ -246,7 +249,7 @@ def main():
               async_scheduling=not args.no_async_scheduling, kv_cache_dtype=args.kv_cache_dtype,
               calculate_kv_scales=args.calculate_kv_scales, data_parallel_size=args.data_parallel_size,
               tokenizer=args.tokenizer, enable_prefix_caching=not args.structured_json,
-              attention_backend=args.attention_backend,
+              prefill_attention=args.prefill_attention,
               disable_custom_all_reduce=args.disable_custom_all_reduce)
     startup = time.perf_counter() - t
 
@@ -263,10 +266,10 @@ def main():
     limit, documented = workload_limits(args, prompts, params, gpu)
     overlap = overlap_limit(args, prompts, params, gpu)
     runner = getattr(llm, "model_runner", None)   # a data-parallel LLM's runners live in its replicas
-    backend = runner.attention_backend.name if runner else args.attention_backend
+    prefill = runner.prefill_attention.name if runner else args.prefill_attention
     prompt_tokens = sum(map(len, prompts))
     record = dict(model=args.model, dummy_weights=dummy, temperature=args.temperature,
-                  workload=args.workload, attention_backend=backend, prompt_tokens=prompt_tokens,
+                  workload=args.workload, prefill_attention=prefill, prompt_tokens=prompt_tokens,
                   total_tokens_per_s=round((prompt_tokens + tokens) / seconds, 1),
                   enforce_eager=args.enforce_eager, async_scheduling=not args.no_async_scheduling,
                   tp=args.tensor_parallel_size, custom_all_reduce=not args.disable_custom_all_reduce,
@@ -301,8 +304,8 @@ def main():
                                            f"({tokens / seconds / documented:.1%} of it)"))
         print(f"Limit, prefill overlapped with decode: {overlap:,.0f} output tok/s "
               f"({tokens / seconds / overlap:.1%} of it)")
-    print(f"Workload {args.workload}, attention {backend}: {prompt_tokens} prompt + {tokens} output tok, "
-          f"{(prompt_tokens + tokens) / seconds:.0f} tok/s prompt and output together")
+    print(f"Workload {args.workload}, prefill attention {prefill}: {prompt_tokens} prompt + {tokens} output "
+          f"tok, {(prompt_tokens + tokens) / seconds:.0f} tok/s prompt and output together")
     if args.data_parallel_size > 1:
         record["data_parallel"] = data_parallel_replicas(llm.last_job, prompts, params, args, gpu)
         print_data_parallel(record["data_parallel"], seconds)
@@ -310,7 +313,7 @@ def main():
         ttft = time_to_first_token(llm)
         record["ttft_32k_s"] = round(ttft, 4)
         print(f"Time to first token, one {TTFT_PROMPT_LEN:,}-token prompt: {ttft * 1000:.1f} ms "
-              f"(median of 3, attention {backend})")
+              f"(median of 3, prefill attention {prefill})")
 
     if args.prefix_cache:
         one = SamplingParams(temperature=0, max_tokens=1)

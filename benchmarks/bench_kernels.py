@@ -18,7 +18,6 @@ path (which converts to fp32 first); its bytes are one read of the bf16 logits.
 """
 import argparse
 import contextlib
-import dataclasses
 import json
 from functools import partial
 
@@ -27,7 +26,7 @@ import triton
 import triton.testing
 
 from nanovllm.engine.decode_graphs import longest_first
-from nanovllm.kernels import ATTENTION_BACKEND, paged_decode_attention, prefill_attention
+from nanovllm.kernels import KERNELS, paged_decode_attention, prefill_attention
 from nanovllm.kernels.decode_attention import paged_decode_attention_triton
 from nanovllm.kernels.norm_act import add_rms_norm_triton, rms_norm_triton, silu_and_mul_triton
 from nanovllm.kernels.qk_norm_rope import qk_norm_rope_store_triton
@@ -209,18 +208,15 @@ def sweep(json_path, which):
                                  of_copy=bw / copy_bw))
             print(f"{batch:5d} " + "".join(f"{f:10.1%}" for f in fractions))
     if which == "tiles_fp8":
-        # decode_attention.FP8_DECODE's tile and warps (benchmarks/fp8_decode_sweep.py times more
-        # knobs, against bf16 and the reference); a tile too large for shared memory shows as n/a
-        shapes = [(64, 4), (128, 4), (128, 8), (256, 8), (64, 2), (32, 2)]
+        # decode_attention.FP8_BLOCK_N x FP8_NUM_WARPS; a tile too large for shared memory shows as n/a
+        shapes = [(64, 1), (64, 4), (128, 4), (128, 8), (256, 8), (64, 2), (32, 2), (32, 1)]
         print("FP8 decode mixed ctx 100-2048, % of copy bandwidth, auto splits, by (block_n, num_warps)")
         print("batch " + "".join(f"{f'{n}x{w}':>12}" for n, w in shapes))
         for batch in (256, 128, 64, 16):
             cells = []
             for block_n, warps in shapes:
-                config = dataclasses.replace(decode_attention.FP8_DECODE, block_n=block_n, num_warps=warps,
-                                             max_registers=None)
                 try:
-                    with knobs(decode_attention, FP8_DECODE=config):
+                    with knobs(decode_attention, FP8_BLOCK_N=block_n, FP8_NUM_WARPS=warps):
                         ms, bw = mixed_decode_case(batch, fp8=True)
                 except triton.runtime.errors.OutOfResources:
                     cells.append(f"{'n/a':>12}")
@@ -300,7 +296,7 @@ def main():
         return fp8_decode(args.json)
     copy_bw = roofline.measure_copy_bandwidth(nbytes=4 << 30)
     rows = []
-    print(f"attention back end: {ATTENTION_BACKEND}; device copy {copy_bw / 1e12:.2f} TB/s")
+    print(f"kernels: {KERNELS}; device copy {copy_bw / 1e12:.2f} TB/s")
     print(f"{'case':40s} {'ms':>9s} {'TB/s':>7s} {'of 4.8':>7s} {'of copy':>8s}")
     decode_cases = [("triton", paged_decode_attention_triton, False),
                     ("backend", paged_decode_attention, False),
@@ -343,7 +339,7 @@ def main():
         print(f"{label:40s} {ms:9.4f} {bw / 1e12:7.2f} {bw / PEAK_BW:7.1%} {bw / copy_bw:8.1%}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(backend=ATTENTION_BACKEND, copy_bytes_per_s=copy_bw, results=rows), f, indent=1)
+            json.dump(dict(backend=KERNELS, copy_bytes_per_s=copy_bw, results=rows), f, indent=1)
 
 
 if __name__ == "__main__":

@@ -1,11 +1,12 @@
 """The decode split kernel's machine code for the H200 (sm_90), without a GPU: compiles
-`_decode_split_kernel` for a config (FP8 or bf16 cache, tile, warps, stages, register cap) at
+`_decode_split_kernel` for a config (FP8 or bf16 cache, tile, warps, stages, a register cap) at
 Qwen3-0.6B's shapes, with the 16-byte divisibility the engine's pointers and strides have (without
 it Triton neither vectorises nor pipelines the loads, and the code is not the one that runs), and
 prints registers, spills and the instruction mix of the main loop per warp and per context token.
 
     PYTHONPATH=. python benchmarks/decode_sass.py [--bf16] [--block-n 128] [--warps 4] [--stages 2]
                                                   [--maxnreg 168] [--head-dim 128] [--dump DIR]
+(defaults: the kernel's own, decode_attention.FP8_BLOCK_N x FP8_NUM_WARPS or BLOCK_N x NUM_WARPS)
 
 Needs Triton's bundled ptxas and cuobjdump (any CUDA wheel of triton has them). The main loop is
 taken as the largest backward branch's body."""
@@ -17,7 +18,6 @@ import subprocess
 import sys
 
 import triton
-import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
@@ -28,7 +28,7 @@ HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 16, 8, 128, 256
 
 
 def compile_kernel(fp8: bool, block_n: int, warps: int, stages: int, maxnreg: int | None,
-                   block_g: int = 16, trans: bool = False, head_dim: int = HEAD_DIM):
+                   head_dim: int = HEAD_DIM):
     fn = decode_attention._decode_split_kernel
     kv = "*fp8e4nv" if fp8 else "*bf16"
     sig = dict(q_ptr="*bf16", k_cache_ptr=kv, v_cache_ptr=kv, block_tables_ptr="*i32",
@@ -36,12 +36,11 @@ def compile_kernel(fp8: bool, block_n: int, warps: int, stages: int, maxnreg: in
                part_lse_ptr="*fp32", k_scale_ptr="*fp32", v_scale_ptr="*fp32", scale_log2e="fp32")
     sig.update({name: "i32" for name in ("stride_qb", "stride_qh", "stride_kb", "stride_kt", "stride_kh",
                                          "stride_bt", "stride_ob", "stride_oh", "num_splits")})
-    config = decode_attention.FP8_DECODE
-    mask_last = config.mask_last_tile_only if fp8 else decode_attention.MASK_LAST_TILE_ONLY
-    const = dict(GROUP=HEADS // KV_HEADS, BLOCK_G=block_g, TRANS=trans, HEAD_DIM=head_dim, BLOCK_D=head_dim,
+    # BLOCK_G as paged_decode_attention_triton pads the group: to 8 for FP8's transposed dots, else 16
+    const = dict(GROUP=HEADS // KV_HEADS, BLOCK_G=8 if fp8 else 16, HEAD_DIM=head_dim, BLOCK_D=head_dim,
                  BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=block_n, DIRECT=False, DOT_FP32=False, PRECISION=None,
-                 FP8=fp8, FP8_DOT_DTYPE=tl.float16, V_CVT_ASM=fp8 and config.v_convert == "asm",
-                 MASK_LAST_TILE_ONLY=mask_last, INTERPRETED=False, ORDERED=True)
+                 FP8=fp8, V_CVT_ASM=fp8 and block_n * head_dim >= 4 * 32 * warps, INTERPRETED=False,
+                 ORDERED=True)
     missing = set(fn.arg_names) - set(sig) - set(const)
     if missing:
         raise SystemExit(f"the kernel has arguments this script does not know: {sorted(missing)}; update it")
@@ -58,24 +57,21 @@ def compile_kernel(fp8: bool, block_n: int, warps: int, stages: int, maxnreg: in
 
 def main():
     p = argparse.ArgumentParser()
-    config = decode_attention.FP8_DECODE
     p.add_argument("--bf16", action="store_true", help="the bf16 cache's kernel (default: FP8)")
     p.add_argument("--block-n", type=int)
     p.add_argument("--warps", type=int)
     p.add_argument("--stages", type=int)
-    p.add_argument("--maxnreg", type=int, help="0: no cap (default: FP8_DECODE's, none for bf16)")
-    p.add_argument("--block-g", type=int, default=16, help="query rows of a program (GROUP padded)")
-    p.add_argument("--trans", action="store_true", help="the dots transposed (S^T = K Q^T, O^T = V^T P^T)")
+    p.add_argument("--maxnreg", type=int, help="a register cap (default: none, as the kernel runs)")
     p.add_argument("--head-dim", type=int, default=HEAD_DIM, help="head_dim (Qwen3-0.6B: 128)")
     p.add_argument("--top", type=int, default=16, help="instruction kinds to list")
     p.add_argument("--dump", help="write the kernel's ttgir, ptx and sass here")
     args = p.parse_args()
     fp8 = not args.bf16
-    block_n = args.block_n or (config.block_n if fp8 else decode_attention.BLOCK_N)
-    warps = args.warps or (config.num_warps if fp8 else decode_attention.NUM_WARPS)
-    stages = args.stages or (config.num_stages if fp8 else decode_attention.NUM_STAGES)
-    maxnreg = (config.max_registers if fp8 else None) if args.maxnreg is None else (args.maxnreg or None)
-    kernel = compile_kernel(fp8, block_n, warps, stages, maxnreg, args.block_g, args.trans, args.head_dim)
+    block_n = args.block_n or (decode_attention.FP8_BLOCK_N if fp8 else decode_attention.BLOCK_N)
+    warps = args.warps or (decode_attention.FP8_NUM_WARPS if fp8 else decode_attention.NUM_WARPS)
+    stages = args.stages or decode_attention.NUM_STAGES
+    maxnreg = args.maxnreg
+    kernel = compile_kernel(fp8, block_n, warps, stages, maxnreg, args.head_dim)
     tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     cubin = "/tmp/decode_sass.cubin"
     with open(cubin, "wb") as f:

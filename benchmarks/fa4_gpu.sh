@@ -82,14 +82,14 @@ run() {
         case $w in
         tests)
             timeout 420 python3 -m pytest -q -p no:cacheprovider -rs tests/test_fa4_gpu.py tests/test_gpu_engine.py \
-                tests/test_attention_backends.py 2>&1 | tee "$OUT/tests.log" | tail -25
+                tests/test_prefill_attention.py 2>&1 | tee "$OUT/tests.log" | tail -25
             echo "tests: exit ${PIPESTATUS[0]}" ;;
         bench)
-            for backend in flash_attn_4 triton; do
-                timeout 300 python3 bench.py --workload long --attention-backend $backend --ttft-32k \
+            for backend in flash_attn_4 torch_flash; do
+                timeout 300 python3 bench.py --workload long --prefill-attention $backend --ttft-32k \
                     --json "$OUT/bench_long_$backend.json" 2>&1 | tee "$OUT/bench_long_$backend.log" | tail -4
                 echo "bench long $backend: exit ${PIPESTATUS[0]}"
-                timeout 200 python3 bench.py --attention-backend $backend --json "$OUT/bench_default_$backend.json" \
+                timeout 200 python3 bench.py --prefill-attention $backend --json "$OUT/bench_default_$backend.json" \
                     2>&1 | tee "$OUT/bench_default_$backend.log" | tail -3
                 echo "bench default $backend: exit ${PIPESTATUS[0]}"
             done ;;

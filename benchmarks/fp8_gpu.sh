@@ -4,8 +4,7 @@
 #   bash benchmarks/fp8_gpu.sh
 # 1. decode bandwidth over an FP8 cache (batch 256 x context 1024, bf16 beside it; bench.py's mixed contexts)
 # 2. bench.py --kv-cache-dtype fp8, then auto (bf16), then fp8 with --calculate-kv-scales
-# 3. the FP8 decode kernel's variants (benchmarks/fp8_decode_sweep.py); bench.py fp8 again with the
-#    fastest when that is not the default
+# 3. the FP8 decode kernel's tile sizes (bench_kernels.py --sweep tiles_fp8)
 # 4. accuracy on a real model (MODEL=a Hugging Face folder, or GGUF=SmolLM2's GGUF file with gguf and
 #    accelerate installed; skipped without either)
 # 5. the GPU kernel tests and the FP8 engine tests (on GPU 1 alongside 1-4 when two GPUs are visible)
@@ -43,31 +42,8 @@ timeout 60 python benchmarks/bench_kernels.py --fp8 --json "$OUT/fp8_kernels.jso
 bench fp8 --kv-cache-dtype fp8
 bench auto
 bench fp8_calc --kv-cache-dtype fp8 --calculate-kv-scales
-timeout 270 python benchmarks/fp8_decode_sweep.py --json "$OUT/fp8_sweep.json" 2>&1 | grep -v -i warn | tail -22
-# The fastest correct variant of the sweep: bench.py with it when it is not the default.
-best=$(python - "$OUT/fp8_sweep.json" <<'PY'
-import json, sys
-sys.path.insert(0, "benchmarks")
-from fp8_decode_sweep import fastest
-from nanovllm.kernels import decode_attention as d
-try:
-    data = json.load(open(sys.argv[1]))
-except (OSError, ValueError):
-    sys.exit()
-ranked = fastest(data["results"], list(data["variants"]))
-if ranked and d.Fp8Decode(**data["variants"][ranked[0][1]]) != d.FP8_DECODE:
-    print(json.dumps(data["variants"][ranked[0][1]]))
-PY
-)
-if [[ -n $best ]]; then
-  echo "fastest FP8 decode variant is not the default: bench.py with it ($best)"
-  timeout 100 python -c "
-import json, runpy, sys
-from nanovllm.kernels import decode_attention as d
-d.FP8_DECODE = d.Fp8Decode(**json.loads(sys.argv[1]))
-sys.argv = ['bench.py', '--kv-cache-dtype', 'fp8', '--json', '$OUT/bench_fp8_fastest.json']
-runpy.run_path('bench.py', run_name='__main__')" "$best" 2>&1 | grep -v -i warn | tail -1 | sed "s/^/[fp8 fastest] /"
-fi
+timeout 150 python benchmarks/bench_kernels.py --sweep tiles_fp8 --json "$OUT/fp8_tiles.json" 2>&1 \
+  | grep -v -i warn | tail -6
 if [[ -n $MODEL || -n $GGUF ]]; then
   timeout 150 python benchmarks/fp8_accuracy.py ${MODEL:+--model "$MODEL"} ${GGUF:+--gguf "$GGUF"} \
     --json "$OUT/fp8_accuracy.json" 2>&1 | grep -v -i warn | tail -6

@@ -5,8 +5,8 @@ first's. ab_gpu.sh compares two trees; this compares knobs within one.
     python benchmarks/knob_ab.py --rounds 3 --variant off nanovllm.models.llama.FOLD_NORMS=False \\
         --variant on nanovllm.models.llama.FOLD_NORMS=True -- --kv-cache-dtype fp8
 
-A --variant is a label followed by its knobs (bench_with.py's module.NAME[.field]=VALUE, none for
-the defaults); the arguments after -- go to bench.py. Logs go to --logs (one per run).
+A --variant is a label followed by its knobs (bench_with.py's module.NAME=VALUE, none for the
+defaults); the arguments after -- go to bench.py. Logs go to --logs (one per run).
 """
 import argparse
 import os

@@ -18,8 +18,10 @@ logger = logging.getLogger(__name__)
 _DTYPE_NAMES = {"auto": "auto", "half": "float16", "float16": "float16", "bfloat16": "bfloat16",
                 "float": "float32", "float32": "float32", torch.float16: "float16",
                 torch.bfloat16: "bfloat16", torch.float32: "float32"}
-# Attention back ends (nanovllm.layers.attention_backends says what each runs).
-ATTENTION_BACKENDS = ("auto", "flash_attn_4", "triton")
+# Prefill attention kernels (nanovllm.layers.prefill_attention says what each runs).
+PREFILL_ATTENTION = ("auto", "flash_attn_4", "torch_flash")
+# The deprecated attention_backend option's names -> prefill_attention's.
+_ATTENTION_BACKEND_NAMES = {"auto": "auto", "flash_attn_4": "flash_attn_4", "triton": "torch_flash"}
 
 
 @dataclass
@@ -44,8 +46,9 @@ class Config:
                                                 # or a torch.dtype
     kv_cache_dtype: str = "auto"                # "auto": the model's dtype; "fp8" = "fp8_e4m3" (1 byte)
     calculate_kv_scales: bool = False           # fp8: K/V scales from the first prefill's amax (else 1.0)
-    attention_backend: str = "auto"             # "auto" (FlashAttention-4 prefill where it runs), or force
-                                                # "flash_attn_4" or "triton" (torch's FA2 prefill)
+    prefill_attention: str = "auto"             # "auto" (FlashAttention-4 where it runs), or force
+                                                # "flash_attn_4" or "torch_flash" (torch's FlashAttention-2)
+    attention_backend: str | None = None        # deprecated: prefill_attention ("triton": "torch_flash")
     load_format: str = "auto"                   # "auto" (safetensors) or "dummy" (random weights)
     seed: int | None = 0                        # None: a random seed, drawn once
     tokenizer: str | None = None                # tokenizer folder or hub id; None: the model's
@@ -165,7 +168,9 @@ class Config:
                            "supports need none, and a model that needs remote code is refused")
         _check_choice(self, "load_format", ("auto", "dummy"))
         _check_choice(self, "kv_cache_dtype", ("auto", "fp8", "fp8_e4m3"))
-        _check_choice(self, "attention_backend", ATTENTION_BACKENDS)
+        if self.attention_backend is not None:
+            _take_attention_backend(self)
+        _check_choice(self, "prefill_attention", PREFILL_ATTENTION)
         if self.calculate_kv_scales and self.kv_cache_dtype == "auto":
             raise ValueError("calculate_kv_scales=True scales an FP8 KV cache: also set kv_cache_dtype='fp8'")
         if self.device == "cuda" and self.kvcache_block_size % 16:
@@ -174,6 +179,27 @@ class Config:
         self.hf_config = apply_hf_overrides(load_hf_config(self.model), self.hf_overrides)
         self.max_model_len = min(self.max_model_len, self.hf_config.max_position_embeddings)
         _check_tp_divides(self.hf_config, self.tensor_parallel_size)
+
+
+_warned_attention_backend = False
+
+
+def _take_attention_backend(cfg: "Config"):
+    """The deprecated attention_backend, mapped to prefill_attention (a warning, once a process)."""
+    global _warned_attention_backend
+    old = cfg.attention_backend
+    if not isinstance(old, str) or old not in _ATTENTION_BACKEND_NAMES:
+        raise ValueError(f"attention_backend (deprecated: use prefill_attention) must be one of "
+                         f"{tuple(_ATTENTION_BACKEND_NAMES)}, got {old!r}")
+    new = _ATTENTION_BACKEND_NAMES[old]
+    if cfg.prefill_attention not in ("auto", new):
+        raise ValueError(f"attention_backend={old!r} and prefill_attention={cfg.prefill_attention!r} "
+                         "disagree: pass prefill_attention only (attention_backend is its deprecated name)")
+    if not _warned_attention_backend:
+        _warned_attention_backend = True
+        logger.warning("attention_backend is deprecated: pass prefill_attention=%r instead of "
+                       "attention_backend=%r", new, old)
+    cfg.prefill_attention, cfg.attention_backend = new, None
 
 
 def _vllm_no_ops(cfg: "Config"):

@@ -1,4 +1,4 @@
-"""The FlashAttention-4 back end (attention_backend="flash_attn_4") on a GPU where it runs: its
+"""FlashAttention-4 prefill (prefill_attention="flash_attn_4") on a GPU where it runs: its
 prefill over the paged cache against the fp32 torch reference at Qwen3-0.6B's attention shapes
 (16 query / 8 KV heads, head_dim 128), and the engine's greedy tokens against transformers with
 CUDA graphs on. Skipped without CUDA, on GPUs older than Hopper, and without the package
@@ -86,8 +86,8 @@ def test_fa4_scenarios_greedy_match_transformers(qwen3_dir, oracle, name):
     the pages through FA4."""
     options, runs = scenarios()[name]
     llm = LLM(qwen3_dir, device="cuda", dtype="bfloat16", kvcache_block_size=16,
-              attention_backend="flash_attn_4", **options)
-    assert llm.model_runner.attention_backend.name == "flash_attn_4" and llm.model_runner.graphs
+              prefill_attention="flash_attn_4", **options)
+    assert llm.model_runner.prefill_attention.name == "flash_attn_4" and llm.model_runner.graphs
     exact = total = 0
     for prompts in runs:
         outs = llm.generate(prompts, GREEDY, use_tqdm=False)
@@ -102,7 +102,7 @@ def test_fa4_scenarios_greedy_match_transformers(qwen3_dir, oracle, name):
 
 
 def test_fa4_default_block_256_with_prefix_hits(qwen3_dir, oracle):
-    llm = LLM(qwen3_dir, device="cuda", dtype="bfloat16", attention_backend="flash_attn_4")
+    llm = LLM(qwen3_dir, device="cuda", dtype="bfloat16", prefill_attention="flash_attn_4")
     prefix = random_prompts(1, [300], seed=11)[0]
     prompts = [prefix + p for p in random_prompts(3, [5, 270, 40], seed=12)]
     for _ in range(2):   # the second run hits the cached prefix blocks
@@ -113,4 +113,4 @@ def test_fa4_default_block_256_with_prefix_hits(qwen3_dir, oracle):
 
 def test_auto_picks_fa4_here(qwen3_dir):
     llm = LLM(qwen3_dir, device="cuda", dtype="bfloat16", num_kvcache_blocks=16, enforce_eager=True)
-    assert llm.model_runner.attention_backend.name == "flash_attn_4"
+    assert llm.model_runner.prefill_attention.name == "flash_attn_4"

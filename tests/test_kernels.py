@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import assert_nearly_equal, interp, run_interpreted_tests
-from nanovllm.kernels import (ATTENTION_BACKEND, paged_decode_attention, paged_kv_slots, prefill_attention,
+from nanovllm.kernels import (KERNELS, paged_decode_attention, paged_kv_slots, prefill_attention,
                               qk_norm_rope_store)
 from nanovllm.kernels.flash_prefill import gather_kv_varlen
 from nanovllm.kernels.reference import (causal_mask, dequantize_kv, gather_paged_kv,
@@ -121,8 +121,25 @@ def test_gather_kv_varlen_concatenates_each_sequence():
     assert torch.equal(v, torch.cat([gather_paged_kv(v_cache, tables[i], n) for i, n in enumerate(k_lens)]))
 
 
+def test_kernels_switch_reads_its_variable_and_the_deprecated_one(caplog):
+    from nanovllm.kernels.backend import choose_kernels
+    assert choose_kernels({"NANOVLLM_KERNELS": "torch"}) == "torch"
+    with pytest.raises(ValueError, match="NANOVLLM_KERNELS='cuda': use one of triton, torch"):
+        choose_kernels({"NANOVLLM_KERNELS": "cuda"})
+    with caplog.at_level("WARNING", logger="nanovllm.kernels.backend"):
+        assert choose_kernels({"NANOVLLM_ATTENTION_BACKEND": "torch"}) == "torch"
+    assert [r.getMessage() for r in caplog.records] == [
+        "NANOVLLM_ATTENTION_BACKEND is deprecated: set NANOVLLM_KERNELS=torch instead"]
+    with pytest.raises(ValueError, match="NANOVLLM_ATTENTION_BACKEND='x'"):
+        choose_kernels({"NANOVLLM_ATTENTION_BACKEND": "x"})
+    caplog.clear()
+    # the new name wins, and then the old one is not read
+    assert choose_kernels({"NANOVLLM_KERNELS": "torch", "NANOVLLM_ATTENTION_BACKEND": "x"}) == "torch"
+    assert not caplog.records
+
+
 def test_backend_on_cpu_tensors_is_the_reference():
-    assert ATTENTION_BACKEND in ("triton", "torch")
+    assert KERNELS in ("triton", "torch")
     lens = [3, 6]
     k_cache, v_cache, tables = make_paged(lens, 4, num_kv_heads=2, head_dim=8)
     ctx = torch.tensor(lens, dtype=torch.int32)
@@ -191,13 +208,9 @@ def test_triton_kernels_under_interpreter():
 @interp
 @pytest.mark.parametrize("block_size,num_splits,block_n",
                          [(4, 1, 16), (4, 3, 16), (16, 2, 16), (16, None, 32)])
-@pytest.mark.parametrize("mask_last_tile_only", [False, True])
-def test_interp_decode_matches_reference(monkeypatch, block_size, num_splits, block_n, mask_last_tile_only):
-    # mask_last_tile_only: whole tiles without masks, then the partial one (block_size 4 < block_n:
-    # a tile spans blocks; 16 % 16 == 0: one block per tile).
-    from nanovllm.kernels import decode_attention
+def test_interp_decode_matches_reference(block_size, num_splits, block_n):
+    # block_size 4 < block_n: a tile spans blocks; 16 % 16 == 0: one block per tile.
     from nanovllm.kernels.decode_attention import paged_decode_attention_triton
-    monkeypatch.setattr(decode_attention, "MASK_LAST_TILE_ONLY", mask_last_tile_only)
     lens = [0, 1, block_size + 1, 3 * block_size - 1]  # empty padding row, one token, block crossings
     k_cache, v_cache, tables = make_paged(lens, block_size, num_kv_heads=2, head_dim=16, seed=3)
     tables[0].fill_(-1)  # a padding row's table may hold anything
@@ -262,13 +275,10 @@ def test_interp_decode_launch_order_changes_nothing_but_the_order(fp8):
 
 @interp
 @pytest.mark.parametrize("block_size", [4, 16])
-@pytest.mark.parametrize("mask_last_tile_only", [False, True])
-def test_interp_decode_head_dim_below_16_is_padded(monkeypatch, block_size, mask_last_tile_only):
-    # tl.dot needs K >= 16: a head_dim of 8 (tiny test models) runs on a padded, masked tile (also
-    # in the whole tiles that mask_last_tile_only loads without a token mask).
-    from nanovllm.kernels import decode_attention
+def test_interp_decode_head_dim_below_16_is_padded(block_size):
+    # tl.dot needs K >= 16: a head_dim of 8 (tiny test models) runs on a padded, masked tile (FP8's
+    # whole tiles, loaded without a token mask, too: the FP8 test over group sizes and head dims).
     from nanovllm.kernels.decode_attention import paged_decode_attention_triton
-    monkeypatch.setattr(decode_attention, "MASK_LAST_TILE_ONLY", mask_last_tile_only)
     lens = [5, 40]
     k_cache, v_cache, tables = make_paged(lens, block_size, num_kv_heads=2, head_dim=8, seed=5)
     ctx = torch.tensor(lens, dtype=torch.int32)
@@ -422,16 +432,9 @@ def test_decode_and_prefill_refs_read_fp8_as_the_dequantized_cache():
 
 @interp
 @pytest.mark.parametrize("block_size,num_splits,block_n", [(4, 1, 16), (16, 2, 32), (16, None, 16)])
-@pytest.mark.parametrize("mask_last_tile_only", [False, True])
-@pytest.mark.parametrize("transposed", [False, True])
-def test_interp_decode_fp8_matches_reference(monkeypatch, block_size, num_splits, block_n,
-                                             mask_last_tile_only, transposed):
-    import dataclasses
-
-    from nanovllm.kernels import decode_attention
+def test_interp_decode_fp8_matches_reference(block_size, num_splits, block_n):
+    # FP8's loop: whole tiles without masks, then the partial one; the dots transposed.
     from nanovllm.kernels.decode_attention import paged_decode_attention_triton
-    monkeypatch.setattr(decode_attention, "FP8_DECODE", dataclasses.replace(
-        decode_attention.FP8_DECODE, mask_last_tile_only=mask_last_tile_only, transposed=transposed))
     lens = [0, 1, block_size + 1, 3 * block_size - 1]
     k_scale, v_scale = torch.tensor([0.03]), torch.tensor([0.004])
     k8, v8, tables = fp8_paged(lens, block_size, 2, 16, k_scale, v_scale, seed=6)
@@ -447,11 +450,10 @@ def test_interp_decode_fp8_matches_reference(monkeypatch, block_size, num_splits
 @interp
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(3, 3, 16), (6, 2, 24), (16, 2, 8), (16, 1, 16)])
 def test_interp_decode_fp8_default_over_group_sizes_and_head_dims(heads, kv_heads, head_dim):
-    # The default FP8 tiles (transposed dots: the group's query heads as the dots' N, padded to 8 or
-    # more) at groups of 1, 3, 8 and 16 query heads a KV head and head_dims that need padding, with
-    # bf16 queries (fp16 dots, as on the GPU), against the reference.
-    from nanovllm.kernels.decode_attention import FP8_DECODE, paged_decode_attention_triton
-    assert FP8_DECODE.transposed
+    # FP8's transposed dots (the group's query heads as the dots' N, padded to 8 or more) at groups
+    # of 1, 3, 8 and 16 query heads a KV head and head_dims that need padding, with bf16 queries
+    # (fp16 dots, as on the GPU), against the reference.
+    from nanovllm.kernels.decode_attention import paged_decode_attention_triton
     lens = [0, 5, 23, 40]
     k_scale, v_scale = torch.tensor([0.02]), torch.tensor([0.006])
     k8, v8, tables = fp8_paged(lens, 16, kv_heads, head_dim, k_scale, v_scale, seed=11)

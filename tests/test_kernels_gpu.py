@@ -13,7 +13,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 from conftest import assert_nearly_equal  # noqa: E402
 from nanovllm.engine.decode_graphs import longest_first  # noqa: E402
-from nanovllm.kernels import (ATTENTION_BACKEND, add_rms_norm, paged_decode_attention,  # noqa: E402
+from nanovllm.kernels import (KERNELS, add_rms_norm, paged_decode_attention,  # noqa: E402
                               paged_kv_slots, prefill_attention, qk_norm_rope_store, rms_norm,
                               silu_and_mul)
 from nanovllm.kernels.reference import (add_rms_norm_ref, gather_paged_kv,  # noqa: E402
@@ -52,7 +52,7 @@ def decode_ref(q, k_cache, v_cache, tables, ctx, chunk=32):
 
 
 def test_backend_is_a_gpu_backend():
-    assert ATTENTION_BACKEND == "triton"
+    assert KERNELS == "triton"
 
 
 def test_aten_flash_attention_is_usable():
@@ -463,22 +463,13 @@ def test_decode_fp8_matches_reference(batch, max_ctx, block_size, block_n):
         assert torch.equal(entry[keep], out[keep])
 
 
-FP8_VARIANTS = [dict(block_n=256, num_warps=8, v_convert="triton", mask_last_tile_only=False),
-                dict(block_n=128, num_warps=4, mask_last_tile_only=False),
-                dict(block_n=64, num_warps=4), dict(block_n=64, num_warps=2, num_stages=3),
-                dict(block_n=128, num_warps=8, dot_dtype="bf16"), dict(block_n=32, num_warps=2),
-                dict(block_n=64, num_warps=1), dict(block_n=64, num_warps=1, transposed=True),
-                dict(block_n=32, num_warps=1, transposed=True),
-                dict(block_n=128, num_warps=4, transposed=True, mask_last_tile_only=False)]
-
-
-@pytest.mark.parametrize("variant", FP8_VARIANTS)
-def test_decode_fp8_variants_match_reference(monkeypatch, variant):
-    """The configurations benchmarks/fp8_decode_sweep.py times: every one computes the same, also
-    at block sizes that split a tile over blocks, and with splits."""
+@pytest.mark.parametrize("block_n,num_warps", [(64, 1), (32, 1), (128, 4)])
+def test_decode_fp8_tiles_match_reference(monkeypatch, block_n, num_warps):
+    """FP8's tiles (FP8_BLOCK_N x FP8_NUM_WARPS: the default 64 x 1 and others): every one computes the
+    same, also at block sizes that split a tile over blocks, and with splits."""
     from nanovllm.kernels import decode_attention
-    # from the class defaults (transposed off unless the variant says so), not from FP8_DECODE
-    monkeypatch.setattr(decode_attention, "FP8_DECODE", decode_attention.Fp8Decode(**variant))
+    monkeypatch.setattr(decode_attention, "FP8_BLOCK_N", block_n)
+    monkeypatch.setattr(decode_attention, "FP8_NUM_WARPS", num_warps)
     for block_size, lens in ((256, [1, 700, 2048, 0, 1500]), (16, [3, 130, 0, 333])):
         k8, v8, tables, k_scale, v_scale, k_deq, v_deq = fp8_paged(lens, block_size, seed=5)
         ctx = torch.tensor(lens, dtype=torch.int32, device="cuda")
@@ -510,22 +501,6 @@ def test_decode_fp8_small_head_dims(head_dim):
                                         v_scale=scale)
     ref = paged_decode_attention_ref(q.float(), k8.float(), v8.float(), tables, ctx, head_dim ** -0.5)
     torch.testing.assert_close(out.float(), ref, **BF16_TOL)
-
-
-def test_decode_bf16_masking_only_the_last_tile_matches_reference(monkeypatch):
-    """MASK_LAST_TILE_ONLY for the bf16 cache (off by default): the same results."""
-    from nanovllm.kernels import decode_attention
-    monkeypatch.setattr(decode_attention, "MASK_LAST_TILE_ONLY", True)
-    for block_size, lens in ((256, [1, 700, 2048, 0, 1500]), (16, [3, 130, 0, 333])):
-        k_cache, v_cache, tables = make_paged(lens, block_size, seed=6)
-        ctx = torch.tensor(lens, dtype=torch.int32, device="cuda")
-        q = torch.randn(len(lens), H, D, device="cuda").bfloat16()
-        for num_splits in (None, 3):
-            out = decode_attention.paged_decode_attention_triton(q, k_cache, v_cache, tables, ctx, SCALE,
-                                                                 num_splits=num_splits)
-            keep = ctx > 0
-            torch.testing.assert_close(out.float()[keep], decode_ref(q, k_cache, v_cache, tables, ctx)[keep],
-                                       **BF16_TOL)
 
 
 def test_decode_fp8_with_fp32_queries_matches_reference():

@@ -645,11 +645,12 @@ def test_unknown_routes_and_methods_get_openai_errors(server, client):
     assert e.value.message.startswith("Error code: 404") and "Not Found: GET /v1/nowhere" in str(e.value)
 
 
-def test_start_up_log_names_the_engine_s_attention_backend(server, llm):
-    # the engine's own words (the server adds none of its own)
+def test_start_up_log_says_which_kernels_the_engine_runs(server, llm):
+    # the engine's own words (the server adds none of its own): on CPU the torch reference
     with open(SERVER_LOG[0]) as f:
         log = f.read()
-    assert f"attention: {llm.model_runner.attention_backend.description}\n" in log
+    line = llm.model_runner.prefill_attention.startup_line
+    assert line == "kernels: torch reference (CPU)" and f" {line}\n" in log
 
 
 def test_tokenize_detokenize_version_and_cors(server, client):

@@ -10,7 +10,7 @@ from nanovllm import LLM, SamplingParams
 
 
 def test_engine_with_interpreted_kernels():
-    run_interpreted_tests(__file__, NANOVLLM_ATTENTION_BACKEND="triton")
+    run_interpreted_tests(__file__, NANOVLLM_KERNELS="triton")
 
 
 @interp
@@ -21,7 +21,7 @@ def test_interp_greedy_tokens_are_transformers_argmax(qwen3_dir, monkeypatch, dt
     # with a residual add runs then, the q/k and SiLU-and-mul kernels apply rstd instead.
     from nanovllm.kernels import backend
     from nanovllm.models import llama
-    assert backend.ATTENTION_BACKEND == "triton"
+    assert backend.KERNELS == "triton"
     monkeypatch.setattr(llama, "FOLD_NORMS", fold)
     monkeypatch.setattr(backend, "_fast", lambda t: True)   # CPU tensors take the Triton kernels
     calls = []

@@ -18,7 +18,7 @@ from nanovllm.engine.scheduler import ScheduledBatch
 from nanovllm.engine.step_input import StepInput
 from nanovllm.kernels import paged_kv_slots
 from nanovllm.layers.attention import Attention
-from nanovllm.layers.attention_backends import select_attention_backend
+from nanovllm.layers.prefill_attention import select_prefill_attention
 from nanovllm.layers.sampler import Sampler
 from nanovllm.models import get_model_class
 from nanovllm.utils.context import Context, forward_context
@@ -84,10 +84,10 @@ class ModelRunner:
         self.dtype = pick_dtype(config, self.device)
         self.kv_cache_dtype = pick_kv_cache_dtype(config, self.dtype)
         self.use_cuda = self.device.type == "cuda"
-        # Chosen before the model loads, so a forced back end that cannot run fails at once.
-        self.attention_backend = select_attention_backend(config.attention_backend, self.device,
+        # Chosen before the model loads, so a forced prefill kernel that cannot run fails at once.
+        self.prefill_attention = select_prefill_attention(config.prefill_attention, self.device, self.dtype,
                                                           self.kv_cache_dtype)
-        logger.info("attention: %s", self.attention_backend.description)
+        self.prefill_attention.log(logger, first_rank=group is None or group.rank == 0)
         torch.manual_seed(config.seed)
         self.startup_seconds: dict[str, float] = {}   # phase -> seconds, for logs and bench.py
         self.logits_checked = False   # see check_first_logits
@@ -114,7 +114,7 @@ class ModelRunner:
             self.sampled_tokens = torch.zeros(rows, dtype=torch.int64, device=self.device)
             self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
             for layer in self.attention_layers:
-                layer.prefill_attention = self.attention_backend.prefill
+                layer.prefill_attention = self.prefill_attention.prefill
             if self.use_cuda:
                 with self._timed("warm-up (and compile)"):
                     self.warmup_model()

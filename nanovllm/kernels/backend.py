@@ -1,15 +1,18 @@
-"""The attention back end, chosen once at import, and the entry points the layers call (attention,
-q/k norm + rotary + KV store, RMSNorm, SiLU-and-mul).
+"""The kernels, chosen once at import, and the entry points the layers call (attention, q/k norm +
+rotary + KV store, RMSNorm, SiLU-and-mul; layers/fused_moe.py reads KERNELS for the MoE kernels too).
 
-ATTENTION_BACKEND names the CUDA path:
-  "triton":     the project's Triton decode, q/k norm + rotary + KV store, RMSNorm and SiLU-and-mul
-                kernels, torch's built-in FlashAttention-2 for prefill (fp16/bf16; fp32 and other
-                misfits take the reference);
-  "torch":      the plain torch reference everywhere.
+KERNELS names what runs on CUDA tensors:
+  "triton": the project's Triton decode, q/k norm + rotary + KV store, RMSNorm, SiLU-and-mul and MoE
+            kernels; prefill attention here is torch's built-in FlashAttention-2 (fp16/bf16; fp32 and
+            other misfits take the reference). Config.prefill_attention may put FlashAttention-4 in
+            its place (layers/prefill_attention.py);
+  "torch":  the plain torch reference everywhere.
 CPU tensors always take the torch reference, whatever was chosen.
-NANOVLLM_ATTENTION_BACKEND=triton|torch forces the choice.
+NANOVLLM_KERNELS=triton|torch forces the choice (NANOVLLM_ATTENTION_BACKEND, its former name, is
+still read when NANOVLLM_KERNELS is unset).
 """
 import importlib.util
+import logging
 import os
 
 import torch
@@ -17,7 +20,9 @@ import torch
 from nanovllm.kernels.reference import (add_rms_norm_ref, paged_decode_attention_ref, prefill_attention_ref,
                                         qk_norm_rope_store_ref, rms_norm_ref, silu_and_mul_ref)
 
-BACKENDS = ("triton", "torch")
+logger = logging.getLogger(__name__)
+CHOICES = ("triton", "torch")
+ENV, OLD_ENV = "NANOVLLM_KERNELS", "NANOVLLM_ATTENTION_BACKEND"
 
 
 def _has_module(name: str) -> bool:
@@ -27,22 +32,27 @@ def _has_module(name: str) -> bool:
         return False
 
 
-def _choose_backend() -> str:
-    forced = os.environ.get("NANOVLLM_ATTENTION_BACKEND")
+def choose_kernels(environ=os.environ) -> str:
+    """"triton" or "torch": $NANOVLLM_KERNELS (or the deprecated $NANOVLLM_ATTENTION_BACKEND) when set,
+    else "triton" where CUDA and triton are both there."""
+    name, forced = ENV, environ.get(ENV)
+    if not forced and environ.get(OLD_ENV):
+        name, forced = OLD_ENV, environ[OLD_ENV]
+        logger.warning("%s is deprecated: set %s=%s instead", OLD_ENV, ENV, forced)
     if forced:
-        if forced not in BACKENDS:
-            raise ValueError(f"NANOVLLM_ATTENTION_BACKEND={forced!r}: use one of {', '.join(BACKENDS)}")
+        if forced not in CHOICES:
+            raise ValueError(f"{name}={forced!r}: use one of {', '.join(CHOICES)}")
         if forced != "torch" and not _has_module("triton"):
-            raise ValueError(f"NANOVLLM_ATTENTION_BACKEND={forced!r} needs triton; use 'torch'")
+            raise ValueError(f"{name}={forced!r} needs triton; use 'torch'")
         return forced
     if not torch.cuda.is_available() or not _has_module("triton"):
         return "torch"
     return "triton"
 
 
-ATTENTION_BACKEND = _choose_backend()
+KERNELS = choose_kernels()
 
-if ATTENTION_BACKEND != "torch":
+if KERNELS != "torch":
     from nanovllm.kernels.decode_attention import paged_decode_attention_triton
     from nanovllm.kernels.flash_prefill import aten_flash_usable, prefill_attention_aten
     from nanovllm.kernels.norm_act import add_rms_norm_triton, rms_norm_triton, silu_and_mul_triton
@@ -50,7 +60,7 @@ if ATTENTION_BACKEND != "torch":
 
 
 def _fast(t: torch.Tensor) -> bool:
-    return t.is_cuda and ATTENTION_BACKEND != "torch"
+    return t.is_cuda and KERNELS != "torch"
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -18,10 +18,10 @@ are one warp of 64-token tiles: no warp of a program waits at a barrier for the 
 programs of 128 tokens, the bf16 tiles, ran 11-14% slower). And FP8's dots run transposed: the
 scores as S^T = K Q^T and the output as O^T += V^T P^T, so the group's few query heads (2 for
 Qwen3-0.6B) are the dots' N, which the tensor cores pad to 8, not their M, padded to 16: half the
-MMAs and accumulator registers (no spills in one warp); 1.054x bench.py with the FP8 cache. (The
+MMAs and accumulator registers (no spills in one warp); 1.054x bench.py with the FP8 cache. The
 bf16 tiles, whose loop already runs at about the copy rate, compile to more instructions a token
-transposed and run no faster on an H200, so TRANSPOSED stays off for them.) FP8_DECODE holds these
-choices; benchmarks/fp8_decode_sweep.py times the alternatives. The scales are read on the device,
+transposed and run no faster on an H200, so they run straight, and mask every tile. (The variants
+measured and not kept: docs/benchmarks.md, "Tried and rejected".) The scales are read on the device,
 so graphs captured before calculate_kv_scales sets them still see them.
 
 Launch order. A decode batch mixes short and long contexts, and a sequence's programs take time in
@@ -35,8 +35,6 @@ host with the step's inputs), the classic longest-first schedule. On bench.py's 
 Everything launched here depends only on tensor shapes, so a decode step can be captured in a CUDA
 graph: no host syncs, no branch on tensor values.
 """
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
@@ -77,13 +75,12 @@ def _attend_tile(q, k_cache_ptr, v_cache_ptr, table, tile, end, offs_n, offs_d, 
                  scale_log2e, m_i, l_i, acc, stride_kb, stride_kt,
                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                  BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DOT_FP32: tl.constexpr,
-                 PRECISION: tl.constexpr, FP8: tl.constexpr, FP8_DOT_DTYPE: tl.constexpr,
-                 V_CVT_ASM: tl.constexpr, TRANS: tl.constexpr):
+                 PRECISION: tl.constexpr, FP8: tl.constexpr, V_CVT_ASM: tl.constexpr):
     """The online softmax over the context tokens [tile, tile + BLOCK_N). MASKED: tokens from end on
     are not loaded and weigh 0; otherwise the whole tile lies before end (no masks to compute).
-    TRANS: everything transposed, the query heads as the dots' N (a few rows, not 16 padded ones):
+    FP8: everything transposed, the query heads as the dots' N (a few rows, not 16 padded ones):
     q is Q^T [BLOCK_D, BLOCK_G], S^T = K Q^T [BLOCK_N, BLOCK_G], acc is O^T += V^T P^T
-    [BLOCK_D, BLOCK_G]; m_i, l_i as before."""
+    [BLOCK_D, BLOCK_G]; m_i, l_i as for the other caches."""
     tokens = tile + offs_n
     valid = tokens < end
     if BLOCK_SIZE % BLOCK_N == 0:
@@ -107,12 +104,12 @@ def _attend_tile(q, k_cache_ptr, v_cache_ptr, table, tile, end, offs_n, offs_d, 
     elif FP8:
         # K's dot sums over head_dim, contiguous in the cache: Triton's own cast converts it in the
         # dot's registers, four bytes per shared-memory read.
-        k = k.to(FP8_DOT_DTYPE)
+        k = k.to(tl.float16)
         if V_CVT_ASM:
-            v = _e4m3_to_f16(v.to(tl.uint8, bitcast=True)).to(FP8_DOT_DTYPE)
-        else:
-            v = v.to(FP8_DOT_DTYPE)
-    if TRANS:
+            v = _e4m3_to_f16(v.to(tl.uint8, bitcast=True))
+        else:   # the interpreter (no inline assembly), or a tile too small for groups of 4 values a thread
+            v = v.to(tl.float16)
+    if FP8:
         s = tl.dot(k, q, input_precision=PRECISION) * scale_log2e   # [BLOCK_N, BLOCK_G]
         if MASKED:
             s = tl.where(valid[:, None], s, float("-inf"))
@@ -145,9 +142,8 @@ def _decode_split_kernel(
     num_splits,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, DOT_FP32: tl.constexpr,
-    PRECISION: tl.constexpr, FP8: tl.constexpr, FP8_DOT_DTYPE: tl.constexpr,
-    V_CVT_ASM: tl.constexpr, MASK_LAST_TILE_ONLY: tl.constexpr, INTERPRETED: tl.constexpr,
-    ORDERED: tl.constexpr, TRANS: tl.constexpr,
+    PRECISION: tl.constexpr, FP8: tl.constexpr, V_CVT_ASM: tl.constexpr, INTERPRETED: tl.constexpr,
+    ORDERED: tl.constexpr,
 ):
     # The grid's slowest axis is the sequence, so a sequence's programs start together, in the
     # order of order_ptr (ORDERED: the longest contexts first) or of the batch.
@@ -171,7 +167,7 @@ def _decode_split_kernel(
     if FP8:
         scale_log2e = scale_log2e * tl.load(k_scale_ptr)   # scores of the stored K / k_scale
         if not DOT_FP32:
-            q = q.to(FP8_DOT_DTYPE)
+            q = q.to(tl.float16)
 
     # Each split takes an equal share of this sequence's context, rounded up to whole tiles.
     context_len = tl.load(context_lens_ptr + seq)
@@ -181,7 +177,7 @@ def _decode_split_kernel(
 
     m_i = tl.full([BLOCK_G], _EMPTY_LSE, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
-    if TRANS:
+    if FP8:   # the dots transposed (_attend_tile)
         q = tl.trans(q)
         acc = tl.zeros([BLOCK_D, BLOCK_G], dtype=tl.float32)
     else:
@@ -189,9 +185,10 @@ def _decode_split_kernel(
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     kv_off = kv_head * stride_kh + offs_d[None, :]
     tile_off = offs_n[:, None] * stride_kt + kv_off   # [BLOCK_N, BLOCK_D], the same in every tile
-    # MASK_LAST_TILE_ONLY: the whole tiles first, without masks, then the partial one, if any.
+    # FP8: the whole tiles first, without masks, then the partial one, if any (the other caches mask
+    # every tile: their loop already runs at the copy rate).
     whole_end = end
-    if MASK_LAST_TILE_ONLY:
+    if FP8:
         whole_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
     if INTERPRETED:
         # Triton 3.6's interpreter cannot run range() over tensor bounds (it calls int() on a
@@ -201,22 +198,22 @@ def _decode_split_kernel(
             m_i, l_i, acc = _attend_tile(
                 q, k_cache_ptr, v_cache_ptr, table, tile, end, offs_n, offs_d, kv_off, tile_off,
                 scale_log2e, m_i, l_i, acc, stride_kb, stride_kt, HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N,
-                not MASK_LAST_TILE_ONLY, DOT_FP32, PRECISION, FP8, FP8_DOT_DTYPE, V_CVT_ASM, TRANS)
+                not FP8, DOT_FP32, PRECISION, FP8, V_CVT_ASM)
             tile += BLOCK_N
     else:
         for tile in range(start, whole_end, BLOCK_N):
             m_i, l_i, acc = _attend_tile(
                 q, k_cache_ptr, v_cache_ptr, table, tile, end, offs_n, offs_d, kv_off, tile_off,
                 scale_log2e, m_i, l_i, acc, stride_kb, stride_kt, HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N,
-                not MASK_LAST_TILE_ONLY, DOT_FP32, PRECISION, FP8, FP8_DOT_DTYPE, V_CVT_ASM, TRANS)
-    if MASK_LAST_TILE_ONLY:
+                not FP8, DOT_FP32, PRECISION, FP8, V_CVT_ASM)
+    if FP8:
         if whole_end < end:
             m_i, l_i, acc = _attend_tile(
                 q, k_cache_ptr, v_cache_ptr, table, whole_end, end, offs_n, offs_d, kv_off, tile_off,
                 scale_log2e, m_i, l_i, acc, stride_kb, stride_kt, HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N,
-                True, DOT_FP32, PRECISION, FP8, FP8_DOT_DTYPE, V_CVT_ASM, TRANS)
+                True, DOT_FP32, PRECISION, FP8, V_CVT_ASM)
 
-    if TRANS:
+    if FP8:
         acc = tl.trans(acc)
     safe_l = tl.where(l_i > 0, l_i, 1.0)
     out = acc / safe_l[:, None]
@@ -260,50 +257,16 @@ def _decode_reduce_kernel(part_out_ptr, part_lse_ptr, out_ptr, stride_ob, stride
 
 # Programs per SM that the split count aims for: more splits fill the SMs at small batches, but each
 # adds a partial result to merge. 8 ran bench.py fastest in batch order; launched longest first,
-# fewer splits balance as well, and 4 ran it fastest (benchmarks/RESULTS.md, twelfth session).
+# fewer splits balance as well, and 4 ran it fastest (benchmarks/RESULTS.md).
 PROGRAMS_PER_SM = 4
 NUM_STAGES = 2   # software-pipelining depth of the K/V loads in the split kernel
 # Context tokens per loop step and warps per program of the split kernel: the fastest pair of a sweep
 # of (32|64|128) x (2|4|8) (benchmarks/RESULTS.md).
 BLOCK_N = 128
 NUM_WARPS = 4
-# bf16 (and fp16, fp32) caches: the whole tiles without masks, then the last one masked, as FP8
-# does. Off: the bf16 loop already runs at the copy limit (fp8_decode_sweep.py times it on).
-MASK_LAST_TILE_ONLY = False
-# bf16 caches: the dots transposed as Fp8Decode.transposed (the query heads as the dots' N). Off:
-# more instructions a token (17.9 against 16.5, benchmarks/decode_sass.py) and, timed on an H200,
-# equal at large batches and slower at small ones (benchmarks/RESULTS.md, fifteenth session).
-TRANSPOSED = False
-
-
-@dataclass(frozen=True)
-class Fp8Decode:
-    """How the split kernel runs over an FP8 cache. benchmarks/fp8_decode_sweep.py times the
-    choices; FP8_DECODE below is the one in use."""
-    block_n: int = 128          # context tokens per loop step
-    num_warps: int = 4
-    num_stages: int = 2         # software-pipelining depth of the K/V loads
-    # "asm": V converted to fp16 as loaded (_e4m3_to_f16); "triton": Triton's cast, which it moves to
-    # the dot's shared-memory read (one byte per read).
-    v_convert: str = "asm"
-    mask_last_tile_only: bool = True   # masks computed for the last, partial tile only
-    dot_dtype: str = "fp16"     # "bf16" to compare: e4m3 -> bf16 takes more conversions
-    # A cap on registers per thread (None: the compiler's choice), to fit more programs on an SM:
-    # 168 lets three 4-warp programs share one (64K registers).
-    max_registers: int | None = None
-    # The dots transposed (S^T = K Q^T, O^T += V^T P^T): the query heads of a KV head (2 for
-    # Qwen3-0.6B) become the dots' N, padded to 8, not their M, padded to 16: half the MMAs.
-    transposed: bool = False
-
-    def __post_init__(self):
-        if self.v_convert not in ("asm", "triton"):
-            raise ValueError(f"v_convert must be 'asm' or 'triton', not {self.v_convert!r}")
-        if self.dot_dtype not in ("fp16", "bf16"):
-            raise ValueError(f"dot_dtype must be 'fp16' or 'bf16', not {self.dot_dtype!r}")
-
-
-# The FP8 default: the one line to change (fp8_decode_sweep.py prints it for its fastest variant).
-FP8_DECODE = Fp8Decode(block_n=64, num_warps=1, transposed=True)
+# The same over an FP8 cache: one-warp programs of 64-token tiles (the module's docstring says why).
+FP8_BLOCK_N = 64
+FP8_NUM_WARPS = 1
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, block_n: int,
@@ -338,14 +301,13 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     assert not fp8 or (k_scale is not None and v_scale is not None), "an FP8 cache needs k_scale and v_scale"
     group = num_heads // num_kv_heads
     interpreted = runs_interpreted(q.device)
-    fp8_dot_dtype = {"fp16": tl.float16, "bf16": tl.bfloat16}[FP8_DECODE.dot_dtype]
     # The interpreter's tl.dot is wrong on bf16 (fp32 there instead), right on fp16 (FP8's dots).
-    dot_fp32 = q.dtype == torch.float32 or (interpreted and not (fp8 and fp8_dot_dtype == tl.float16))
+    dot_fp32 = q.dtype == torch.float32 or (interpreted and not fp8)
     # fp32 dots (fp32 queries: tests) hold twice the bytes per tile: they take the bf16 cache's
     # tile (FP8's could overflow shared memory).
     fp8_tiles = fp8 and not dot_fp32
-    block_n = block_n or (FP8_DECODE.block_n if fp8_tiles else BLOCK_N)
-    num_warps = FP8_DECODE.num_warps if fp8_tiles else NUM_WARPS
+    block_n = block_n or (FP8_BLOCK_N if fp8_tiles else BLOCK_N)
+    num_warps = FP8_NUM_WARPS if fp8_tiles else NUM_WARPS
     max_context = block_tables.shape[1] * block_size
     if num_splits is None:
         num_splits = choose_num_splits(batch, num_kv_heads, max_context, block_n, q.device)
@@ -359,7 +321,6 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
         part_out = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
     block_d = max(16, triton.next_power_of_2(head_dim))   # tl.dot needs K >= 16; masks cover the padding
-    trans = FP8_DECODE.transposed if fp8 else TRANSPOSED
     _decode_split_kernel[(num_splits, num_kv_heads, batch)](
         q, k_cache, v_cache, block_tables, context_lens, context_lens if order is None else order,
         out, part_out, part_lse,
@@ -369,18 +330,16 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
         block_tables.stride(0),
         out.stride(0), out.stride(1),
         num_splits,
-        GROUP=group, BLOCK_G=max(8 if trans else 16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+        # FP8's transposed dots pad the group to 8 (the dots' N), the others' to 16 (their M)
+        GROUP=group, BLOCK_G=max(8 if fp8 else 16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_D=block_d, BLOCK_SIZE=block_size, BLOCK_N=block_n, DIRECT=direct,
         DOT_FP32=dot_fp32,
         PRECISION="ieee" if q.dtype == torch.float32 else None,  # ieee: fp32 tests need exact fp32
-        FP8=fp8, FP8_DOT_DTYPE=fp8_dot_dtype,
+        FP8=fp8,
         # The inline assembly needs the GPU, and whole groups of 4 values per thread.
-        V_CVT_ASM=fp8_tiles and FP8_DECODE.v_convert == "asm" and not interpreted
-        and block_n * block_d >= 4 * 32 * num_warps,
-        MASK_LAST_TILE_ONLY=FP8_DECODE.mask_last_tile_only if fp8 else MASK_LAST_TILE_ONLY,
-        INTERPRETED=interpreted, ORDERED=order is not None, TRANS=trans,
-        num_warps=num_warps, num_stages=FP8_DECODE.num_stages if fp8_tiles else NUM_STAGES,
-        maxnreg=FP8_DECODE.max_registers if fp8_tiles else None,
+        V_CVT_ASM=fp8_tiles and not interpreted and block_n * block_d >= 4 * 32 * num_warps,
+        INTERPRETED=interpreted, ORDERED=order is not None,
+        num_warps=num_warps, num_stages=NUM_STAGES,
     )
     if not direct:
         _decode_reduce_kernel[(batch, num_heads)](

@@ -2,11 +2,11 @@
 one varlen call per layer, straight over the paged cache when sequences have a cached prefix or
 earlier chunks (`page_table` + `seqused_k`, no gather), GQA native.
 
-Imported only when the back end is chosen (nanovllm.layers.attention_backends), so nothing here
+Imported only when it is chosen (nanovllm.layers.prefill_attention), so nothing here
 runs for users without the package. FA4's causal mask is bottom-right aligned when a sequence has
 more keys than queries (the last query sees every key), as ours is. Its paged path needs Hopper
 (sm90) or sm100/sm110; it reads FP8 K/V (with descales) only on sm100 and only with FP8 queries, so
-a prefill that reads an FP8 cache takes today's path (gather, dequantize, torch's FlashAttention-2).
+a prefill that reads an FP8 cache takes torch_flash's path (gather, dequantize, torch's FlashAttention-2).
 """
 import torch
 from flash_attn.cute import flash_attn_varlen_func
@@ -17,7 +17,7 @@ _HALF = (torch.float16, torch.bfloat16)
 
 
 def fa4_fits(q: torch.Tensor, k_cache: torch.Tensor, paged: bool) -> bool:
-    """What FA4 runs (it asserts on the rest, which takes today's path instead): fp16/bf16,
+    """What FA4 runs (it asserts on the rest, which takes kernels.prefill_attention instead): fp16/bf16,
     head_dim a multiple of 8 up to 256 on sm90 (up to 128, or 256, on sm100), and a cache of the
     query's dtype when it reads the pages."""
     head_dim, major = q.shape[-1], torch.cuda.get_device_capability(q.device)[0]

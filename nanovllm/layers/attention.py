@@ -18,8 +18,8 @@ class Attention(nn.Module):
     the new tokens' K/V write into the paged cache (through slot_mapping), then attention over the
     cache: prefill (possibly after a cached prefix or earlier chunks) or one-token decode.
     The kernels (Triton, torch) are chosen once, in nanovllm.kernels; on CUDA the norms, rotary and
-    store are one fused kernel. The prefill back end is the ModelRunner's choice
-    (nanovllm.layers.attention_backends), bound to prefill_attention."""
+    store are one fused kernel. The prefill kernel is the ModelRunner's choice
+    (nanovllm.layers.prefill_attention), bound to prefill_attention."""
 
     def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int):
         super().__init__()

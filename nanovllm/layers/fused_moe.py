@@ -9,31 +9,31 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from nanovllm.config import num_experts_of
-from nanovllm.kernels import ATTENTION_BACKEND
+from nanovllm.kernels import KERNELS
 from nanovllm.kernels.moe_reference import fused_moe_ref, select_experts
 from nanovllm.layers.linear import ReplicatedLinear, _divide, _shard
 from nanovllm.parallel.parallel_state import all_reduce, tp_rank, tp_size
 from nanovllm.utils.loader import default_weight_loader
 
-if ATTENTION_BACKEND != "torch":
+if KERNELS != "torch":
     from nanovllm.kernels.fused_moe import fused_moe_triton
     from nanovllm.kernels.moe_routing import select_experts_triton
 
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool):
     """(weights, ids): [num_tokens, top_k] each; one Triton kernel on CUDA."""
-    if router_logits.is_cuda and ATTENTION_BACKEND != "torch":
+    if router_logits.is_cuda and KERNELS != "torch":
         return select_experts_triton(router_logits, top_k, renormalize)
     return select_experts(router_logits, top_k, renormalize)
 
 
 def fused_experts(x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
     """The Triton kernels on CUDA, the torch reference elsewhere (see kernels/fused_moe.py)."""
-    if x.is_cuda and ATTENTION_BACKEND != "torch":
+    if x.is_cuda and KERNELS != "torch":
         return fused_moe_triton(x, w13, w2, topk_weights, topk_ids)
     if x.is_cuda and torch.cuda.is_current_stream_capturing():
         raise ValueError("the torch MoE reference reads the routing on the host, which a CUDA graph cannot "
-                         "capture: with NANOVLLM_ATTENTION_BACKEND=torch pass enforce_eager=True")
+                         "capture: with NANOVLLM_KERNELS=torch pass enforce_eager=True")
     return fused_moe_ref(x, w13, w2, topk_weights, topk_ids)
 
 

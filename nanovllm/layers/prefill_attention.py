@@ -1,0 +1,122 @@
+"""Prefill attention, chosen once when the engine starts (Config.prefill_attention), and the start-up
+line that says which kernels run:
+
+  "flash_attn_4": FlashAttention-4 (`pip install 'nanovllm[flash]'`), straight over the paged cache;
+                  Hopper (sm90) or sm100/sm110 (kernels/fa4_prefill.py);
+  "torch_flash":  torch's built-in FlashAttention-2 varlen op, after a gather of the pages when there
+                  is a cached prefix (kernels.prefill_attention; the torch reference on CPU, for
+                  float32 models and with NANOVLLM_KERNELS=torch);
+  "auto":         "flash_attn_4" where it can run, else "torch_flash".
+Decode runs the project's Triton paged kernel with either. With an FP8 KV cache, FA4 runs the
+prefills that have no cached prefix (their new K/V are in the model's dtype); those that read FP8
+pages take "torch_flash"'s path, since FA4 reads FP8 only on sm100.
+Another prefill kernel is a name in config.PREFILL_ATTENTION and a branch of select_prefill_attention.
+"""
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from nanovllm.config import PREFILL_ATTENTION
+from nanovllm.kernels import KERNELS, prefill_attention
+
+FA4_ARCHS = (9, 10, 11)   # compute capability majors where FA4's paged prefill runs
+FA4_INSTALL = "pip install 'nanovllm[flash]'"
+_HALF = (torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class PrefillAttention:
+    name: str            # "flash_attn_4" or "torch_flash"
+    prefill: Callable    # kernels.prefill_attention's interface
+    description: str     # what runs for prefill
+    startup_line: str    # which kernels run (describe_kernels): logged by every rank at start-up
+    hint: str | None = None   # a faster choice this machine could have: logged by the first rank
+
+    def log(self, logger: logging.Logger, first_rank: bool):
+        logger.info("%s", self.startup_line)
+        if self.hint and first_rank:
+            logger.warning("%s", self.hint)
+
+
+def import_fa4_prefill() -> Callable:
+    """FA4's prefill function; raises what importing the package raises (ImportError when it is
+    not installed; a broken install may raise other errors)."""
+    from nanovllm.kernels.fa4_prefill import prefill_attention_fa4
+    return prefill_attention_fa4
+
+
+def fa4_unavailable_reason(device: torch.device) -> str | None:
+    """Why FA4 cannot run on this device (None: it can, if the package imports)."""
+    if device.type != "cuda":
+        return f"needs a CUDA device, and this engine runs on {device.type}"
+    if KERNELS == "torch":
+        return "is off with the torch reference kernels (NANOVLLM_KERNELS=torch, or no triton)"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major not in FA4_ARCHS:
+        return f"needs an NVIDIA GPU of compute capability 9.x (Hopper) or newer; this one is {major}.{minor}"
+    return None
+
+
+def select_prefill_attention(name: str, device: torch.device, dtype: torch.dtype,
+                             kv_cache_dtype: torch.dtype) -> PrefillAttention:
+    """The prefill attention `name` asks for on this device, for a model of `dtype` and a KV cache of
+    `kv_cache_dtype`, or a ValueError that says why it cannot run."""
+    if name not in PREFILL_ATTENTION:
+        raise ValueError(f"prefill_attention must be one of {PREFILL_ATTENTION}, got {name!r}")
+    if name == "torch_flash":
+        return _torch_flash(device, dtype, None)
+    reason, error = fa4_unavailable_reason(device), None
+    if reason is None:
+        try:
+            prefill = import_fa4_prefill()
+        except Exception as e:   # a missing package, or a broken install: both fall back under "auto"
+            error = e
+            reason = ("is not installed" if isinstance(e, ModuleNotFoundError)
+                      else f"failed to import ({type(e).__name__}: {e})") + f": {FA4_INSTALL}"
+        else:
+            return _fa4(device, prefill, dtype, kv_cache_dtype)
+    if name == "flash_attn_4":
+        raise ValueError(f"prefill_attention='flash_attn_4' {reason}; use 'auto' or 'torch_flash'") \
+            from error
+    hint = None
+    if error is not None:   # "auto" on a GPU where FA4 runs, without the package
+        hint = ("FlashAttention-4 runs prefill attention about 2x faster than torch's FlashAttention-2 on "
+                f"this GPU (632 against 323 TFLOP/s on an H200); to use it: {FA4_INSTALL}")
+    return _torch_flash(device, dtype, reason, hint)
+
+
+def _fa4(device: torch.device, prefill: Callable, dtype: torch.dtype,
+         kv_cache_dtype: torch.dtype) -> PrefillAttention:
+    if dtype not in _HALF:
+        text = f"the torch reference ({str(dtype).removeprefix('torch.')}: FlashAttention-4 runs fp16/bf16)"
+    else:
+        text = "FlashAttention-4 over the paged cache"
+        if kv_cache_dtype.itemsize == 1:
+            text += (" (FP8 KV cache: prefills that read cached pages take torch's FlashAttention-2 after a "
+                     "dequantizing gather, as FA4 reads FP8 only on sm100)")
+    return PrefillAttention("flash_attn_4", prefill, text, describe_kernels(device, text))
+
+
+def _torch_flash(device: torch.device, dtype: torch.dtype, fa4_reason: str | None,
+                 hint: str | None = None) -> PrefillAttention:
+    if device.type != "cuda" or KERNELS == "torch":
+        text = "the torch reference"
+    elif dtype not in _HALF:
+        text = f"the torch reference ({str(dtype).removeprefix('torch.')}: FlashAttention-2 runs fp16/bf16)"
+    else:
+        text = "torch FlashAttention-2"
+    if fa4_reason is not None:
+        text += f" (flash_attn_4 {fa4_reason})"
+    return PrefillAttention("torch_flash", prefill_attention, text, describe_kernels(device, text), hint)
+
+
+def describe_kernels(device: torch.device, prefill: str) -> str:
+    """The start-up line: which kernels run, and for attention which prefill and decode kernels."""
+    if device.type != "cuda":
+        return "kernels: torch reference (CPU)"
+    if KERNELS == "torch":
+        return "kernels: torch reference (NANOVLLM_KERNELS=torch, or no triton)"
+    return (f"kernels: triton; prefill attention: {prefill}; "
+            "decode attention: Triton paged kernel")
