@@ -1,7 +1,6 @@
 """The Executor runs each step on every tensor-parallel rank: it sends the step to the workers
 (ranks 1..N-1), then has rank 0's ModelRunner, in this process, run it and sample. The runner so
 knows nothing of the workers, and the engine nothing of the ranks."""
-import os
 from collections.abc import Callable
 
 from nanovllm.config import Config
@@ -9,6 +8,7 @@ from nanovllm.engine.model_runner import BrokenLogitsError, ModelRunner
 from nanovllm.engine.sampled_tokens import PendingSample, SampledTokens
 from nanovllm.engine.scheduler import ScheduledBatch
 from nanovllm.engine.tp_worker import TPWorkers
+from nanovllm.utils.processes import Lifetime
 
 
 class Executor:
@@ -17,7 +17,10 @@ class Executor:
         processes that build their shards alongside it. A start-up failure on any rank raises the
         first one's error (a worker's as WorkerError, with its traceback) and leaves nothing
         running."""
-        self.workers = TPWorkers(config) if config.tensor_parallel_size > 1 else None
+        # Shut down or not, and the fork guard: one for the runner and the workers (they mark it
+        # when they shut down, also at exit).
+        self.lifetime = Lifetime()
+        self.workers = TPWorkers(config, self.lifetime) if config.tensor_parallel_size > 1 else None
         try:
             self.runner = ModelRunner(config, self.workers.group if self.workers else None)
         except BaseException as e:
@@ -32,8 +35,10 @@ class Executor:
         # it stays True (Ctrl-C or an error in between), some ranks may have run collectives that
         # others never will: the ranks are out of step, and no further step can run.
         self.in_step = False
-        self.closed = False
-        self.pid = os.getpid()   # a child forked from this process must not shut it down (shutdown)
+
+    @property
+    def closed(self) -> bool:
+        return self.lifetime.closed
 
     @property
     def broken(self) -> str | None:
@@ -92,12 +97,12 @@ class Executor:
         Ctrl-C is finished by the next one (or, for the workers, at exit). Does nothing in a child
         forked from the engine's process (its exit runs the engine's destructor too): the workers
         and the device are the parent's."""
-        if os.getpid() != self.pid:
+        if self.lifetime.forked:
             return
-        self.closed = True
         try:
-            if self.workers is not None:
+            if self.workers is not None:   # marks the lifetime closed (once closed, it asks no more)
                 self.workers.shutdown(graceful=not self.in_step)
         finally:
+            self.lifetime.closed = True
             self.runner.release()
 
