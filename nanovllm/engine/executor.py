@@ -41,17 +41,6 @@ class Executor:
         return self.lifetime.closed
 
     @property
-    def broken(self) -> str | None:
-        """Why no further step can run (shut down, a worker failed, the ranks out of step), or None."""
-        if self.closed:
-            return "the engine was shut down"
-        if self.workers is None:
-            return None
-        if self.workers.error is not None:
-            return str(self.workers.error).splitlines()[0]
-        return self.out_of_step
-
-    @property
     def out_of_step(self) -> str | None:
         """Why the ranks may be out of step (a step was cut short after the workers got it), or None;
         also None once shut down or a worker failed: then launch raises that instead."""
@@ -59,14 +48,21 @@ class Executor:
             return "a step was interrupted while the tensor-parallel ranks ran it, so they are out of step"
         return None
 
+    def check_can_run(self):
+        """Raise why no further step can run: shut down, a worker failed (its WorkerError), or the
+        ranks out of step. This state is the executor's alone; the engine asks it."""
+        if self.closed:
+            raise RuntimeError("the engine was shut down: shut this engine down and create a new one")
+        if self.workers is not None and self.workers.error is not None:
+            raise self.workers.fresh_error()
+        if self.out_of_step:
+            raise RuntimeError(f"{self.out_of_step}: shut this engine down and create a new one")
+
     def launch(self, batch: ScheduledBatch,
                before_sampling: Callable[[], None] | None = None) -> PendingSample:
         """Run the batch's step on every rank; return rank 0's PendingSample (see ModelRunner.launch,
         also for before_sampling, which runs on rank 0 only)."""
-        if self.broken:
-            if not self.closed and self.workers.error is not None:
-                raise self.workers.fresh_error()
-            raise RuntimeError(f"{self.broken}: shut this engine down and create a new one")
+        self.check_can_run()
         if self.workers is None:
             return self.runner.launch(batch, before_sampling=before_sampling)
         step = self.runner.step_input(batch)
