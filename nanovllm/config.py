@@ -218,6 +218,12 @@ def _vllm_no_ops(cfg: "Config"):
         raise ValueError(f"download_dir must be a folder path or None, got {cfg.download_dir!r}")
 
 
+def uses_cuda(config: Config) -> bool:
+    """Do the engine's ranks run on CUDA? device="auto" means CUDA when torch sees a GPU. The one
+    rule for rank 0's runner, its handle on the workers and the workers themselves."""
+    return config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
+
+
 def num_experts_of(config: PretrainedConfig) -> int:
     """The experts per MoE layer; 0 for a dense model."""
     # transformers 5 stores Qwen3-MoE's num_experts as num_local_experts (an attribute alias)

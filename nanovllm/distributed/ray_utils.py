@@ -1,6 +1,8 @@
 """Importing and starting Ray, with errors that say what to install."""
 import os
 
+from nanovllm.utils.processes import child_pythonpath
+
 RAY_EXTRA_HINT = "pip install 'nanovllm[ray]' (or: pip install 'ray[data]')"
 
 
@@ -21,11 +23,7 @@ def init_ray(**ray_init_kwargs) -> bool:
         return False
     if not os.environ.get("RAY_ADDRESS"):
         # A local cluster's workers import the same nanovllm as this process (not another install).
-        ray_init_kwargs.setdefault("runtime_env", {"env_vars": {"PYTHONPATH": _pythonpath()}})
+        ray_init_kwargs.setdefault("runtime_env", {"env_vars": {"PYTHONPATH": child_pythonpath()}})
     ray.init(**ray_init_kwargs)
     return True
 
-
-def _pythonpath() -> str:
-    package_parent = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    return os.pathsep.join(p for p in (package_parent, os.environ.get("PYTHONPATH")) if p)

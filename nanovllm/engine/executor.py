@@ -1,7 +1,6 @@
 """The Executor runs each step on every tensor-parallel rank: it sends the step to the workers
 (ranks 1..N-1), then has rank 0's ModelRunner, in this process, run it and sample. The runner so
 knows nothing of the workers, and the engine nothing of the ranks."""
-import os
 from collections.abc import Callable
 
 from nanovllm.config import Config
@@ -9,6 +8,7 @@ from nanovllm.engine.model_runner import BrokenLogitsError, ModelRunner
 from nanovllm.engine.sampled_tokens import PendingSample, SampledTokens
 from nanovllm.engine.scheduler import ScheduledBatch
 from nanovllm.engine.tp_worker import TPWorkers
+from nanovllm.utils.processes import Lifetime
 
 
 class Executor:
@@ -17,7 +17,10 @@ class Executor:
         processes that build their shards alongside it. A start-up failure on any rank raises the
         first one's error (a worker's as WorkerError, with its traceback) and leaves nothing
         running."""
-        self.workers = TPWorkers(config) if config.tensor_parallel_size > 1 else None
+        # Shut down or not, and the fork guard: one for the runner and the workers (they mark it
+        # when they shut down, also at exit).
+        self.lifetime = Lifetime()
+        self.workers = TPWorkers(config, self.lifetime) if config.tensor_parallel_size > 1 else None
         try:
             self.runner = ModelRunner(config, self.workers.group if self.workers else None)
         except BaseException as e:
@@ -32,19 +35,10 @@ class Executor:
         # it stays True (Ctrl-C or an error in between), some ranks may have run collectives that
         # others never will: the ranks are out of step, and no further step can run.
         self.in_step = False
-        self.closed = False
-        self.pid = os.getpid()   # a child forked from this process must not shut it down (shutdown)
 
     @property
-    def broken(self) -> str | None:
-        """Why no further step can run (shut down, a worker failed, the ranks out of step), or None."""
-        if self.closed:
-            return "the engine was shut down"
-        if self.workers is None:
-            return None
-        if self.workers.error is not None:
-            return str(self.workers.error).splitlines()[0]
-        return self.out_of_step
+    def closed(self) -> bool:
+        return self.lifetime.closed
 
     @property
     def out_of_step(self) -> str | None:
@@ -54,14 +48,21 @@ class Executor:
             return "a step was interrupted while the tensor-parallel ranks ran it, so they are out of step"
         return None
 
+    def check_can_run(self):
+        """Raise why no further step can run: shut down, a worker failed (its WorkerError), or the
+        ranks out of step. This state is the executor's alone; the engine asks it."""
+        if self.closed:
+            raise RuntimeError("the engine was shut down: shut this engine down and create a new one")
+        if self.workers is not None and self.workers.error is not None:
+            raise self.workers.fresh_error()
+        if self.out_of_step:
+            raise RuntimeError(f"{self.out_of_step}: shut this engine down and create a new one")
+
     def launch(self, batch: ScheduledBatch,
                before_sampling: Callable[[], None] | None = None) -> PendingSample:
         """Run the batch's step on every rank; return rank 0's PendingSample (see ModelRunner.launch,
         also for before_sampling, which runs on rank 0 only)."""
-        if self.broken:
-            if not self.closed and self.workers.error is not None:
-                raise self.workers.fresh_error()
-            raise RuntimeError(f"{self.broken}: shut this engine down and create a new one")
+        self.check_can_run()
         if self.workers is None:
             return self.runner.launch(batch, before_sampling=before_sampling)
         step = self.runner.step_input(batch)
@@ -92,12 +93,12 @@ class Executor:
         Ctrl-C is finished by the next one (or, for the workers, at exit). Does nothing in a child
         forked from the engine's process (its exit runs the engine's destructor too): the workers
         and the device are the parent's."""
-        if os.getpid() != self.pid:
+        if self.lifetime.forked:
             return
-        self.closed = True
         try:
-            if self.workers is not None:
+            if self.workers is not None:   # marks the lifetime closed (once closed, it asks no more)
                 self.workers.shutdown(graceful=not self.in_step)
         finally:
+            self.lifetime.closed = True
             self.runner.release()
 

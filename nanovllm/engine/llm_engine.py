@@ -134,8 +134,8 @@ class LLMEngine:
         caller's step in between, and gives exactly the tokens it would alone. Re-entrant (chat and
         beam_search call generate).
 
-        Whether the engine can still run is the executor's to say (Executor.broken: shut down, a
-        worker failed, or the ranks out of step); the engine keeps no such state of its own. Ranks
+        Whether the engine can still run is the executor's to say (Executor.check_can_run: shut
+        down, a worker failed, or the ranks out of step); the engine keeps no such state of its own. Ranks
         out of step refuse every call here; a shut-down engine and a failed worker make the next
         launch raise their own errors. A reset that a second interrupt cut short is finished first:
         that engine runs on."""

@@ -9,7 +9,7 @@ from contextlib import contextmanager
 
 import torch
 
-from nanovllm.config import Config
+from nanovllm.config import Config, uses_cuda
 from nanovllm.engine.block_manager import cdiv
 from nanovllm.engine.decode_graphs import DecodeGraphs, DecodeInputs
 from nanovllm.engine.sampled_tokens import PendingSample, prompt_logprobs
@@ -32,7 +32,7 @@ CPU_KV_CACHE_BYTES = 1 << 30   # default KV budget on CPU (override: kv_cache_me
 
 
 def pick_device(config: Config) -> torch.device:
-    if config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available()):
+    if uses_cuda(config):
         if not torch.cuda.is_available():
             raise ValueError("device='cuda' was asked for but no CUDA device is available; use device='cpu'")
         return torch.device("cuda", torch.cuda.current_device())

@@ -32,11 +32,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from nanovllm.config import Config
+from nanovllm.config import Config, uses_cuda
 from nanovllm.parallel import command_pipe
 from nanovllm.parallel.parallel_state import (STARTUP_TIMEOUT, TPGroup, abort_tp_group, destroy_tp_group,
                                         init_tp_group, master_store, reset_captured_graphs)
 from nanovllm.parallel.heartbeat import Heartbeats
+from nanovllm.utils.processes import Lifetime, child_pythonpath, is_stopped
 
 # A worker whose heartbeat has not moved for this long is reported as not answering. Its
 # heartbeat comes from a thread of its own, so a long step does not delay it: only a stopped
@@ -55,10 +56,6 @@ TRACEBACK_BYTES = 32_000   # a worker's report fits in a pipe's buffer, so writi
 class WorkerError(RuntimeError):
     """A tensor-parallel worker failed, died or stopped answering; the engine cannot run any more
     steps."""
-
-
-def use_cuda(config: Config) -> bool:
-    return config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
 
 
 @dataclass
@@ -89,22 +86,22 @@ class _Worker:
 class TPWorkers:
     """Rank 0's handle on ranks 1..N-1."""
 
-    def __init__(self, config: Config):
+    def __init__(self, config: Config, lifetime: Lifetime):
+        """lifetime: the executor's, which this marks closed when it shuts the workers down."""
         size = config.tensor_parallel_size
-        self.device = torch.device("cuda", 0) if use_cuda(config) else torch.device("cpu")
+        self.lifetime = lifetime
+        self.device = torch.device("cuda", 0) if uses_cuda(config) else torch.device("cpu")
         if self.device.type == "cuda":
             if torch.cuda.device_count() < size:
                 raise ValueError(f"tensor_parallel_size={size} needs {size} GPUs, "
                                  f"{torch.cuda.device_count()} are visible")
             torch.cuda.set_device(0)   # rank r uses GPU r
         self.timeout_s = WORKER_TIMEOUT_S
-        self.pid = os.getpid()   # see shutdown
         self.store = master_store(size)
         self.beats = Heartbeats(size)
         self.workers: list[_Worker] = []
         self.group: TPGroup | None = None
         self.error: WorkerError | None = None   # once set, every check raises it again
-        self.closed = False
         self._watched_at = time.monotonic()
         self._fail_lock = threading.Lock()
         self.busy = 0   # > 0 while rank 0's thread runs or waits on a step (see stepping)
@@ -131,9 +128,12 @@ class TPWorkers:
         commands_r, commands_w = command_pipe.new_pipe()
         reports_r, reports_w = os.pipe()
         fds = (commands_r, reports_w, self.beats.fd)
+        # The worker imports the same nanovllm as rank 0, and runs one OpenMP thread: the ranks
+        # share the host's cores.
+        env = {**os.environ, "PYTHONPATH": child_pythonpath(), "OMP_NUM_THREADS": "1"}
         try:
             proc = subprocess.Popen([sys.executable, "-c", _WORKER_MAIN, *map(str, fds), str(rank)],
-                                    pass_fds=fds, env=_worker_env())
+                                    pass_fds=fds, env=env)
         except BaseException:
             for fd in (commands_r, commands_w, reports_r, reports_w):
                 os.close(fd)
@@ -190,7 +190,7 @@ class TPWorkers:
         Raises WorkerError (having aborted the group) when it finds a fault."""
         for w in self.workers:
             code = w.proc.poll()
-            if code is not None and not self.closed:
+            if code is not None and not self.lifetime.closed:
                 self._fail(self._exit_error(w, code), reset_graphs=False)
         if not self.busy:   # between steps: rank 0's thread is free to look for itself
             seen.clear()
@@ -225,12 +225,12 @@ class TPWorkers:
         self._watched_at = now
         for w in self.workers:
             code = w.proc.poll()
-            if code == 0 and self.closed:
+            if code == 0 and self.lifetime.closed:
                 continue   # told to exit, and did
             if code is not None:
                 self._fail(self._exit_error(w, code))
             beat = self.beats.count(w.rank)
-            if beat == 0 and _stopped(w.proc.pid):   # before its heartbeat began: still importing
+            if beat == 0 and is_stopped(w.proc.pid):   # before its heartbeat began: still importing
                 self._fail(WorkerError(f"tensor-parallel worker rank {w.rank} (pid {w.proc.pid}) was "
                                        "stopped (SIGSTOP, a debugger) while it was starting"))
             if beat != w.beat or not watching:
@@ -269,7 +269,7 @@ class TPWorkers:
     def raise_if_died(self, error: BaseException, grace_s: float = 2.0):
         """After rank 0 failed (a gloo collective broke): if a worker died or is dying, raise
         WorkerError naming it, chained to rank 0's error."""
-        if self.closed and self.error is None:
+        if self.lifetime.closed and self.error is None:
             return
         deadline = time.monotonic() + grace_s
         try:
@@ -296,8 +296,6 @@ class TPWorkers:
     # ---- commands -------------------------------------------------------------------------
 
     def run_step(self, step):
-        if self.closed:
-            raise RuntimeError("the engine was shut down")
         self.check()
         data = command_pipe.encode(("step", step))
         for w in self.workers:
@@ -309,10 +307,10 @@ class TPWorkers:
         Ctrl-C is finished by the next call, or at exit: the atexit hook stays until the end.
         In a child forked from rank 0's process (which inherits the hook and the pipes) it does
         nothing: the workers are the parent's."""
-        if os.getpid() != self.pid:
+        if self.lifetime.forked:
             return
-        ask = graceful and not self.closed and self.error is None
-        self.closed = True
+        ask = graceful and not self.lifetime.closed and self.error is None
+        self.lifetime.closed = True
         try:
             if ask:
                 self._ask_workers_to_exit()
@@ -381,34 +379,17 @@ def _watch(ref: "weakref.ref[TPWorkers]", signals: int):
             except BlockingIOError:
                 interrupted = False
             workers = ref()
-            if workers is None or workers.closed or workers.error is not None:
+            if workers is None or workers.lifetime.closed or workers.error is not None:
                 return
             try:
                 workers._watch_once(seen, interrupted)
             except WorkerError:
                 return   # recorded, and the group aborted: rank 0's next check raises it
             except ValueError:
-                if workers.closed:
+                if workers.lifetime.closed:
                     return   # shut down while looking (the heartbeat map was closed)
                 raise
             del workers
     finally:
         os.close(signals)
 
-
-def _worker_env() -> dict[str, str]:
-    """The parent's environment, with the folder holding this nanovllm first on the path (the
-    worker must import the same code as rank 0), and one OpenMP thread per worker process: the
-    ranks share the host's cores."""
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # nanovllm's parent
-    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
-    return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
-
-
-def _stopped(pid: int) -> bool:
-    """Is the process stopped (SIGSTOP, Ctrl-Z alone, a debugger)? Linux's /proc; elsewhere False."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
-    except (OSError, IndexError):
-        return False

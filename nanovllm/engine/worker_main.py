@@ -13,9 +13,9 @@ import traceback
 
 import torch
 
-from nanovllm.config import Config
+from nanovllm.config import Config, uses_cuda
 from nanovllm.engine.model_runner import ModelRunner
-from nanovllm.engine.tp_worker import HEARTBEAT_S, TRACEBACK_BYTES, use_cuda
+from nanovllm.engine.tp_worker import HEARTBEAT_S, TRACEBACK_BYTES
 from nanovllm.parallel import command_pipe
 from nanovllm.parallel.parallel_state import (abort_tp_group, close_peer_all_reduce, init_tp_group,
                                         reset_captured_graphs, worker_store)
@@ -66,7 +66,7 @@ def _heartbeat(beats: Heartbeats, rank: int, parent: int):
 
 def _serve(config: Config, rank: int, port: int, commands: int, check_parent):
     torch.set_num_threads(1)   # ranks share the host's cores; one thread each avoids oversubscription
-    cuda = use_cuda(config)
+    cuda = uses_cuda(config)
     if cuda:
         torch.cuda.set_device(rank)
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
