@@ -23,7 +23,7 @@ from nanovllm.layers.sampler import Sampler
 from nanovllm.models import get_model_class
 from nanovllm.utils.context import Context, forward_context
 from nanovllm.parallel.parallel_state import (TPGroup, broadcast, connect_peer_all_reduce, host_barrier,
-                                        min_across_ranks, tp_group, wait_for_device)
+                                              min_across_ranks, tp_group, wait_for_device)
 from nanovllm.utils.loader import load_dummy_weights, load_model
 
 logger = logging.getLogger(__name__)

@@ -35,7 +35,7 @@ import torch
 from nanovllm.config import Config, uses_cuda
 from nanovllm.parallel import command_pipe
 from nanovllm.parallel.parallel_state import (STARTUP_TIMEOUT, TPGroup, abort_tp_group, destroy_tp_group,
-                                        init_tp_group, master_store, reset_captured_graphs)
+                                              init_tp_group, master_store, reset_captured_graphs)
 from nanovllm.parallel.heartbeat import Heartbeats
 from nanovllm.utils.processes import Lifetime, child_pythonpath, is_stopped
 

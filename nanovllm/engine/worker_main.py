@@ -18,7 +18,7 @@ from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.tp_worker import HEARTBEAT_S, TRACEBACK_BYTES
 from nanovllm.parallel import command_pipe
 from nanovllm.parallel.parallel_state import (abort_tp_group, close_peer_all_reduce, init_tp_group,
-                                        reset_captured_graphs, worker_store)
+                                              reset_captured_graphs, worker_store)
 from nanovllm.parallel.heartbeat import Heartbeats
 
 
