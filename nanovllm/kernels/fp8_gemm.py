@@ -108,6 +108,7 @@ def fp8_gemm(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, w_scale: torch
     [ceil(N/bn), ceil(K/bk)] or [N, 1] -> [M, N] in out_dtype, by the Triton kernel."""
     m, k = xq.shape
     n = w.shape[0]
+    assert xq.is_contiguous() and w.is_contiguous() and xs.is_contiguous()
     out = torch.empty(m, n, dtype=out_dtype, device=xq.device)
     if m == 0:
         return out

@@ -54,18 +54,47 @@ def quantize_activations(x: torch.Tensor, group: int) -> tuple[torch.Tensor, tor
     xg = F.pad(x.float(), (0, -k % group)).view(m, -1, group)
     scale = (xg.abs().amax(dim=2) / FP8_MAX).clamp(min=MIN_SCALE)
     q = (xg / scale[:, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-    return q.view(m, -1)[:, :k], scale
+    return q.view(m, -1)[:, :k].contiguous(), scale
+
+
+def dequantize_activations(q: torch.Tensor, scale: torch.Tensor, group: int) -> torch.Tensor:
+    """quantize_activations' output back to float32 [M, K]."""
+    m, k = q.shape
+    return (F.pad(q.float(), (0, -k % group)).view(m, -1, group) * scale[:, :, None]).view(m, -1)[:, :k]
+
+
+def round_trip_activations(x: torch.Tensor, group: int) -> torch.Tensor:
+    """x as the FP8 kernels see it: quantized per token group, back in float32."""
+    return dequantize_activations(*quantize_activations(x, group), group)
 
 
 def fp8_linear_ref(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
                    bias: torch.Tensor | None = None) -> torch.Tensor:
     """The GPU kernels' arithmetic: x quantized per token group (block) or per token (per channel), the
     products of the FP8 values summed in fp32 and scaled, the output rounded once to x's dtype."""
-    group = block[1] if block is not None else x.shape[1]
-    m, k = x.shape
-    xq, xs = quantize_activations(x, group)
-    x_deq = (F.pad(xq.float(), (0, -k % group)).view(m, -1, group) * xs[:, :, None]).view(m, -1)[:, :k]
+    x_deq = round_trip_activations(x, block[1] if block is not None else x.shape[1])
     y = x_deq @ dequantize_weight(w, scale, block, torch.float32).t()
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype)
+
+
+def fused_moe_fp8_ref(x, w13, w13_scale, w2, w2_scale, block, topk_weights, topk_ids) -> torch.Tensor:
+    """kernels/fused_moe.py's FP8 arithmetic (shapes as in moe_reference.fused_moe_ref): x and then h
+    quantized per token group (per token for per-channel weights), fp32 products of the dequantized
+    values, and the kernel's roundings to x's dtype (gate, up, silu, h, the down output)."""
+    dtype, hidden, inter = x.dtype, x.shape[1], w2.shape[2]
+    xd = round_trip_activations(x, hidden if block is None else block[1])
+    w13d = dequantize_weight(w13, w13_scale, block, torch.float32)
+    w2d = dequantize_weight(w2, w2_scale, block, torch.float32)
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    r = lambda t: t.to(dtype).float()   # noqa: E731 (one rounding to the model's dtype)
+    for expert in torch.unique(topk_ids).tolist():
+        token, slot = torch.where(topk_ids == expert)
+        gate, up = (xd[token] @ w13d[expert].t()).chunk(2, dim=-1)
+        gate = r(gate)
+        h = r(r(gate / (1 + torch.exp(-gate))) * r(up))
+        hd = round_trip_activations(h, inter if block is None else block[1])
+        y = r(r(hd @ w2d[expert].t()) * topk_weights[token, slot, None].to(dtype).float())
+        out.index_add_(0, token, y)
+    return out.to(dtype)
