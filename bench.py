@@ -213,6 +213,9 @@ def main():
                    help="TP: every all-reduce through NCCL (default: decode-sized ones over peer memory)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
                    help="fp8: an e4m3 KV cache with per-layer scales (1.0 unless --calculate-kv-scales)")
+    p.add_argument("--quantization", default=None, choices=["fp8"],
+                   help="fp8: FP8 weights (a bf16 or dummy checkpoint is quantized at load, per channel; an "
+                        "FP8 checkpoint runs in its own format); the limit still counts bf16 weights")
     p.add_argument("--calculate-kv-scales", action="store_true",
                    help="fp8 scales from the first prefill's amax")
     p.add_argument("--data-parallel-size", type=int, default=1,
@@ -247,7 +250,7 @@ def main():
               calculate_kv_scales=args.calculate_kv_scales, data_parallel_size=args.data_parallel_size,
               tokenizer=args.tokenizer, enable_prefix_caching=not args.structured_json,
               attention_backend=args.attention_backend,
-              disable_custom_all_reduce=args.disable_custom_all_reduce)
+              disable_custom_all_reduce=args.disable_custom_all_reduce, quantization=args.quantization)
     startup = time.perf_counter() - t
 
     if args.workload == "long":
@@ -272,6 +275,7 @@ def main():
                   tp=args.tensor_parallel_size, custom_all_reduce=not args.disable_custom_all_reduce,
                   dp=args.data_parallel_size,
                   kv_cache_dtype=args.kv_cache_dtype, calculate_kv_scales=args.calculate_kv_scales,
+                  quantization=args.quantization,
                   kv_cache_tokens=runner.num_kvcache_blocks * runner.block_size if runner else None,
                   startup_s=round(startup, 2),
                   output_tokens=tokens, seconds=round(seconds, 3), tokens_per_s=round(tokens / seconds, 1),
