@@ -201,3 +201,17 @@ def test_activation_groups_round_like_the_weights():
     assert torch.allclose(s[:, 0], x[:, :128].abs().amax(1) / 448)
     back = (q.float().view(5, -1) * s.repeat_interleave(128, 1)[:, :300])
     assert torch.allclose(back, x, rtol=2 ** -4, atol=s.max().item() * 2 ** -9)
+
+
+def test_roofline_counts_fp8_weights_at_one_byte():
+    """A one-token decode is bound by the weight bytes: FP8 reads the body at 1 byte, the LM head at 2."""
+    from nanovllm.utils.roofline import H200, ModelShapes, workload_limit
+    config = dict(hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+                  head_dim=128, intermediate_size=12288, vocab_size=151936)
+    shapes = ModelShapes.from_config(config)
+    bf16, fp8 = (workload_limit(config, [1], [2000], weight_bytes=b) for b in (2, 1))
+    body, head = shapes.body_params, shapes.lm_head_params
+    assert fp8 / bf16 == pytest.approx((2 * body + 2 * head) / (body + 2 * head), rel=2e-2)
+    assert bf16 == pytest.approx(H200.copy_bytes_per_s / (2 * (body + head)), rel=2e-2)
+    with pytest.raises(ValueError, match="weight_bytes"):
+        workload_limit(config, [1], [1], weight_bytes=4)
