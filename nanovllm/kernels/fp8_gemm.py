@@ -95,10 +95,14 @@ def _gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K, num_groups, bs_st
 
 
 def _tiles(m: int) -> dict:
-    """Tiles as a function of the token count only (a captured graph and its replays agree). Decode's
-    few rows read each weight tile once (bound by the weight bytes); prefill's are compute tiles."""
-    if m <= 64:
-        return dict(BLOCK_M=16 if m <= 16 else 32 if m <= 32 else 64, BLOCK_N=64, num_warps=4, num_stages=4)
+    """Tiles as a function of the token count only (a captured graph and its replays agree). Decode
+    (up to 256 rows) reads each weight tile once and is bound by the weight bytes: narrow tiles, so
+    that even o_proj (N 4096) spreads over more than one program per SM; prefill's are compute tiles.
+    Untimed first choices for the H200."""
+    if m <= 32:
+        return dict(BLOCK_M=16 if m <= 16 else 32, BLOCK_N=32, num_warps=4, num_stages=4)
+    if m <= 256:
+        return dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=4)
     return dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3)
 
 
