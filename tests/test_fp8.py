@@ -215,3 +215,17 @@ def test_roofline_counts_fp8_weights_at_one_byte():
     assert bf16 == pytest.approx(H200.copy_bytes_per_s / (2 * (body + head)), rel=2e-2)
     with pytest.raises(ValueError, match="weight_bytes"):
         workload_limit(config, [1], [1], weight_bytes=4)
+
+
+def test_block_fp8_configs_with_dummy_weights(tmp_path, bf16_dirs):
+    """bench.py's configs/*-fp8 (Qwen3-*-FP8's quantization_config) parse as the block format, and a
+    block-format config with dummy weights runs with block scales (quantized at load)."""
+    for name in ("qwen3-8b-fp8", "qwen3-30b-a3b-fp8"):
+        scheme = Config(f"configs/{name}").fp8
+        assert scheme.block == (128, 128) and scheme.scale_name == "weight_scale_inv" and not scheme.online
+    path = _with_quantization_config(bf16_dirs["qwen3_moe"], str(tmp_path / "m"), BLOCK_CONFIG)
+    llm = LLM(path, load_format="dummy", **OPTIONS)
+    layer = llm.model_runner.model.model.layers[0]
+    assert layer.self_attn.qkv_proj.weight_scale.shape == (8, 2)    # q 512 + k, v 256 rows; 256 columns
+    assert layer.mlp.experts.w13_scale.shape == (4, 4, 2)
+    assert len(llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == 8

@@ -45,6 +45,17 @@ def test_fp8_linear_matches_reference(block, m, n, k):
     torch.testing.assert_close(out.float(), ref.float(), atol=2e-2 * ref.abs().max().item(), rtol=2e-2)
 
 
+@pytest.mark.parametrize("m", [1, 64, 256, 1000])
+def test_cublas_block_gemm_matches_reference(m, monkeypatch):
+    """BLOCK_GEMM = "cublas": torch._scaled_mm with 1x128 x 128x128 block scales (cuBLASLt 12.9+)."""
+    from nanovllm.kernels import fp8_gemm
+    monkeypatch.setattr(fp8_gemm, "BLOCK_GEMM", "cublas")
+    w, scale = quantize_weight(torch.randn(6144, 4096, device="cuda") * 0.02, BLOCK)
+    x = torch.randn(m, 4096, device="cuda").to(torch.bfloat16)
+    out = fp8_gemm.fp8_linear(x, w, scale, BLOCK)
+    assert _relative_error(out, fp8_linear_ref(x, w, scale, BLOCK)) < 5e-3
+
+
 def test_per_channel_triton_gemm_matches_scaled_mm():
     """fp16 (and fp32) take the Triton kernel with one group over K; bf16 cuBLASLt's row-wise GEMM."""
     from nanovllm.kernels.fp8_gemm import fp8_linear

@@ -18,12 +18,16 @@ import triton
 import triton.language as tl
 
 FP8_MAX = 448.0
+# The block format's GEMM: "triton" (below), or "cublas": torch._scaled_mm with 1x128 activation and
+# 128x128 weight scales (cuBLASLt 12.9+ on Hopper; bf16 outputs, K / 128 a multiple of 4, else
+# Triton). A module constant, so benchmarks/bench_with.py can compare both.
+BLOCK_GEMM = "triton"
 # Under the interpreter (tests on CPU) tl.dot on FP8 is not emulated: the tiles go through fp32.
 _DOT_F32 = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
-def _quantize_kernel(x_ptr, q_ptr, s_ptr, K, x_stride, num_groups,
+def _quantize_kernel(x_ptr, q_ptr, s_ptr, K, x_stride, s_stride_m, s_stride_g,
                      GROUP: tl.constexpr, BLOCK: tl.constexpr):
     # program (row, group g): x[row, g*GROUP:(g+1)*GROUP] -> q, s[row, g]
     row = tl.program_id(0).to(tl.int64)
@@ -37,7 +41,7 @@ def _quantize_kernel(x_ptr, q_ptr, s_ptr, K, x_stride, num_groups,
         v = tl.load(x_ptr + row * x_stride + idx, mask=ok, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(v))
     scale = tl.maximum(tl.div_rn(tl.max(amax, axis=0), FP8_MAX), 1e-12)
-    tl.store(s_ptr + row * num_groups + g, scale)
+    tl.store(s_ptr + row * s_stride_m + g * s_stride_g, scale)
     for c0 in range(0, GROUP, BLOCK):
         idx = start + c0 + cols
         ok = (c0 + cols < GROUP) & (idx < K)
@@ -46,21 +50,26 @@ def _quantize_kernel(x_ptr, q_ptr, s_ptr, K, x_stride, num_groups,
         tl.store(q_ptr + row * K + idx, q.to(q_ptr.dtype.element_ty), mask=ok)
 
 
-def quantize_activations(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """x: [M, K] (last dim contiguous) -> (x_fp8 [M, K], scale float32 [M, ceil(K / group)])."""
+def quantize_activations(x: torch.Tensor, group: int, m_major: bool = False
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: [M, K] (last dim contiguous) -> (x_fp8 [M, K], scale float32 [M, ceil(K / group)]; m_major:
+    stored transposed, stride (1, M), as cuBLASLt's 1x128 block scales are)."""
     m, k = x.shape
     num_groups = triton.cdiv(k, group)
     q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
-    s = torch.empty(m, num_groups, dtype=torch.float32, device=x.device)
+    if m_major:
+        s = torch.empty(num_groups, m, dtype=torch.float32, device=x.device).t()
+    else:
+        s = torch.empty(m, num_groups, dtype=torch.float32, device=x.device)
     if m:
         block = min(triton.next_power_of_2(group), 1024)
-        _quantize_kernel[(m, num_groups)](x, q, s, k, x.stride(0), num_groups, GROUP=group, BLOCK=block,
-                                          num_warps=4 if block >= 512 else 1)
+        _quantize_kernel[(m, num_groups)](x, q, s, k, x.stride(0), s.stride(0), s.stride(1), GROUP=group,
+                                          BLOCK=block, num_warps=4 if block >= 512 else 1)
     return q, s
 
 
 @triton.jit
-def _gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K, num_groups, bs_stride,
+def _gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K, as_stride, bs_stride,
                  GROUP_K: tl.constexpr, SCALE_N: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
     # c[m, n] = sum over k slices of (a[m, k] . b[n, k]) * as[m, k / GROUP_K] * bs[n / SCALE_N, k / GROUP_K]
@@ -73,7 +82,7 @@ def _gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K, num_groups, bs_st
     m_ok, n_ok = rm < M, rn < N
     a_ptrs = a_ptr + rm.to(tl.int64)[:, None] * K + rk[None, :]
     b_ptrs = b_ptr + rn.to(tl.int64)[None, :] * K + rk[:, None]   # [BLOCK_K, BLOCK_N]
-    as_ptrs = as_ptr + rm.to(tl.int64) * num_groups
+    as_ptrs = as_ptr + rm.to(tl.int64) * as_stride
     bs_ptrs = bs_ptr + (rn // SCALE_N) * bs_stride
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -112,7 +121,7 @@ def fp8_gemm(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, w_scale: torch
     [ceil(N/bn), ceil(K/bk)] or [N, 1] -> [M, N] in out_dtype, by the Triton kernel."""
     m, k = xq.shape
     n = w.shape[0]
-    assert xq.is_contiguous() and w.is_contiguous() and xs.is_contiguous()
+    assert xq.is_contiguous() and w.is_contiguous() and xs.stride(1) == 1
     out = torch.empty(m, n, dtype=out_dtype, device=xq.device)
     if m == 0:
         return out
@@ -125,7 +134,7 @@ def fp8_gemm(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, w_scale: torch
                              "multiple of 128")
     tiles = _tiles(m)
     grid = (triton.cdiv(n, tiles["BLOCK_N"]), triton.cdiv(m, tiles["BLOCK_M"]))
-    _gemm_kernel[grid](xq, xs, w, w_scale, out, m, n, k, xs.shape[1], w_scale.stride(0),
+    _gemm_kernel[grid](xq, xs, w, w_scale, out, m, n, k, xs.stride(0), w_scale.stride(0),
                        GROUP_K=group_k, SCALE_N=scale_n, BLOCK_K=block_k, DOT_F32=_DOT_F32, **tiles)
     return out
 
@@ -136,6 +145,12 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block: t
     token), then the FP8 GEMM."""
     shape, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
+    if (BLOCK_GEMM == "cublas" and block == (128, 128) and x.dtype == torch.bfloat16 and x2.shape[0]
+            and w_scale.shape[1] % 4 == 0 and not _DOT_F32):
+        xq, xs = quantize_activations(x2, 128, m_major=True)
+        # scale_a [M, K/128] stride (1, M); scale_b [K/128, N/128] stride (1, K/128)
+        y = torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=w_scale.t(), out_dtype=x.dtype)
+        return (y if bias is None else y + bias).view(*shape, w.shape[0])
     xq, xs = quantize_activations(x2, k if block is None else block[1])
     if block is None and x.dtype == torch.bfloat16 and x2.shape[0] and not _DOT_F32:
         # cuBLASLt's FP8 GEMM with row-wise scales: scale_a [M, 1], scale_b [1, N]
