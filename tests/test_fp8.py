@@ -229,3 +229,16 @@ def test_block_fp8_configs_with_dummy_weights(tmp_path, bf16_dirs):
     assert layer.self_attn.qkv_proj.weight_scale.shape == (8, 2)    # q 512 + k, v 256 rows; 256 columns
     assert layer.mlp.experts.w13_scale.shape == (4, 4, 2)
     assert len(llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == 8
+
+
+def test_an_fp8_tensor_for_an_unquantized_layer_is_refused(bf16_dirs, tmp_path):
+    """The ignore list keeps o_proj unquantized, but the checkpoint's o_proj is FP8."""
+    path = save_fp8(bf16_dirs["qwen3"], str(tmp_path / "m"), "block")
+    config_file = os.path.join(path, "config.json")
+    with open(config_file) as f:
+        config = json.load(f)
+    config["quantization_config"]["modules_to_not_convert"] = ["o_proj"]
+    with open(config_file, "w") as f:
+        json.dump(config, f)
+    with pytest.raises(ValueError, match="o_proj.weight.*is FP8"):
+        LLM(path, **OPTIONS)

@@ -69,6 +69,11 @@ def load_model(model: nn.Module, path: str):
                     raise ValueError(f"checkpoint tensor {ckpt_name!r} ({file}) has dtype {tensor.dtype}, "
                                      f"but the parameter is floating point ({param.dtype}): the checkpoint "
                                      "is broken or quantized in a format nanovllm does not read")
+                if tensor.dtype == torch.float8_e4m3fn and param.dtype != tensor.dtype:
+                    # copy_ would cast the FP8 values without their scale.
+                    raise ValueError(f"checkpoint tensor {ckpt_name!r} ({file}) is FP8, but the parameter is "
+                                     f"{param.dtype}: the config's quantization_config does not make this "
+                                     "layer FP8 (or names it in its ignore list)")
                 loader = getattr(param, "weight_loader", default_weight_loader)
                 try:
                     loader(param, tensor, *(() if shard_id is None else (shard_id,)))
