@@ -242,3 +242,18 @@ def test_an_fp8_tensor_for_an_unquantized_layer_is_refused(bf16_dirs, tmp_path):
         json.dump(config, f)
     with pytest.raises(ValueError, match="o_proj.weight.*is FP8"):
         LLM(path, **OPTIONS)
+
+
+def test_quantization_at_load_under_tensor_parallelism(bf16_dirs, tmp_path):
+    """TP=2, norms folded, FP8 o_proj / down_proj adding into the residual on rank 0 only: each rank
+    quantizes its own shard (a row-parallel shard's channel scales cover its half of the columns),
+    so tokens are checked against the whole-row quantized oracle within a small gap."""
+    path = bf16_dirs["qwen3"]
+    oracle = HFOracle(dequantized_copy(path, str(tmp_path / "dequantized"), None, torch.float32))
+    llm = LLM(path, quantization="fp8", tensor_parallel_size=2, **OPTIONS)
+    try:
+        prompts = random_prompts(3, [3, 17, 40], seed=6)
+        for prompt, out in zip(prompts, llm.generate(prompts, GREEDY, use_tqdm=False)):
+            oracle.assert_greedy(prompt, out.outputs[0].token_ids, atol=0.25)
+    finally:
+        llm.shutdown()
