@@ -81,6 +81,12 @@ def kv_bytes(args) -> int:
     return 1 if args.kv_cache_dtype != "auto" else 2
 
 
+def weight_bytes(args) -> int:
+    """Bytes of one weight: FP8 with --quantization fp8 or an FP8 checkpoint, else bf16."""
+    fp8 = args.quantization == "fp8" or "quantization_config" in (model_config(args) or {})
+    return 1 if fp8 else 2
+
+
 def workload_limits(args, prompts, params, gpu: roofline.DeviceLimits):
     """(limit at `gpu`'s figures, limit at the documented H200 figures) in output tokens/s for the model
     folder's config.json and bench's parallelism and KV dtype; (None, None) without a config.json."""
@@ -88,7 +94,8 @@ def workload_limits(args, prompts, params, gpu: roofline.DeviceLimits):
     config = model_config(args)
     if config is None:
         return None, None
-    shape = dict(tp=args.tensor_parallel_size, dp=args.data_parallel_size, kv_bytes=kv_bytes(args))
+    shape = dict(tp=args.tensor_parallel_size, dp=args.data_parallel_size, kv_bytes=kv_bytes(args),
+                 weight_bytes=weight_bytes(args))
     return (roofline.workload_limit(config, prompt_lens, output_lens, gpu, **shape),
             roofline.workload_limit(config, prompt_lens, output_lens, roofline.H200, **shape))
 
@@ -101,7 +108,7 @@ def overlap_limit(args, prompts, params, gpu: roofline.DeviceLimits) -> float | 
         return None
     return roofline.workload_limit(config, [len(p) for p in prompts], [sp.max_tokens for sp in params], gpu,
                                    tp=args.tensor_parallel_size, dp=args.data_parallel_size,
-                                   kv_bytes=kv_bytes(args), bound="overlap")
+                                   kv_bytes=kv_bytes(args), bound="overlap", weight_bytes=weight_bytes(args))
 
 
 def data_parallel_replicas(job, prompts, params, args, gpu: roofline.DeviceLimits) -> dict:
@@ -213,6 +220,9 @@ def main():
                    help="TP: every all-reduce through NCCL (default: decode-sized ones over peer memory)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
                    help="fp8: an e4m3 KV cache with per-layer scales (1.0 unless --calculate-kv-scales)")
+    p.add_argument("--quantization", default=None, choices=["fp8"],
+                   help="fp8: FP8 weights (a bf16 or dummy checkpoint is quantized at load, per channel; an "
+                        "FP8 checkpoint runs in its own format); the limit counts FP8 weights then")
     p.add_argument("--calculate-kv-scales", action="store_true",
                    help="fp8 scales from the first prefill's amax")
     p.add_argument("--data-parallel-size", type=int, default=1,
@@ -250,7 +260,7 @@ def main():
               calculate_kv_scales=args.calculate_kv_scales, data_parallel_size=args.data_parallel_size,
               tokenizer=args.tokenizer, enable_prefix_caching=not args.structured_json,
               prefill_attention=args.prefill_attention,
-              disable_custom_all_reduce=args.disable_custom_all_reduce)
+              disable_custom_all_reduce=args.disable_custom_all_reduce, quantization=args.quantization)
     startup = time.perf_counter() - t
 
     if args.workload == "long":
@@ -275,6 +285,7 @@ def main():
                   tp=args.tensor_parallel_size, custom_all_reduce=not args.disable_custom_all_reduce,
                   dp=args.data_parallel_size,
                   kv_cache_dtype=args.kv_cache_dtype, calculate_kv_scales=args.calculate_kv_scales,
+                  quantization=args.quantization,
                   kv_cache_tokens=runner.num_kvcache_blocks * runner.block_size if runner else None,
                   startup_s=round(startup, 2),
                   output_tokens=tokens, seconds=round(seconds, 3), tokens_per_s=round(tokens / seconds, 1),

@@ -12,6 +12,7 @@ import torch
 from transformers import PretrainedConfig
 
 from nanovllm.utils.hf_files import load_hf_config
+from nanovllm.utils.quant_config import Fp8Scheme, fp8_scheme
 
 logger = logging.getLogger(__name__)
 # vLLM's spellings of the model dtype -> ours.
@@ -68,9 +69,11 @@ class Config:
     swap_space: float = 4                       # GiB of CPU swap in vLLM; preempted sequences are recomputed
     max_seq_len_to_capture: int = 8192          # CUDA graphs are captured per batch size, for any length
     enable_chunked_prefill: bool | None = None  # prefill is always chunked: None or True
-    quantization: str | None = None             # unquantized checkpoints only: None
+    quantization: str | None = None             # None: as the checkpoint's quantization_config says;
+                                                # "fp8": also quantizes a bf16 checkpoint at load
     task: str = "auto"                          # "auto" or "generate": text generation
     hf_config: PretrainedConfig = field(init=False, repr=False)
+    fp8: Fp8Scheme | None = field(init=False, repr=False)   # the weights' FP8 format (None: unquantized)
 
     @classmethod
     def create(cls, model: str, **options) -> "Config":
@@ -179,6 +182,7 @@ class Config:
         self.hf_config = apply_hf_overrides(load_hf_config(self.model), self.hf_overrides)
         self.max_model_len = min(self.max_model_len, self.hf_config.max_position_embeddings)
         _check_tp_divides(self.hf_config, self.tensor_parallel_size)
+        self.fp8 = fp8_scheme(self.hf_config, self.quantization)
 
 
 _warned_attention_backend = False
@@ -210,9 +214,6 @@ def _vllm_no_ops(cfg: "Config"):
     if cfg.enable_chunked_prefill not in (None, True):
         raise ValueError("enable_chunked_prefill: nanovllm always chunks long prefills (within "
                          f"max_num_batched_tokens); pass None or True, got {cfg.enable_chunked_prefill!r}")
-    if cfg.quantization is not None:
-        raise ValueError(f"quantization={cfg.quantization!r}: nanovllm runs unquantized checkpoints (the KV "
-                         "cache can be FP8: kv_cache_dtype='fp8'); pass None")
     _check_choice(cfg, "task", ("auto", "generate"))
     if cfg.download_dir is not None and not isinstance(cfg.download_dir, (str, os.PathLike)):
         raise ValueError(f"download_dir must be a folder path or None, got {cfg.download_dir!r}")

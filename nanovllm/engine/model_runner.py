@@ -19,6 +19,7 @@ from nanovllm.engine.step_input import StepInput
 from nanovllm.kernels import paged_kv_slots
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.prefill_attention import select_prefill_attention
+from nanovllm.layers.fp8 import finish_loading, prepare_fp8
 from nanovllm.layers.sampler import Sampler
 from nanovllm.models import get_model_class
 from nanovllm.utils.context import Context, forward_context
@@ -95,12 +96,12 @@ class ModelRunner:
             with self._timed("load model"):
                 with self.device, _default_dtype(self.dtype):
                     self.model = get_model_class(config.hf_config)(config.hf_config)
+                    fp8_loaded = prepare_fp8(self.model, config.fp8, config.load_format)
                 if config.load_format == "dummy":
                     load_dummy_weights(self.model, config.seed)
                 else:
                     load_model(self.model, config.model)
-                if hasattr(self.model, "fold_norms"):
-                    self.model.fold_norms()
+                finish_loading(self.model, config.fp8, fp8_loaded)   # fold the norms, quantize at load
             host_barrier("loaded")   # every rank has its shard: only now the first collective
             if not config.disable_custom_all_reduce:
                 connect_peer_all_reduce(self.device)   # decode-sized sums over peer memory (CUDA TP)

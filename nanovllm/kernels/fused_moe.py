@@ -10,6 +10,11 @@ sum over each token's top_k rows gives the output.
     down kernel      y[pair] = weight[pair] * (h[pair] @ w2[e]^T)                     [pairs, hidden]
     torch sum        out[token] = sum over k of y[token * top_k + k]                  [tokens, hidden]
 
+FP8 experts (w13, w2 float8_e4m3fn with block scales [E, rows / bn, cols / bk] or per-channel scales
+[E, rows, 1]): x is quantized per token and group of bk columns (per channel: per token) before the
+gate/up GEMM, h likewise before the down GEMM (kernels/fp8_gemm.quantize_activations); the GEMMs run
+on FP8 tensor cores, each BLOCK_K slice's fp32 product scaled by its activation and weight scales.
+
 Nothing reads a count on the host (grids are sized by the worst case, surplus programs return at
 once), so the path is CUDA-graph safe. Roundings follow transformers in the model's dtype: gate and
 up rounded, silu rounded, their product rounded, the down output rounded before the weight.
@@ -27,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.kernels.fp8_gemm import _DOT_F32, quantize_activations
 from nanovllm.kernels.moe_routing import align_by_expert
 
 # pairs per expert (num_tokens * top_k / num_experts) up to which the decode tiles are used
@@ -72,12 +78,25 @@ def _block_ids(num_blocks_m, num_blocks_n, GROUP: tl.constexpr):
     return first_m + (pid % per_group) % group_size, (pid % per_group) // group_size
 
 
+@triton.jit
+def _scaled_dot(a, b, acc, a_scale, b_scale, DOT_F32: tl.constexpr):
+    # FP8 tiles: acc + (a . b) * a_scale[:, None] * b_scale[None, :] (fp32 tiles under the interpreter)
+    if DOT_F32:
+        part = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        part = tl.dot(a, b)
+    return acc + part * a_scale[:, None] * b_scale[None, :]
+
+
 @triton.jit(do_not_specialize=["num_pairs", "num_blocks_m"])
 def _gate_up_kernel(x_ptr, w_ptr, h_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, num_pairs,
                     num_blocks_m, x_stride, w_stride_e, w_stride_n,
+                    xs_ptr, ws_ptr, xs_groups, ws_stride_e, ws_stride_n,
                     TOP_K: tl.constexpr, INTER: tl.constexpr, HIDDEN: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    GROUP: tl.constexpr, PRECISION: tl.constexpr):
+                    GROUP: tl.constexpr, PRECISION: tl.constexpr,
+                    FP8: tl.constexpr = False, GROUP_K: tl.constexpr = 1, SCALE_N: tl.constexpr = 1,
+                    DOT_F32: tl.constexpr = False):
     # h[pair, n] = silu(x[token] . gate[e, n]) * (x[token] . up[e, n]) for the block's pairs and
     # columns n; w: [E, 2 * INTER, HIDDEN] (gate rows, then up rows), h: [num_pairs, INTER].
     pid_m, pid_n = _block_ids(num_blocks_m, tl.cdiv(INTER, BLOCK_N), GROUP)
@@ -95,13 +114,23 @@ def _gate_up_kernel(x_ptr, w_ptr, h_ptr, sorted_ptr, block_expert_ptr, num_padde
     col_ok = cols < INTER
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    # FP8: scales of x per (token, k group) and of the gate / up rows per (row block, k group)
+    xs_ptrs = xs_ptr + token * xs_groups
+    gs_ptrs = ws_ptr + expert * ws_stride_e + (cols // SCALE_N) * ws_stride_n
+    us_ptrs = ws_ptr + expert * ws_stride_e + ((cols + INTER) // SCALE_N) * ws_stride_n
     for k0 in range(0, HIDDEN, BLOCK_K):
         k_ok = ks < HIDDEN - k0
         a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
         g = tl.load(g_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
         u = tl.load(u_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        acc_g = tl.dot(a, g, acc_g, input_precision=PRECISION)
-        acc_u = tl.dot(a, u, acc_u, input_precision=PRECISION)
+        if FP8:
+            kg = k0 // GROUP_K
+            sa = tl.load(xs_ptrs + kg, mask=valid, other=0.0)
+            acc_g = _scaled_dot(a, g, acc_g, sa, tl.load(gs_ptrs + kg, mask=col_ok, other=0.0), DOT_F32)
+            acc_u = _scaled_dot(a, u, acc_u, sa, tl.load(us_ptrs + kg, mask=col_ok, other=0.0), DOT_F32)
+        else:
+            acc_g = tl.dot(a, g, acc_g, input_precision=PRECISION)
+            acc_u = tl.dot(a, u, acc_u, input_precision=PRECISION)
         a_ptrs += BLOCK_K
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
@@ -116,9 +145,12 @@ def _gate_up_kernel(x_ptr, w_ptr, h_ptr, sorted_ptr, block_expert_ptr, num_padde
 @triton.jit(do_not_specialize=["num_pairs", "num_blocks_m"])
 def _down_kernel(h_ptr, w_ptr, y_ptr, weights_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, num_pairs,
                  num_blocks_m, w_stride_e, w_stride_n,
+                 hs_ptr, ws_ptr, hs_groups, ws_stride_e, ws_stride_n,
                  INTER: tl.constexpr, HIDDEN: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 GROUP: tl.constexpr, PRECISION: tl.constexpr):
+                 GROUP: tl.constexpr, PRECISION: tl.constexpr,
+                 FP8: tl.constexpr = False, GROUP_K: tl.constexpr = 1, SCALE_N: tl.constexpr = 1,
+                 DOT_F32: tl.constexpr = False):
     # y[pair, n] = weight[pair] * (h[pair] . w2[e, n]); w: [E, HIDDEN, INTER], y: [num_pairs, HIDDEN].
     pid_m, pid_n = _block_ids(num_blocks_m, tl.cdiv(HIDDEN, BLOCK_N), GROUP)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
@@ -133,11 +165,18 @@ def _down_kernel(h_ptr, w_ptr, y_ptr, weights_ptr, sorted_ptr, block_expert_ptr,
     b_ptrs = w_ptr + expert * w_stride_e + cols[None, :].to(tl.int64) * w_stride_n + ks[:, None]   # [K, N]
     col_ok = cols < HIDDEN
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    hs_ptrs = hs_ptr + pair * hs_groups
+    bs_ptrs = ws_ptr + expert * ws_stride_e + (cols // SCALE_N) * ws_stride_n
     for k0 in range(0, INTER, BLOCK_K):
         k_ok = ks < INTER - k0
         a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        if FP8:
+            kg = k0 // GROUP_K
+            acc = _scaled_dot(a, b, acc, tl.load(hs_ptrs + kg, mask=valid, other=0.0),
+                              tl.load(bs_ptrs + kg, mask=col_ok, other=0.0), DOT_F32)
+        else:
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
     dtype = y_ptr.dtype.element_ty
@@ -147,11 +186,23 @@ def _down_kernel(h_ptr, w_ptr, y_ptr, weights_ptr, sorted_ptr, block_expert_ptr,
     tl.store(y_ptrs, y.to(dtype), mask=valid[:, None] & col_ok[None, :])
 
 
+def _fp8_args(a: torch.Tensor, w_scale: torch.Tensor, block, k: int, block_k: int):
+    """(a_fp8, kernel args, constexprs) of an FP8 GEMM over k columns in BLOCK_K slices."""
+    group = k if block is None else block[1]
+    if block is not None and group % block_k:
+        raise ValueError(f"FP8 expert block {block}: its column block must be a multiple of the tile's "
+                         f"BLOCK_K ({block_k})")
+    aq, a_scale = quantize_activations(a, group)
+    args = (a_scale, w_scale, a_scale.shape[1], w_scale.stride(0), w_scale.stride(1))
+    return aq, args, dict(FP8=True, GROUP_K=group, SCALE_N=1 if block is None else block[0], DOT_F32=_DOT_F32)
+
+
 def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                     topk_ids: torch.Tensor, tiles: Tiles | None = None) -> torch.Tensor:
+                     topk_ids: torch.Tensor, tiles: Tiles | None = None, scales=None) -> torch.Tensor:
     """x: [num_tokens, hidden]; w13: [num_experts, 2 * inter, hidden] (gate rows, then up rows);
     w2: [num_experts, hidden, inter]; topk_weights, topk_ids: [num_tokens, top_k]
-    -> sum over k of topk_weights[:, k] * expert_k(x): [num_tokens, hidden]. CUDA-graph safe."""
+    -> sum over k of topk_weights[:, k] * expert_k(x): [num_tokens, hidden]. CUDA-graph safe.
+    scales: None, or (w13_scale, w2_scale, block) of FP8 w13 and w2 (block None: per channel)."""
     num_tokens, hidden = x.shape
     num_experts, inter = w2.shape[0], w2.shape[2]
     top_k = topk_ids.shape[1]
@@ -169,11 +220,18 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
     launch = dict(BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP=GROUP_M,
                   PRECISION=precision, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
+    a, fp8_args, fp8 = x, (x, x, 0, 0, 0), {}   # unused scale arguments without FP8
+    if scales is not None:
+        a, fp8_args, fp8 = _fp8_args(x, scales[0], scales[2], hidden, tiles.block_k)
     _gate_up_kernel[(blocks_m * triton.cdiv(inter, tiles.block_n),)](
-        x, w13, h, align.sorted_pairs, align.block_expert, align.num_padded, num_pairs, blocks_m,
-        x.stride(0), w13.stride(0), w13.stride(1), TOP_K=top_k, INTER=inter, HIDDEN=hidden, **launch)
+        a, w13, h, align.sorted_pairs, align.block_expert, align.num_padded, num_pairs, blocks_m,
+        a.stride(0), w13.stride(0), w13.stride(1), *fp8_args, TOP_K=top_k, INTER=inter, HIDDEN=hidden,
+        **launch, **fp8)
     y = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
+    a, fp8_args = h, (h, h, 0, 0, 0)
+    if scales is not None:
+        a, fp8_args, fp8 = _fp8_args(h, scales[1], scales[2], inter, tiles.block_k)
     _down_kernel[(blocks_m * triton.cdiv(hidden, tiles.block_n),)](
-        h, w2, y, weights, align.sorted_pairs, align.block_expert, align.num_padded, num_pairs, blocks_m,
-        w2.stride(0), w2.stride(1), INTER=inter, HIDDEN=hidden, **launch)
+        a, w2, y, weights, align.sorted_pairs, align.block_expert, align.num_padded, num_pairs, blocks_m,
+        w2.stride(0), w2.stride(1), *fp8_args, INTER=inter, HIDDEN=hidden, **launch, **fp8)
     return y.view(num_tokens, top_k, hidden).sum(dim=1)

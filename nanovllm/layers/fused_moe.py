@@ -42,7 +42,10 @@ class FusedMoE(nn.Module):
     w13: [num_experts, 2 * inter / tp, hidden] (gate rows, then up rows);
     w2: [num_experts, hidden, inter / tp].
     Checkpoint tensors arrive one expert and projection at a time, shard_id = (expert, 0 gate | 1 up)
-    for w13 and (expert, 0) for w2 (utils/loader.py maps HF's per-expert names)."""
+    for w13 and (expert, 0) for w2 (utils/loader.py maps HF's per-expert names). quant: None, or the
+    method of FP8 experts (layers/fp8.py sets it, with w13_scale and w2_scale)."""
+
+    quant = None
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
         super().__init__()
@@ -68,6 +71,8 @@ class FusedMoE(nn.Module):
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         # x: [num_tokens, hidden]; topk_*: [num_tokens, top_k]
         # -> this rank's partial sum: [num_tokens, hidden]
+        if self.quant is not None:
+            return self.quant.apply(self, x, topk_weights, topk_ids)
         return fused_experts(x, self.w13, self.w2, topk_weights, topk_ids)
 
 

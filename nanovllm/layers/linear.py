@@ -25,7 +25,10 @@ def _shard(loaded: torch.Tensor, dim: int, size: int, rank: int, world: int) -> 
 
 class LinearBase(nn.Module):
     """y = x W^T (+ b) with W: [output_size, input_size] on this rank. tp_dim: the sharded axis of
-    W (0 = output columns, 1 = input rows, None = replicated)."""
+    W (0 = output columns, 1 = input rows, None = replicated). quant: None, or the method of an FP8
+    weight (layers/fp8.py sets it, with the scales beside the weight)."""
+
+    quant = None
 
     def __init__(self, input_size: int, output_size: int, bias: bool, tp_dim: int | None):
         super().__init__()
@@ -42,8 +45,11 @@ class LinearBase(nn.Module):
             loaded = _shard(loaded, self.tp_dim, param.size(self.tp_dim), self.tp_rank, self.tp_size)
         default_weight_loader(param, loaded)
 
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return F.linear(x, self.weight, bias) if self.quant is None else self.quant.apply(self, x, bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x, self.bias)
 
 
 class ReplicatedLinear(LinearBase):
@@ -100,11 +106,13 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         # The bias is added once, after the sum, not on every rank. residual (the same on every
         # rank): added to the output; without a bias it is rank 0's GEMM's C (beta 1), updated in
-        # place, so the sum over ranks holds it once: no add kernel.
+        # place, so the sum over ranks holds it once: no add kernel (an FP8 GEMM: added after it).
         if residual is not None and self.bias is None:
-            y = residual.addmm_(x, self.weight.t()) if self.tp_rank == 0 else F.linear(x, self.weight)
+            if self.tp_rank != 0:
+                return all_reduce(self.matmul(x))
+            y = residual.addmm_(x, self.weight.t()) if self.quant is None else residual.add_(self.matmul(x))
             return all_reduce(y)
-        y = F.linear(x, self.weight)
+        y = self.matmul(x)
         y = all_reduce(y)
         y = y + self.bias if self.bias is not None else y
         return y if residual is None else y + residual

@@ -100,9 +100,11 @@ class LlamaDecoderLayer(nn.Module):
         GEMM (C = h, beta 1; under tensor parallelism rank 0's, before the all-reduce): no RMSNorm or
         add kernel in the layer (two launches fewer). Only a dense MLP, with no bias on the folded or
         residual GEMMs, and not in fp16 (the un-normalised stream through a GEMM could pass fp16's
-        65504); False: left as it is."""
+        65504), nor into FP8 weights (W diag(w) would need new scales: quantization at load folds
+        first); False: left as it is."""
         attn, mlp = self.self_attn, self.mlp
         if (self.folded or not isinstance(mlp, LlamaMLP) or attn.qkv_proj.weight.dtype == torch.float16
+                or attn.qkv_proj.quant is not None or mlp.gate_up_proj.quant is not None
                 or any(p.bias is not None for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
                                                     mlp.down_proj))):
             return False

@@ -22,6 +22,8 @@ def _target(name: str, mapping: dict) -> tuple[str, object]:
     """Checkpoint name -> (parameter name, shard id) through the model's packed_modules_mapping."""
     if (expert := expert_target(name)) is not None:
         return expert
+    if name.endswith(".weight_scale_inv"):   # HF's FP8 block scales: the parameter is weight_scale
+        name = name.removesuffix("_inv")
     for key, (packed, shard_id) in mapping.items():
         if f".{key}." in name:
             return name.replace(f".{key}.", f".{packed}."), shard_id
@@ -67,6 +69,11 @@ def load_model(model: nn.Module, path: str):
                     raise ValueError(f"checkpoint tensor {ckpt_name!r} ({file}) has dtype {tensor.dtype}, "
                                      f"but the parameter is floating point ({param.dtype}): the checkpoint "
                                      "is broken or quantized in a format nanovllm does not read")
+                if tensor.dtype == torch.float8_e4m3fn and param.dtype != tensor.dtype:
+                    # copy_ would cast the FP8 values without their scale.
+                    raise ValueError(f"checkpoint tensor {ckpt_name!r} ({file}) is FP8, but the parameter is "
+                                     f"{param.dtype}: the config's quantization_config does not make this "
+                                     "layer FP8 (or names it in its ignore list)")
                 loader = getattr(param, "weight_loader", default_weight_loader)
                 try:
                     loader(param, tensor, *(() if shard_id is None else (shard_id,)))
@@ -99,9 +106,10 @@ def _checkpoint_names(param_name: str, shards: set, mapping: dict) -> list[str]:
 # Mixture-of-experts checkpoints (transformers' Qwen3-MoE save_pretrained) store one tensor per
 # expert and projection; the model stacks them: `...mlp.experts.{e}.gate_proj.weight` -> shard (e, 0)
 # of `...mlp.experts.w13`, up_proj -> (e, 1), down_proj -> (e, 0) of `...mlp.experts.w2`.
-_EXPERT_NAME = re.compile(r"\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+# FP8 experts' scales (weight_scale, or HF's weight_scale_inv) go to w13_scale / w2_scale alike.
+_EXPERT_NAME = re.compile(r"\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight(_scale(?:_inv)?)?$")
 _EXPERT_SHARDS = {"gate_proj": ("w13", 0), "up_proj": ("w13", 1), "down_proj": ("w2", 0)}
-_EXPERT_PARAM = re.compile(r"\.experts\.(w13|w2)$")
+_EXPERT_PARAM = re.compile(r"\.experts\.(w13|w2)(_scale)?$")
 
 
 def expert_target(ckpt_name: str) -> tuple[str, tuple[int, int]] | None:
@@ -110,7 +118,8 @@ def expert_target(ckpt_name: str) -> tuple[str, tuple[int, int]] | None:
     if m is None:
         return None
     stacked, index = _EXPERT_SHARDS[m[2]]
-    return f"{ckpt_name[:m.start()]}.experts.{stacked}", (int(m[1]), index)
+    scale = "_scale" if m[3] else ""
+    return f"{ckpt_name[:m.start()]}.experts.{stacked}{scale}", (int(m[1]), index)
 
 
 def expert_shards(param_name: str, param: torch.Tensor) -> set | None:
@@ -123,8 +132,9 @@ def expert_shards(param_name: str, param: torch.Tensor) -> set | None:
 
 def expert_checkpoint_name(param_name: str, shard: tuple[int, int]) -> str:
     stacked = param_name.rsplit(".", 1)[1]
-    proj = next(p for p, s in _EXPERT_SHARDS.items() if s == (stacked, shard[1]))
-    return f"{param_name.rsplit('.', 1)[0]}.{shard[0]}.{proj}.weight"
+    proj = next(p for p, s in _EXPERT_SHARDS.items() if s == (stacked.removesuffix("_scale"), shard[1]))
+    suffix = "weight_scale" if stacked.endswith("_scale") else "weight"
+    return f"{param_name.rsplit('.', 1)[0]}.{shard[0]}.{proj}.{suffix}"
 
 
 def _tied_duplicate(model: nn.Module, ckpt_name: str) -> bool:

@@ -7,7 +7,8 @@ The model of time. A GPU moves memory at most at `copy_bytes_per_s` (bytes/s: th
 the bytes written by a large device-to-device copy; a read-only stream is assumed no faster) and
 computes at most at `bf16_flop_per_s` (FLOP/s: a large bf16 GEMM). Without a GPU the documented H200
 figures stand in: 4.3e12 bytes/s (measured) and 770e12 FLOP/s (dense bf16 tensor cores, measured).
-Weights are bf16 (2 bytes); K/V take `kv_bytes` bytes per value (2 for bf16, 1 for FP8).
+Weights are bf16 (2 bytes), or with `weight_bytes=1` FP8 (the LM head stays bf16) and their GEMMs
+at twice the bf16 peak (FP8 tensor cores); K/V take `kv_bytes` bytes per value (2 for bf16, 1 for FP8).
 
 - Prefill (seconds = FLOPs / bf16_flop_per_s): every prompt token through every layer, 2 FLOPs per
   weight it computes with (for a MoE layer the router and its top_k experts), causal attention at
@@ -38,6 +39,7 @@ the "overlap" bound: the larger of all FLOPs (prefill and decode) at the peak an
 (one weight read per decode step, every context's K/V) at the copy bandwidth; no engine passes it. `python -m
 nanovllm.utils.roofline MODEL_FOLDER... [--tp N...]` prints this GPU's figures and the limits of
 bench.py's default workload."""
+import dataclasses
 import functools
 import random
 import statistics
@@ -147,6 +149,7 @@ class ModelShapes:
     experts: int
     top_k: int
     expert_params: int    # gate, up and down of one expert
+    weight_bytes: float = WEIGHT_BYTES   # of the body's and experts' weights (the LM head is bf16)
 
     @classmethod
     def from_config(cls, config: dict) -> "ModelShapes":
@@ -185,10 +188,20 @@ class ModelShapes:
     def attention_flops_per_key(self) -> int:
         return 4 * self.layers * self.heads * self.head_dim   # q.k and p.v, per query and key
 
+    @property
+    def gemm_time_factor(self) -> float:
+        """A body GEMM FLOP's time in bf16 FLOPs: FP8 tensor cores run at twice the bf16 rate."""
+        return 0.5 if self.weight_bytes == 1 else 1.0
+
     def params_read(self, batch: int) -> float:
         """Weights a decode step of `batch` sequences reads: all but the experts its batch misses."""
         touched = self.experts * (1 - (1 - self.top_k / self.experts) ** batch) if self.experts else 0
         return self.body_params + self.lm_head_params + self.sparse_layers * touched * self.expert_params
+
+    def bytes_read(self, batch: int) -> float:
+        """Weight bytes of a decode step: the body and experts at weight_bytes, the LM head in bf16."""
+        body = self.params_read(batch) - self.lm_head_params
+        return self.weight_bytes * body + WEIGHT_BYTES * self.lm_head_params
 
 
 def _sparse_layers(config: dict) -> int:
@@ -199,7 +212,8 @@ def _sparse_layers(config: dict) -> int:
 
 
 def prefill_flops(shapes: ModelShapes, prompt_lens: list[int]) -> float:
-    return (2 * shapes.active_params * sum(prompt_lens) + 2 * shapes.lm_head_params * len(prompt_lens)
+    return (2 * shapes.active_params * shapes.gemm_time_factor * sum(prompt_lens)
+            + 2 * shapes.lm_head_params * len(prompt_lens)
             + sum(shapes.attention_flops_per_key * n * n / 2 for n in prompt_lens))
 
 
@@ -209,9 +223,9 @@ def decode_steps(shapes: ModelShapes, prompt_lens: list[int], output_lens: list[
     steps = []
     for step in range(max(output_lens, default=0)):
         contexts = [n + step for n, out in zip(prompt_lens, output_lens) if step < out]
-        reads = (WEIGHT_BYTES * shapes.params_read(len(contexts))
+        reads = (shapes.bytes_read(len(contexts))
                  + shapes.kv_values_per_token * kv_bytes * sum(contexts))
-        flops = (2 * (shapes.active_params + shapes.lm_head_params) * len(contexts)
+        flops = (2 * (shapes.active_params * shapes.gemm_time_factor + shapes.lm_head_params) * len(contexts)
                  + shapes.attention_flops_per_key * sum(contexts))
         steps.append((reads, flops))
     return steps
@@ -245,7 +259,8 @@ BOUNDS = ("separate", "overlap")
 
 
 def workload_limit(config: dict, prompt_lens: list[int], output_lens: list[int], gpu: DeviceLimits = H200,
-                   tp: int = 1, kv_bytes: float = 2, dp: int = 1, bound: str = "separate") -> float:
+                   tp: int = 1, kv_bytes: float = 2, dp: int = 1, bound: str = "separate",
+                   weight_bytes: float = WEIGHT_BYTES) -> float:
     """Output tokens/s no engine can exceed on dp replicas of tp GPUs each with `gpu`'s figures, for
     prompts of prompt_lens tokens that each generate output_lens tokens (the module's docstring says
     what is counted). bound: "separate" phases (prefill steps, then decode steps) or "overlap"."""
@@ -259,7 +274,9 @@ def workload_limit(config: dict, prompt_lens: list[int], output_lens: list[int],
         raise ValueError("prompt_lens and output_lens must be non-empty lists of one length")
     if bound not in BOUNDS:
         raise ValueError(f"bound must be one of {BOUNDS}, got {bound!r}")
-    shapes = ModelShapes.from_config(config)
+    if weight_bytes not in (1, 2):
+        raise ValueError(f"weight_bytes must be 2 (bf16) or 1 (FP8), got {weight_bytes!r}")
+    shapes = dataclasses.replace(ModelShapes.from_config(config), weight_bytes=weight_bytes)
     shares = [list(range(len(prompt_lens)))] if dp == 1 else _replica_shares(prompt_lens, output_lens, dp)
     slowest = max(workload_seconds(shapes, [prompt_lens[i] for i in share], [output_lens[i] for i in share],
                                    gpu, kv_bytes, bound)

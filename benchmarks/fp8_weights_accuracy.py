@@ -1,0 +1,88 @@
+"""What FP8 weights cost in accuracy on a real model (on a GPU): the model quantized at load
+(quantization='fp8': per-channel weight scales, activations quantized per token at run time) against
+the same model in bf16. Both generate greedily from the same chat prompts; each FP8 token is then
+scored under transformers' bf16 model on the FP8 run's own sequence (teacher-forced): it "differs"
+when it is not bf16's argmax there, and then its gap (bf16 max logit minus its logit) says whether
+the two were near ties. The bar: at most 2% of tokens differ, or every differing token's gap is
+under 0.5. "same as bf16 run" compares the two free runs position by position (one early flip makes
+the rest of a sequence differ, so it says little alone).
+
+    PYTHONPATH=. python benchmarks/fp8_weights_accuracy.py [--model FOLDER] [--json PATH]
+
+The default model is the demo's SmolLM2-135M-Instruct (see benchmarks/fp8_accuracy.py for how it is
+made); --num-prompts 64 --max-tokens 128 are the defaults.
+"""
+import argparse
+import gc
+import json
+
+import torch
+from fp8_accuracy import DEVICE, chat_prompts, convert_gguf
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from nanovllm import LLM, SamplingParams
+
+CONFIGS = {"bf16": dict(dtype="bfloat16"), "fp8 weights": dict(dtype="bfloat16", quantization="fp8")}
+
+
+@torch.no_grad()
+def gaps_and_flips(hf, prompt: list[int], output: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(bf16 max logit - logit of each output token, whether the token is not the bf16 argmax)."""
+    ids = torch.tensor([prompt + output], device=DEVICE)
+    logits = hf(ids).logits[0, len(prompt) - 1:-1].float()
+    out = torch.tensor(output, device=DEVICE)
+    gap = logits.max(-1).values - logits.gather(1, out[:, None])[:, 0]
+    return gap, logits.argmax(-1) != out
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", help="a Hugging Face model folder in bf16/fp32 (default: the demo's SmolLM2)")
+    p.add_argument("--gguf", help="a GGUF file to convert and use instead of --model")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--json", help="write the figures here")
+    args = p.parse_args()
+    if args.gguf:
+        args.model = convert_gguf(args.gguf)
+    elif args.model is None:
+        from nanovllm.utils.default_model import default_model_path
+        args.model = default_model_path()
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    prompts = chat_prompts(tokenizer)[:args.num_prompts]
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    outputs = {}
+    for name, options in CONFIGS.items():
+        budget = (4 << 30) if DEVICE == "cuda" else (64 << 20)
+        llm = LLM(args.model, device=DEVICE, kv_cache_memory_bytes=budget, **options)
+        outputs[name] = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+        llm.shutdown()
+        del llm
+        gc.collect()
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    hf = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(DEVICE).eval()
+    print(f"{args.model}: {len(prompts)} chat prompts, greedy, {args.max_tokens} tokens each")
+    print(f"{'weights':12s} {'tokens':>7s} {'differ':>7s} {'differ, gap >= 0.5':>19s} {'max gap':>8s} "
+          f"{'same as bf16 run':>17s}")
+    rows = []
+    for name, outs in outputs.items():
+        scored = [gaps_and_flips(hf, prompt, out) for prompt, out in zip(prompts, outs) if out]
+        gaps = torch.cat([g for g, _ in scored])
+        flips = torch.cat([f for _, f in scored])
+        same = sum(a == b for x, y in zip(outs, outputs["bf16"]) for a, b in zip(x, y))
+        row = dict(weights=name, tokens=gaps.numel(), differ=float(flips.float().mean()),
+                   differ_far=float((flips & (gaps >= 0.5)).float().mean()),
+                   max_gap=float(gaps.max()), same_as_bf16_run=same / sum(map(len, outs)))
+        row["passes"] = row["differ"] <= 0.02 or row["differ_far"] == 0.0
+        rows.append(row)
+        print(f"{name:12s} {row['tokens']:7d} {row['differ']:7.2%} {row['differ_far']:19.2%} "
+              f"{row['max_gap']:8.2f} {row['same_as_bf16_run']:17.1%}" + ("" if row["passes"] else "  FAILS"))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(model=args.model, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

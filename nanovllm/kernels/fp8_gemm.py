@@ -1,0 +1,162 @@
+"""FP8 GEMMs on the GPU: y = x W^T with W float8_e4m3fn and its dequantization scales (block
+[bn, bk] or one per output channel), x quantized at run time (kernels/fp8_reference.py is the oracle).
+
+    quantize kernel   x [M, K] -> x_fp8 [M, K], scale [M, K / group]: per token and group of `group`
+                      columns (the weight block's bk; per channel: the whole row), scale = amax / 448
+    block GEMM        acc += (x_fp8 tile . W_fp8 tile) * x_scale[m, g] * w_scale[n / bn, g] for each
+                      BLOCK_K = bk slice g (FP8 tensor cores, fp32 accumulation); one rounding at the end
+    per channel       torch._scaled_mm with row-wise scales (cuBLASLt) for a bf16 output; else the
+                      same Triton GEMM with one group spanning K
+
+Divisions are round-to-nearest (div_rn) and the FP8 cast rounds to nearest, so the quantized
+activations are the reference's bit for bit. Nothing reads a value on the host: CUDA-graph safe.
+"""
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+FP8_MAX = 448.0
+# The block format's GEMM: "triton" (below), or "cublas": torch._scaled_mm with 1x128 activation and
+# 128x128 weight scales (cuBLASLt 12.9+ on Hopper; bf16 outputs, K / 128 a multiple of 4, else
+# Triton). A module constant, so benchmarks/bench_with.py can compare both.
+BLOCK_GEMM = "triton"
+# Under the interpreter (tests on CPU) tl.dot on FP8 is not emulated: the tiles go through fp32.
+_DOT_F32 = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def _quantize_kernel(x_ptr, q_ptr, s_ptr, K, x_stride, s_stride_m, s_stride_g,
+                     GROUP: tl.constexpr, BLOCK: tl.constexpr):
+    # program (row, group g): x[row, g*GROUP:(g+1)*GROUP] -> q, s[row, g]
+    row = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1)
+    cols = tl.arange(0, BLOCK)
+    start = g * GROUP
+    amax = tl.zeros([BLOCK], dtype=tl.float32)
+    for c0 in range(0, GROUP, BLOCK):
+        idx = start + c0 + cols
+        ok = (c0 + cols < GROUP) & (idx < K)
+        v = tl.load(x_ptr + row * x_stride + idx, mask=ok, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(v))
+    scale = tl.maximum(tl.div_rn(tl.max(amax, axis=0), FP8_MAX), 1e-12)
+    tl.store(s_ptr + row * s_stride_m + g * s_stride_g, scale)
+    for c0 in range(0, GROUP, BLOCK):
+        idx = start + c0 + cols
+        ok = (c0 + cols < GROUP) & (idx < K)
+        v = tl.load(x_ptr + row * x_stride + idx, mask=ok, other=0.0).to(tl.float32)
+        q = tl.clamp(tl.div_rn(v, scale), -FP8_MAX, FP8_MAX)
+        tl.store(q_ptr + row * K + idx, q.to(q_ptr.dtype.element_ty), mask=ok)
+
+
+def quantize_activations(x: torch.Tensor, group: int, m_major: bool = False
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: [M, K] (last dim contiguous) -> (x_fp8 [M, K], scale float32 [M, ceil(K / group)]; m_major:
+    stored transposed, stride (1, M), as cuBLASLt's 1x128 block scales are)."""
+    m, k = x.shape
+    num_groups = triton.cdiv(k, group)
+    q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
+    if m_major:
+        s = torch.empty(num_groups, m, dtype=torch.float32, device=x.device).t()
+    else:
+        s = torch.empty(m, num_groups, dtype=torch.float32, device=x.device)
+    if m:
+        block = min(triton.next_power_of_2(group), 1024)
+        _quantize_kernel[(m, num_groups)](x, q, s, k, x.stride(0), s.stride(0), s.stride(1), GROUP=group,
+                                          BLOCK=block, num_warps=4 if block >= 512 else 1)
+    return q, s
+
+
+@triton.jit
+def _gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K, as_stride, bs_stride,
+                 GROUP_K: tl.constexpr, SCALE_N: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
+    # c[m, n] = sum over k slices of (a[m, k] . b[n, k]) * as[m, k / GROUP_K] * bs[n / SCALE_N, k / GROUP_K]
+    # a: [M, K], b: [N, K] (both FP8, contiguous); BLOCK_K divides GROUP_K, so a slice has one scale.
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    m_ok, n_ok = rm < M, rn < N
+    a_ptrs = a_ptr + rm.to(tl.int64)[:, None] * K + rk[None, :]
+    b_ptrs = b_ptr + rn.to(tl.int64)[None, :] * K + rk[:, None]   # [BLOCK_K, BLOCK_N]
+    as_ptrs = as_ptr + rm.to(tl.int64) * as_stride
+    bs_ptrs = bs_ptr + (rn // SCALE_N) * bs_stride
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = rk < K - k0
+        a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        g = k0 // GROUP_K
+        sa = tl.load(as_ptrs + g, mask=m_ok, other=0.0)
+        sb = tl.load(bs_ptrs + g, mask=n_ok, other=0.0)
+        if DOT_F32:
+            part = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        else:
+            part = tl.dot(a, b)
+        acc += part * sa[:, None] * sb[None, :]
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    c_ptrs = c_ptr + rm.to(tl.int64)[:, None] * N + rn[None, :]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+def _tiles(m: int) -> dict:
+    """Tiles as a function of the token count only (a captured graph and its replays agree). Decode
+    (up to 256 rows) reads each weight tile once and is bound by the weight bytes: narrow tiles, so
+    that even o_proj (N 4096) spreads over more than one program per SM; prefill's are compute tiles.
+    Untimed first choices for the H200."""
+    if m <= 32:
+        return dict(BLOCK_M=16 if m <= 16 else 32, BLOCK_N=32, num_warps=4, num_stages=4)
+    if m <= 256:
+        return dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=4)
+    return dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3)
+
+
+def fp8_gemm(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+             block: tuple[int, int] | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """xq [M, K] FP8, xs [M, groups] float32 (quantize_activations), w [N, K] FP8, w_scale
+    [ceil(N/bn), ceil(K/bk)] or [N, 1] -> [M, N] in out_dtype, by the Triton kernel."""
+    m, k = xq.shape
+    n = w.shape[0]
+    assert xq.is_contiguous() and w.is_contiguous() and xs.stride(1) == 1
+    out = torch.empty(m, n, dtype=out_dtype, device=xq.device)
+    if m == 0:
+        return out
+    if block is None:   # one group spans K: every slice has the same (row, channel) scales
+        group_k, scale_n, block_k = k, 1, 64
+    else:
+        (scale_n, group_k), block_k = block, min(block[1], 128)
+        if group_k % block_k or block_k < 16:
+            raise ValueError(f"weight block {block}: the kernel needs a column block of 16..128 or a "
+                             "multiple of 128")
+    tiles = _tiles(m)
+    grid = (triton.cdiv(n, tiles["BLOCK_N"]), triton.cdiv(m, tiles["BLOCK_M"]))
+    _gemm_kernel[grid](xq, xs, w, w_scale, out, m, n, k, xs.stride(0), w_scale.stride(0),
+                       GROUP_K=group_k, SCALE_N=scale_n, BLOCK_K=block_k, DOT_F32=_DOT_F32, **tiles)
+    return out
+
+
+def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block: tuple[int, int] | None,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x: [..., K] -> [..., N] in x's dtype: the activations quantized (per token group of bk, or per
+    token), then the FP8 GEMM."""
+    shape, k = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, k)
+    if (BLOCK_GEMM == "cublas" and block == (128, 128) and x.dtype == torch.bfloat16 and x2.shape[0]
+            and w_scale.shape[1] % 4 == 0 and not _DOT_F32):
+        xq, xs = quantize_activations(x2, 128, m_major=True)
+        # scale_a [M, K/128] stride (1, M); scale_b [K/128, N/128] stride (1, K/128)
+        y = torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=w_scale.t(), out_dtype=x.dtype)
+        return (y if bias is None else y + bias).view(*shape, w.shape[0])
+    xq, xs = quantize_activations(x2, k if block is None else block[1])
+    if block is None and x.dtype == torch.bfloat16 and x2.shape[0] and not _DOT_F32:
+        # cuBLASLt's FP8 GEMM with row-wise scales: scale_a [M, 1], scale_b [1, N]
+        y = torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=w_scale.view(1, -1), out_dtype=x.dtype)
+    else:
+        y = fp8_gemm(xq, xs, w, w_scale, block, x.dtype)
+    if bias is not None:
+        y = y + bias
+    return y.view(*shape, w.shape[0])

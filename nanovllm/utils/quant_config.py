@@ -1,0 +1,107 @@
+"""Which FP8 weight format a model runs in: read from the checkpoint's quantization_config (as vLLM
+does), or chosen for quantization='fp8' on an unquantized checkpoint (quantized at load).
+
+Formats read (weights float8_e4m3fn, dequantized as w * scale):
+  quant_method 'fp8' (Qwen3-*-FP8, DeepSeek): weight_block_size [bn, bk]; `weight_scale_inv`
+      [ceil(N/bn), ceil(K/bk)], one scale per block; activations quantized per token and group of
+      bk columns at run time (activation_scheme 'dynamic').
+  quant_method 'compressed-tensors' (llm-compressor's FP8_DYNAMIC): `weight_scale` [N, 1], one per
+      output channel; activations quantized per token at run time. Its FP8_BLOCK export
+      (strategy 'block' / 'group') reads as the block format.
+  quantization='fp8' on a bf16/fp16/fp32 checkpoint: the per-channel format, quantized at load.
+"""
+import re
+from dataclasses import dataclass
+
+from transformers import PretrainedConfig
+
+SUPPORTED = ("fp8", "compressed-tensors")
+_FORMATS = ("'fp8' with weight_block_size and activation_scheme 'dynamic' (Qwen3-*-FP8), "
+            "'compressed-tensors' FP8 with channel weights and dynamic token activations (FP8_DYNAMIC) "
+            "or block weights and dynamic group activations (FP8_BLOCK)")
+
+
+@dataclass(frozen=True)
+class Fp8Scheme:
+    block: tuple[int, int] | None   # (rows, cols) of W per scale; None: one scale per output channel
+    scale_name: str                 # the checkpoint's name of the scale beside each `weight`
+    ignore: tuple[str, ...] = ()    # modules left unquantized: names, or 're:' + a pattern
+    online: bool = False            # an unquantized checkpoint: quantize the weights at load
+
+    def ignores(self, module_name: str) -> bool:
+        """A module the checkpoint keeps unquantized (HF's modules_to_not_convert or compressed-tensors'
+        ignore list: plain names match the module or a prefix of it; 're:' patterns match the name)."""
+        for entry in self.ignore:
+            if entry.startswith("re:"):
+                if re.match(entry[3:], module_name):
+                    return True
+            elif module_name == entry or module_name.startswith(entry + ".") or module_name.endswith(
+                    "." + entry):
+                return True
+        return False
+
+
+def fp8_scheme(hf_config: PretrainedConfig, quantization: str | None) -> Fp8Scheme | None:
+    """The FP8 format the model runs in, or None (unquantized). A ValueError naming what is supported
+    for any other method or an FP8 variant (static activation scales, per-tensor weights) not read."""
+    if quantization is not None and quantization not in SUPPORTED:
+        raise ValueError(f"quantization={quantization!r} is not supported: pass None, 'fp8' (an FP8 "
+                         f"checkpoint, or a bf16 one quantized at load) or 'compressed-tensors'")
+    qc = getattr(hf_config, "quantization_config", None)
+    if qc is not None and not isinstance(qc, dict):
+        qc = qc.to_dict() if hasattr(qc, "to_dict") else vars(qc)
+    if not qc:
+        if quantization is None:
+            return None
+        if quantization != "fp8":
+            raise ValueError(f"quantization={quantization!r} needs a checkpoint in that format; the model's "
+                             "config.json has no quantization_config (pass quantization='fp8' to quantize "
+                             "an unquantized checkpoint at load)")
+        return Fp8Scheme(block=None, scale_name="weight_scale", online=True)
+    method = qc.get("quant_method")
+    if method == "fp8":
+        return _hf_fp8(qc)
+    if method == "compressed-tensors":
+        return _compressed_tensors(qc)
+    raise ValueError(f"the checkpoint's quantization_config has quant_method {method!r}, which nanovllm does "
+                     f"not run; supported: {_FORMATS}")
+
+
+def _hf_fp8(qc: dict) -> Fp8Scheme:
+    if qc.get("activation_scheme", "dynamic") != "dynamic":
+        raise ValueError(f"quant_method 'fp8' with activation_scheme {qc.get('activation_scheme')!r} (static "
+                         f"input scales) is not supported; supported: {_FORMATS}")
+    if qc.get("fmt", "e4m3") != "e4m3":
+        raise ValueError(f"quant_method 'fp8' with fmt {qc.get('fmt')!r} is not supported (only e4m3)")
+    block = qc.get("weight_block_size")
+    if not (isinstance(block, (list, tuple)) and len(block) == 2 and all(isinstance(b, int) and b > 0
+                                                                          for b in block)):
+        raise ValueError(f"quant_method 'fp8' without a weight_block_size [rows, cols] (per-tensor weight "
+                         f"scales) is not supported; supported: {_FORMATS}")
+    return Fp8Scheme(block=tuple(block), scale_name="weight_scale_inv",
+                     ignore=tuple(qc.get("modules_to_not_convert") or ()))
+
+
+def _compressed_tensors(qc: dict) -> Fp8Scheme:
+    groups = list((qc.get("config_groups") or {}).values())
+    schemes = set()
+    for g in groups:
+        w, a = g.get("weights") or {}, g.get("input_activations") or {}
+        fp8_w = w.get("type") == "float" and w.get("num_bits") == 8 and w.get("symmetric", True)
+        fp8_a = a.get("type") == "float" and a.get("num_bits") == 8 and a.get("dynamic") is True
+        if fp8_w and fp8_a and w.get("strategy") == "channel" and a.get("strategy") == "token":
+            schemes.add(None)
+        elif (fp8_w and fp8_a and w.get("strategy") == "block" and a.get("strategy") == "group"
+              and isinstance(w.get("block_structure"), (list, tuple)) and len(w["block_structure"]) == 2
+              and a.get("group_size") == w["block_structure"][1]):
+            schemes.add(tuple(w["block_structure"]))
+        else:
+            raise ValueError(f"compressed-tensors group with weights {w} and input_activations {a} is not "
+                             f"supported; supported: {_FORMATS}")
+    if len(schemes) != 1:
+        raise ValueError(f"compressed-tensors: expected one FP8 config group, got {len(groups)} "
+                         f"({len(schemes)} schemes); supported: {_FORMATS}")
+    if qc.get("kv_cache_scheme"):
+        raise ValueError("compressed-tensors kv_cache_scheme (static KV scales) is not read: export without "
+                         "it and pass kv_cache_dtype='fp8' for an FP8 KV cache")
+    return Fp8Scheme(block=schemes.pop(), scale_name="weight_scale", ignore=tuple(qc.get("ignore") or ()))

@@ -1,0 +1,259 @@
+"""FP8 weights on CPU: tiny random Qwen3 and Qwen3-MoE models saved as the real FP8 checkpoints are
+(HF's quant_method 'fp8' with [128, 128] blocks and weight_scale_inv, as Qwen3-*-FP8 ship; and
+compressed-tensors FP8_DYNAMIC with per-channel weight_scale), then every greedy token must be an
+argmax of transformers' logits on the dequantized model; TP=2 gives TP=1's tokens; quantization='fp8'
+on a bf16 checkpoint quantizes at load; formats nanovllm does not read are clear errors."""
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from conftest import HFOracle, edit_checkpoint, make_model, random_prompts
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.config import Config
+from nanovllm.kernels.fp8_reference import quantize_activations, quantize_weight
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+# Every projection a multiple of 128 rows and columns, on one rank and on two (head_dim 128:
+# q 512, k and v 256 rows; MLP 512, experts 256).
+SHAPES = dict(hidden_size=256, intermediate_size=512, head_dim=128, num_attention_heads=4,
+              num_key_value_heads=2)
+MOE_SHAPES = dict(SHAPES, moe_intermediate_size=256, num_experts=4, num_experts_per_tok=2)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+OPTIONS = dict(device="cpu", kvcache_block_size=16, num_kvcache_blocks=32)
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+BLOCK_CONFIG = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+                "weight_block_size": [128, 128]}
+# what llm-compressor's FP8_DYNAMIC scheme writes
+CT_CONFIG = {
+    "quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+    "ignore": ["lm_head", "re:.*mlp.gate$"], "kv_cache_scheme": None,
+    "config_groups": {"group_0": {
+        "targets": ["Linear"], "output_activations": None,
+        "weights": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel",
+                    "dynamic": False, "group_size": None, "block_structure": None, "observer": "minmax"},
+        "input_activations": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "token",
+                              "dynamic": True, "group_size": None, "block_structure": None,
+                              "observer": None}}}}
+FORMATS = {"block": (BLOCK_CONFIG, (128, 128), "weight_scale_inv", torch.float32),
+           "compressed-tensors": (CT_CONFIG, None, "weight_scale", torch.bfloat16)}
+
+
+def _is_projection(name: str) -> bool:
+    return name.endswith(".weight") and name.split(".")[-2] in PROJECTIONS
+
+
+def _dequantize(w: torch.Tensor, scale: torch.Tensor, block) -> torch.Tensor:
+    """The format's definition, written out: each block (row) of w times its scale."""
+    if block is None:
+        return w.float() * scale.float()
+    ones = torch.ones(block)
+    return w.float() * torch.kron(scale.float(), ones)[:w.shape[0], :w.shape[1]]
+
+
+def dequantized_copy(src: str, dst: str, block, scale_dtype) -> str:
+    """src's model with every projection replaced by its quantized-then-dequantized values (fp32,
+    unquantized): transformers' oracle of an FP8 model."""
+    shutil.copytree(src, dst)
+
+    def dequantize(tensors):
+        for name in [n for n in tensors if _is_projection(n)]:
+            w, s = quantize_weight(tensors[name], block)
+            tensors[name] = _dequantize(w, s.to(scale_dtype), block)
+    edit_checkpoint(dst, dequantize)
+    return dst
+
+
+def save_fp8(src: str, dst: str, fmt: str) -> str:
+    """dst: src's model in FP8 format fmt; dst + '-dequantized': its dequantized copy. Returns dst."""
+    qconfig, block, scale_name, scale_dtype = FORMATS[fmt]
+    shutil.copytree(src, dst)
+
+    def quantize(tensors):
+        for name in [n for n in tensors if _is_projection(n)]:
+            w, s = quantize_weight(tensors[name], block)
+            tensors[name], tensors[name.removesuffix("weight") + scale_name] = w, s.to(scale_dtype)
+    edit_checkpoint(dst, quantize)
+    dequantized_copy(src, dst + "-dequantized", block, scale_dtype)
+    with open(os.path.join(dst, "config.json")) as f:
+        config = json.load(f)
+    config["quantization_config"] = qconfig
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(config, f)
+    return dst
+
+
+@pytest.fixture(scope="module")
+def bf16_dirs(tmp_path_factory):
+    return {"qwen3": make_model(str(tmp_path_factory.mktemp("qwen3-fp8-src")), "qwen3", **SHAPES),
+            "qwen3_moe": make_model(str(tmp_path_factory.mktemp("moe-fp8-src")), "qwen3_moe",
+                                    **MOE_SHAPES)}
+
+
+@pytest.fixture(scope="module", params=[(arch, fmt) for arch in ("qwen3", "qwen3_moe") for fmt in FORMATS],
+                ids=lambda p: f"{p[0]}-{p[1]}")
+def fp8_dir(request, bf16_dirs, tmp_path_factory):
+    arch, fmt = request.param
+    return save_fp8(bf16_dirs[arch], str(tmp_path_factory.mktemp("fp8") / f"{arch}-{fmt}"), fmt)
+
+
+def test_fp8_checkpoint_matches_transformers_on_the_dequantized_model(fp8_dir):
+    llm = LLM(fp8_dir, **OPTIONS)
+    layers = [m for m in llm.model_runner.model.modules() if getattr(m, "quant", None) is not None]
+    assert layers and all(p.dtype == torch.float8_e4m3fn for m in layers
+                          for n, p in m.named_parameters(recurse=False) if n in ("weight", "w13", "w2"))
+    oracle = HFOracle(fp8_dir + "-dequantized")
+    prompts = random_prompts(4, [1, 9, 17, 40], seed=3)
+    for prompt, out in zip(prompts, llm.generate(prompts, GREEDY, use_tqdm=False)):
+        oracle.assert_greedy(prompt, out.outputs[0].token_ids)
+
+
+def test_tensor_parallel_fp8_equals_one_rank(fp8_dir):
+    prompts = random_prompts(3, [5, 17, 33], seed=1)
+    one = [o.outputs[0].token_ids for o in LLM(fp8_dir, **OPTIONS).generate(prompts, GREEDY, use_tqdm=False)]
+    llm = LLM(fp8_dir, tensor_parallel_size=2, **OPTIONS)
+    try:
+        two = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    finally:
+        llm.shutdown()
+    assert two == one
+
+
+def test_quantization_fp8_quantizes_a_bf16_checkpoint_at_load(bf16_dirs, tmp_path):
+    path = bf16_dirs["qwen3"]
+    llm = LLM(path, quantization="fp8", **OPTIONS)
+    model = llm.model_runner.model
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    assert qkv.weight.dtype == torch.float8_e4m3fn and qkv.weight_scale.shape == (qkv.weight.shape[0], 1)
+    assert model.model.layers[0].folded   # the norms were folded into the weights before quantizing
+    # The RMSNorm weights of the random model are 1, so folding leaves the projections as they are:
+    # the engine's tokens are transformers' argmax on the model quantized per channel (fp32 scales).
+    oracle = HFOracle(dequantized_copy(path, str(tmp_path / "dequantized"), None, torch.float32))
+    prompts = random_prompts(4, [3, 9, 17, 40], seed=5)
+    for prompt, out in zip(prompts, llm.generate(prompts, GREEDY, use_tqdm=False)):
+        oracle.assert_greedy(prompt, out.outputs[0].token_ids)
+
+
+def test_bf16_checkpoint_with_dummy_fp8_and_quantized_moe(bf16_dirs):
+    llm = LLM(bf16_dirs["qwen3_moe"], quantization="fp8", load_format="dummy", **OPTIONS)
+    experts = llm.model_runner.model.model.layers[0].mlp.experts
+    assert experts.w13.dtype == torch.float8_e4m3fn and experts.w13_scale.shape == (4, 512, 1)
+    out = llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == GREEDY.max_tokens
+
+
+def test_a_shard_that_splits_a_block_is_a_clear_error(tmp_path):
+    """head_dim 64: k and v have 128 rows, 64 on each of two ranks: half a block's scale each."""
+    src = make_model(str(tmp_path / "src"), "qwen3", **dict(SHAPES, head_dim=64))
+    path = save_fp8(src, str(tmp_path / "block"), "block")
+    with pytest.raises(Exception, match="multiple of the FP8 weight block"):
+        LLM(path, tensor_parallel_size=2, **OPTIONS)
+
+
+def _with_quantization_config(src: str, dst: str, qconfig: dict) -> str:
+    shutil.copytree(src, dst)
+    with open(os.path.join(dst, "config.json")) as f:
+        config = json.load(f)
+    config["quantization_config"] = qconfig
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(config, f)
+    return dst
+
+
+@pytest.mark.parametrize("qconfig, message", [
+    ({"quant_method": "awq", "bits": 4}, "quant_method 'awq'"),
+    ({"quant_method": "fp8", "activation_scheme": "static", "weight_block_size": [128, 128]}, "static"),
+    ({"quant_method": "fp8", "activation_scheme": "dynamic"}, "weight_block_size"),
+    ({**CT_CONFIG, "config_groups": {"g": {**CT_CONFIG["config_groups"]["group_0"],
+                                           "input_activations": None}}}, "not supported"),
+])
+def test_unsupported_quantization_configs_are_clear_errors(bf16_dirs, tmp_path, qconfig, message):
+    path = _with_quantization_config(bf16_dirs["qwen3"], str(tmp_path / "m"), qconfig)
+    with pytest.raises(ValueError, match=message):
+        Config(path)
+
+
+def test_unsupported_quantization_option_names_the_supported_ones(bf16_dirs):
+    with pytest.raises(ValueError, match="'fp8'"):
+        Config(bf16_dirs["qwen3"], quantization="gptq")
+    assert Config(bf16_dirs["qwen3"]).fp8 is None
+    assert Config(bf16_dirs["qwen3"], quantization="fp8").fp8.online
+
+
+def test_an_unquantized_tensor_in_an_fp8_checkpoint_is_refused(bf16_dirs, tmp_path):
+    path = save_fp8(bf16_dirs["qwen3"], str(tmp_path / "bad"), "block")
+    name = "model.layers.0.self_attn.o_proj.weight"
+    edit_checkpoint(path, lambda t: t.update({name: t[name].float()}) if name in t else None)
+    with pytest.raises(ValueError, match="o_proj.weight.*float8_e4m3fn"):
+        LLM(path, **OPTIONS)
+
+
+def test_activation_groups_round_like_the_weights():
+    """quantize_activations: each token's group of 128 scaled by its amax / 448; values round-trip
+    within e4m3's half-ulp (2^-4 relative)."""
+    x = torch.randn(5, 300) * torch.logspace(-3, 3, 300)
+    q, s = quantize_activations(x, 128)
+    assert q.dtype == torch.float8_e4m3fn and s.shape == (5, 3)
+    assert torch.allclose(s[:, 0], x[:, :128].abs().amax(1) / 448)
+    back = (q.float().view(5, -1) * s.repeat_interleave(128, 1)[:, :300])
+    assert torch.allclose(back, x, rtol=2 ** -4, atol=s.max().item() * 2 ** -9)
+
+
+def test_roofline_counts_fp8_weights_at_one_byte():
+    """A one-token decode is bound by the weight bytes: FP8 reads the body at 1 byte, the LM head at 2."""
+    from nanovllm.utils.roofline import H200, ModelShapes, workload_limit
+    config = dict(hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+                  head_dim=128, intermediate_size=12288, vocab_size=151936)
+    shapes = ModelShapes.from_config(config)
+    bf16, fp8 = (workload_limit(config, [1], [2000], weight_bytes=b) for b in (2, 1))
+    body, head = shapes.body_params, shapes.lm_head_params
+    assert fp8 / bf16 == pytest.approx((2 * body + 2 * head) / (body + 2 * head), rel=2e-2)
+    assert bf16 == pytest.approx(H200.copy_bytes_per_s / (2 * (body + head)), rel=2e-2)
+    with pytest.raises(ValueError, match="weight_bytes"):
+        workload_limit(config, [1], [1], weight_bytes=4)
+
+
+def test_block_fp8_configs_with_dummy_weights(tmp_path, bf16_dirs):
+    """bench.py's configs/*-fp8 (Qwen3-*-FP8's quantization_config) parse as the block format, and a
+    block-format config with dummy weights runs with block scales (quantized at load)."""
+    for name in ("qwen3-8b-fp8", "qwen3-30b-a3b-fp8"):
+        scheme = Config(f"configs/{name}").fp8
+        assert scheme.block == (128, 128) and scheme.scale_name == "weight_scale_inv" and not scheme.online
+    path = _with_quantization_config(bf16_dirs["qwen3_moe"], str(tmp_path / "m"), BLOCK_CONFIG)
+    llm = LLM(path, load_format="dummy", **OPTIONS)
+    layer = llm.model_runner.model.model.layers[0]
+    assert layer.self_attn.qkv_proj.weight_scale.shape == (8, 2)    # q 512 + k, v 256 rows; 256 columns
+    assert layer.mlp.experts.w13_scale.shape == (4, 4, 2)
+    assert len(llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == 8
+
+
+def test_an_fp8_tensor_for_an_unquantized_layer_is_refused(bf16_dirs, tmp_path):
+    """The ignore list keeps o_proj unquantized, but the checkpoint's o_proj is FP8."""
+    path = save_fp8(bf16_dirs["qwen3"], str(tmp_path / "m"), "block")
+    config_file = os.path.join(path, "config.json")
+    with open(config_file) as f:
+        config = json.load(f)
+    config["quantization_config"]["modules_to_not_convert"] = ["o_proj"]
+    with open(config_file, "w") as f:
+        json.dump(config, f)
+    with pytest.raises(ValueError, match="o_proj.weight.*is FP8"):
+        LLM(path, **OPTIONS)
+
+
+def test_quantization_at_load_under_tensor_parallelism(bf16_dirs, tmp_path):
+    """TP=2, norms folded, FP8 o_proj / down_proj adding into the residual on rank 0 only: each rank
+    quantizes its own shard (a row-parallel shard's channel scales cover its half of the columns),
+    so tokens are checked against the whole-row quantized oracle within a small gap."""
+    path = bf16_dirs["qwen3"]
+    oracle = HFOracle(dequantized_copy(path, str(tmp_path / "dequantized"), None, torch.float32))
+    llm = LLM(path, quantization="fp8", tensor_parallel_size=2, **OPTIONS)
+    try:
+        prompts = random_prompts(3, [3, 17, 40], seed=6)
+        for prompt, out in zip(prompts, llm.generate(prompts, GREEDY, use_tqdm=False)):
+            oracle.assert_greedy(prompt, out.outputs[0].token_ids, atol=0.25)
+    finally:
+        llm.shutdown()
