@@ -25,7 +25,9 @@ def _shard(loaded: torch.Tensor, dim: int, size: int, rank: int, world: int) -> 
 
 class LinearBase(nn.Module):
     """y = x W^T (+ b) with W: [output_size, input_size] on this rank. tp_dim: the sharded axis of
-    W (0 = output columns, 1 = input rows, None = replicated)."""
+    W (0 = output columns, 1 = input rows, None = replicated). lora: a lora.layers.LoRALinear,
+    lora(x, y) -> y plus the step's adapters' updates (added before any all-reduce)."""
+    lora = None
 
     def __init__(self, input_size: int, output_size: int, bias: bool, tp_dim: int | None):
         super().__init__()
@@ -43,7 +45,8 @@ class LinearBase(nn.Module):
         default_weight_loader(param, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        y = F.linear(x, self.weight, self.bias)
+        return y if self.lora is None else self.lora(x, y)
 
 
 class ReplicatedLinear(LinearBase):
@@ -103,8 +106,8 @@ class RowParallelLinear(LinearBase):
         # place, so the sum over ranks holds it once: no add kernel.
         if residual is not None and self.bias is None:
             y = residual.addmm_(x, self.weight.t()) if self.tp_rank == 0 else F.linear(x, self.weight)
-            return all_reduce(y)
+            return all_reduce(y if self.lora is None else self.lora(x, y))
         y = F.linear(x, self.weight)
-        y = all_reduce(y)
+        y = all_reduce(y if self.lora is None else self.lora(x, y))
         y = y + self.bias if self.bias is not None else y
         return y if residual is None else y + residual

@@ -1,0 +1,145 @@
+"""Batched LoRA for a step whose tokens run under different adapters (punica's / S-LoRA's
+shrink-expand): y[t] += B[s] (A[s] x[t]) for each token t of adapter slot s = slots[t] (-1: the base
+model, nothing added). A layer's adapters live in fixed slot buffers:
+  a: [num_slots, R, in]  the slots' A matrices (R = the layer's slices x max_lora_rank, zero-padded)
+  b: [out, num_slots, R] the slots' B matrices, scale (lora_alpha / r) folded in.
+
+The Triton path groups the tokens by slot once per step (LoRABatch) and gives each program a tile of
+one slot's tokens: it gathers their rows of x (shrink: x A^T into an fp32 [tokens, R] buffer) or of
+that buffer (expand: adds h B^T into y's rows). The grid is fixed by the token count, so the decode
+CUDA graphs replay it for any mix of adapters; a tile past its slot's tokens does no work.
+The torch path (CPU, and the oracle) multiplies by every slot's matrices and masks the other slots'
+columns to zero: the same sums, exact, with no host sync."""
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from nanovllm.kernels.common import interpreted
+
+BLOCK_M = 16    # tokens per program
+BLOCK_K = 64    # shrink: input features per iteration
+BLOCK_N = 64    # expand: output features per program
+
+
+class LoRABatch(NamedTuple):
+    """One step's tokens by adapter slot, computed once and read by every LoRA layer."""
+    slots: torch.Tensor    # [T] slot of each token, -1: base model
+    order: torch.Tensor    # [T] int64 the adapters' tokens grouped by slot (the rest unused)
+    starts: torch.Tensor   # [num_slots + 1] int32 slot s's tokens are order[starts[s]:starts[s + 1]]
+
+    @classmethod
+    def of(cls, slots: torch.Tensor, num_slots: int) -> "LoRABatch":
+        """Elementwise ops and cumulative sums only (no sort, no host sync): recorded into the
+        decode CUDA graphs with slots as their input."""
+        num_tokens = slots.numel()
+        mask = slots.reshape(-1, 1) == torch.arange(num_slots, device=slots.device)   # [T, num_slots]
+        cum = mask.cumsum(0)
+        starts = torch.zeros(num_slots + 1, dtype=torch.int64, device=slots.device)
+        starts[1:] = cum[-1].cumsum(0)
+        # token t of slot s goes to starts[s] + (its rank among slot s's tokens); base tokens to a spare row
+        dest = ((starts[:-1] + cum - 1) * mask).sum(1)
+        dest = torch.where(slots >= 0, dest, num_tokens)
+        order = torch.zeros(num_tokens + 1, dtype=torch.int64, device=slots.device)
+        order.scatter_(0, dest, torch.arange(num_tokens, device=slots.device))
+        return cls(slots, order[:num_tokens], starts.to(torch.int32))
+
+
+@triton.jit(do_not_specialize=["num_tokens"])
+def _shrink_kernel(x_ptr, a_ptr, h_ptr, order_ptr, starts_ptr, num_tokens, K, R, x_stride,
+                   a_stride_s, a_stride_r, h_stride,
+                   BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, FP32: tl.constexpr):
+    s, m = tl.program_id(0), tl.program_id(1)
+    start = tl.load(starts_ptr + s)
+    end = tl.load(starts_ptr + s + 1)
+    idx = start + m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rmask = idx < end
+    tok = tl.load(order_ptr + idx, mask=rmask, other=0).to(tl.int64)
+    r = tl.arange(0, BLOCK_R)
+    k_end = tl.where(start + m * BLOCK_M < end, K, 0)   # a tile past this slot's tokens: no loop
+    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    a_base = a_ptr + s.to(tl.int64) * a_stride_s
+    for k0 in range(0, k_end, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + tok[:, None] * x_stride + k[None, :], mask=rmask[:, None] & (k < K)[None, :],
+                    other=0.0)
+        a = tl.load(a_base + r[None, :] * a_stride_r + k[:, None], mask=(r < R)[None, :] & (k < K)[:, None],
+                    other=0.0)
+        if FP32:
+            acc += tl.dot(x.to(tl.float32), a.to(tl.float32), input_precision="ieee")
+        else:
+            acc += tl.dot(x.to(a.dtype), a)
+    tl.store(h_ptr + tok[:, None] * h_stride + r[None, :], acc, mask=rmask[:, None] & (r < R)[None, :])
+
+
+@triton.jit(do_not_specialize=["num_tokens"])
+def _expand_kernel(h_ptr, b_ptr, y_ptr, order_ptr, starts_ptr, num_tokens, N, R, h_stride,
+                   b_stride_n, b_stride_s, y_stride,
+                   BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, FP32: tl.constexpr):
+    s, m, nb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    start = tl.load(starts_ptr + s)
+    end = tl.load(starts_ptr + s + 1)
+    idx = start + m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rmask = idx < end
+    tok = tl.load(order_ptr + idx, mask=rmask, other=0).to(tl.int64)
+    r = tl.arange(0, BLOCK_R)
+    n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = n < N
+    h = tl.load(h_ptr + tok[:, None] * h_stride + r[None, :], mask=rmask[:, None] & (r < R)[None, :],
+                other=0.0)
+    b = tl.load(b_ptr + s.to(tl.int64) * b_stride_s + n[None, :] * b_stride_n + r[:, None],
+                mask=(r < R)[:, None] & nmask[None, :], other=0.0)
+    if FP32:
+        acc = tl.dot(h, b.to(tl.float32), input_precision="ieee")
+    else:
+        acc = tl.dot(h.to(b.dtype), b)
+    mask = rmask[:, None] & nmask[None, :]
+    y_ptrs = y_ptr + tok[:, None] * y_stride + n[None, :]
+    y = tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptrs, (y + acc).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    t2 = t.reshape(-1, t.shape[-1])
+    return t2 if t2.stride(-1) == 1 else t2.contiguous()
+
+
+def lora_triton(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, batch: LoRABatch):
+    """y += the slots' LoRA of x, in place (see the module docstring). x: [T, in], y: [T, out]
+    with unit column stride."""
+    x2 = _rows(x)
+    num_tokens, num_slots, R, K = x2.size(0), a.size(0), a.size(1), a.size(2)
+    N = y.size(-1)
+    assert y.stride(-1) == 1 and a.stride(2) == 1 and b.stride(2) == 1
+    block_r = max(16, triton.next_power_of_2(R))
+    fp32 = a.dtype == torch.float32   # fp32 weights: exact fp32 dots; else the dtype's tensor cores
+    h = torch.empty(num_tokens, R, dtype=torch.float32, device=x.device)
+    tiles = triton.cdiv(num_tokens, BLOCK_M)
+    _shrink_kernel[(num_slots, tiles)](x2, a, h, batch.order, batch.starts, num_tokens, K, R, x2.stride(0),
+                                       a.stride(0), a.stride(1), h.stride(0),
+                                       BLOCK_M=BLOCK_M, BLOCK_R=block_r, BLOCK_K=BLOCK_K, FP32=fp32)
+    _expand_kernel[(num_slots, tiles, triton.cdiv(N, BLOCK_N))](
+        h, b, y, batch.order, batch.starts, num_tokens, N, R, h.stride(0), b.stride(0), b.stride(1),
+        y.stride(0), BLOCK_M=BLOCK_M, BLOCK_R=block_r, BLOCK_N=BLOCK_N, FP32=fp32)
+    return y
+
+
+def lora_reference(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                   slots: torch.Tensor) -> torch.Tensor:
+    """The torch path: y + the slots' LoRA of x (a new tensor), every slot computed and the
+    columns of the slots a token does not use masked to zero."""
+    num_slots, R, K = a.shape
+    x2 = x.reshape(-1, K)
+    h = x2.to(a.dtype) @ a.reshape(num_slots * R, K).t()                    # [T, num_slots * R]
+    mask = slots.reshape(-1, 1) == torch.arange(num_slots, device=x.device)  # [T, num_slots]
+    h = (h.view(-1, num_slots, R) * mask.unsqueeze(-1).to(h.dtype)).view(-1, num_slots * R)
+    return y + (h @ b.reshape(b.size(0), num_slots * R).t()).to(y.dtype)
+
+
+def apply_lora(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+               batch: LoRABatch) -> torch.Tensor:
+    """y plus the slots' LoRA of x: Triton on CUDA (in place), torch elsewhere."""
+    if interpreted(x.device):
+        return lora_reference(x, y, a, b, batch.slots)
+    return lora_triton(x, y, a, b, batch)
