@@ -21,6 +21,7 @@ from nanovllm.kernels.common import interpreted
 BLOCK_M = 16    # tokens per program
 BLOCK_K = 64    # shrink: input features per iteration
 BLOCK_N = 64    # expand: output features per program
+SHRINK_SPLITS = 8   # shrink: the most programs one tile's input features are split over
 
 
 class LoRABatch(NamedTuple):
@@ -48,29 +49,35 @@ class LoRABatch(NamedTuple):
 
 @triton.jit(do_not_specialize=["num_tokens"])
 def _shrink_kernel(x_ptr, a_ptr, h_ptr, order_ptr, starts_ptr, num_tokens, K, R, x_stride,
-                   a_stride_s, a_stride_r, h_stride,
+                   a_stride_s, a_stride_r, h_stride, K_PER_SPLIT,
                    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, FP32: tl.constexpr):
-    s, m = tl.program_id(0), tl.program_id(1)
+    # Program (slot, token tile, K split): its share of the input features, added into h (zeroed).
+    s, m, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     start = tl.load(starts_ptr + s)
     end = tl.load(starts_ptr + s + 1)
     idx = start + m * BLOCK_M + tl.arange(0, BLOCK_M)
     rmask = idx < end
     tok = tl.load(order_ptr + idx, mask=rmask, other=0).to(tl.int64)
     r = tl.arange(0, BLOCK_R)
-    k_end = tl.where(start + m * BLOCK_M < end, K, 0)   # a tile past this slot's tokens: no loop
+    k_begin = split * K_PER_SPLIT
+    k_end = tl.minimum(k_begin + K_PER_SPLIT, K)
+    k_end = tl.where(start + m * BLOCK_M < end, k_end, k_begin)   # past this slot's tokens: no work
     acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     a_base = a_ptr + s.to(tl.int64) * a_stride_s
-    for k0 in range(0, k_end, BLOCK_K):
+    for k0 in range(k_begin, k_end, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + tok[:, None] * x_stride + k[None, :], mask=rmask[:, None] & (k < K)[None, :],
+        kmask = k < k_end
+        x = tl.load(x_ptr + tok[:, None] * x_stride + k[None, :], mask=rmask[:, None] & kmask[None, :],
                     other=0.0)
-        a = tl.load(a_base + r[None, :] * a_stride_r + k[:, None], mask=(r < R)[None, :] & (k < K)[:, None],
+        a = tl.load(a_base + r[None, :] * a_stride_r + k[:, None], mask=(r < R)[None, :] & kmask[:, None],
                     other=0.0)
         if FP32:
             acc += tl.dot(x.to(tl.float32), a.to(tl.float32), input_precision="ieee")
         else:
             acc += tl.dot(x.to(a.dtype), a)
-    tl.store(h_ptr + tok[:, None] * h_stride + r[None, :], acc, mask=rmask[:, None] & (r < R)[None, :])
+    if k_end > k_begin:
+        tl.atomic_add(h_ptr + tok[:, None] * h_stride + r[None, :], acc,
+                      mask=rmask[:, None] & (r < R)[None, :])
 
 
 @triton.jit(do_not_specialize=["num_tokens"])
@@ -114,11 +121,14 @@ def lora_triton(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tens
     assert y.stride(-1) == 1 and a.stride(2) == 1 and b.stride(2) == 1
     block_r = max(16, triton.next_power_of_2(R))
     fp32 = a.dtype == torch.float32   # fp32 weights: exact fp32 dots; else the dtype's tensor cores
-    h = torch.empty(num_tokens, R, dtype=torch.float32, device=x.device)
+    h = torch.zeros(num_tokens, R, dtype=torch.float32, device=x.device)
     tiles = triton.cdiv(num_tokens, BLOCK_M)
-    _shrink_kernel[(num_slots, tiles)](x2, a, h, batch.order, batch.starts, num_tokens, K, R, x2.stride(0),
-                                       a.stride(0), a.stride(1), h.stride(0),
-                                       BLOCK_M=BLOCK_M, BLOCK_R=block_r, BLOCK_K=BLOCK_K, FP32=fp32)
+    # Few tokens (decode): split the input features over programs too, so more SMs share the work.
+    splits = max(1, min(SHRINK_SPLITS, triton.cdiv(K, 4 * BLOCK_K), triton.cdiv(1024, tiles)))
+    per_split = triton.cdiv(triton.cdiv(K, splits), BLOCK_K) * BLOCK_K
+    _shrink_kernel[(num_slots, tiles, triton.cdiv(K, per_split))](
+        x2, a, h, batch.order, batch.starts, num_tokens, K, R, x2.stride(0), a.stride(0), a.stride(1),
+        h.stride(0), per_split, BLOCK_M=BLOCK_M, BLOCK_R=block_r, BLOCK_K=BLOCK_K, FP32=fp32)
     _expand_kernel[(num_slots, tiles, triton.cdiv(N, BLOCK_N))](
         h, b, y, batch.order, batch.starts, num_tokens, N, R, h.stride(0), b.stride(0), b.stride(1),
         y.stride(0), BLOCK_M=BLOCK_M, BLOCK_R=block_r, BLOCK_N=BLOCK_N, FP32=fp32)

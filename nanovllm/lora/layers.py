@@ -134,7 +134,10 @@ class LoRAModel:
     def batch(self, slots: torch.Tensor) -> LoRABatch:
         return LoRABatch.of(slots, self.max_loras)
 
-    def prefill_batch(self, step, device: torch.device) -> LoRABatch:
-        """A prefill step's LoRABatch: each sequence's slot for each of its tokens."""
+    def prefill_batch(self, step, device: torch.device) -> LoRABatch | None:
+        """A prefill step's LoRABatch: each sequence's slot for each of its tokens; None when every
+        sequence runs the base model (no LoRA kernels in the step)."""
+        if max(step.lora_slots) < 0:
+            return None
         per_token = [slot for slot, ids in zip(step.lora_slots, step.token_ids) for _ in ids]
         return self.batch(torch.tensor(per_token, dtype=torch.int32).to(device, non_blocking=True))
