@@ -182,6 +182,8 @@ class LLMEngine:
             seq.abort()
         self._queued.clear()
         self.scheduler.reset()
+        if self.model_runner.lora is not None:   # a step may have taken slots it never loaded
+            self.model_runner.lora.slots.reset()
         self._reset_owed = False
 
     # ---- requests -------------------------------------------------------------------------

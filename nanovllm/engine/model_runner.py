@@ -388,7 +388,7 @@ class ModelRunner:
             layer.k_cache = layer.v_cache = None
         self.attention_layers = []
         # the group too: it holds the rendezvous store and gloo's sockets until collected
-        self.graphs = self.kv_cache = self.model = self.sampled_tokens = self.group = None
+        self.graphs = self.kv_cache = self.model = self.sampled_tokens = self.group = self.lora = None
         # The model's layers and their parameters reference each other (each parameter's
         # weight_loader is a bound method of its layer): only the cycle collector frees them, so
         # collect now, before giving the memory back, and also when automatic collection is off.

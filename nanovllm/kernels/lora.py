@@ -92,7 +92,7 @@ def _expand_kernel(h_ptr, b_ptr, y_ptr, order_ptr, starts_ptr, num_tokens, N, R,
     tok = tl.load(order_ptr + idx, mask=rmask, other=0).to(tl.int64)
     r = tl.arange(0, BLOCK_R)
     n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
-    nmask = n < N
+    nmask = n < tl.where(start + m * BLOCK_M < end, N, 0)   # a tile past this slot's tokens: no loads
     h = tl.load(h_ptr + tok[:, None] * h_stride + r[None, :], mask=rmask[:, None] & (r < R)[None, :],
                 other=0.0)
     b = tl.load(b_ptr + s.to(tl.int64) * b_stride_s + n[None, :] * b_stride_n + r[:, None],

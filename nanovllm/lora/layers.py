@@ -41,7 +41,8 @@ class LoRALinear:
         else:
             self.sizes = (out_local,)
         self.input_scale = input_scale
-        kw = dict(dtype=base.weight.dtype, device=base.weight.device)
+        dtype = base.weight.dtype   # the activations' (a weight stored in 8 bits: bf16)
+        kw = dict(dtype=dtype if dtype.itemsize >= 2 else torch.bfloat16, device=base.weight.device)
         self.a = torch.zeros(max_loras, len(modules) * max_rank, in_local, **kw)
         self.b = torch.zeros(out_local, max_loras, len(modules) * max_rank, **kw)
 
