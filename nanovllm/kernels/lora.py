@@ -5,8 +5,9 @@ model, nothing added). A layer's adapters live in fixed slot buffers:
   b: [out, num_slots, R] the slots' B matrices, scale (lora_alpha / r) folded in.
 
 The Triton path groups the tokens by slot once per step (LoRABatch) and gives each program a tile of
-one slot's tokens: it gathers their rows of x (shrink: x A^T into an fp32 [tokens, R] buffer) or of
-that buffer (expand: adds h B^T into y's rows). The grid is fixed by the token count, so the decode
+one slot's tokens: it gathers their rows of x (shrink: x A^T into fp32 partials [splits, tokens, R],
+the input features split over several programs when the tokens are few, as in decode) or of those
+partials (expand: adds their sum times B^T into y's rows). The grid is fixed by the token count, so the decode
 CUDA graphs replay it for any mix of adapters; a tile past its slot's tokens does no work.
 The torch path (CPU, and the oracle) multiplies by every slot's matrices and masks the other slots'
 columns to zero: the same sums, exact, with no host sync."""
@@ -49,9 +50,10 @@ class LoRABatch(NamedTuple):
 
 @triton.jit(do_not_specialize=["num_tokens"])
 def _shrink_kernel(x_ptr, a_ptr, h_ptr, order_ptr, starts_ptr, num_tokens, K, R, x_stride,
-                   a_stride_s, a_stride_r, h_stride, K_PER_SPLIT,
+                   a_stride_s, a_stride_r, h_stride, h_stride_split, K_PER_SPLIT,
                    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, FP32: tl.constexpr):
-    # Program (slot, token tile, K split): its share of the input features, added into h (zeroed).
+    # Program (slot, token tile, K split): its share of the input features, into its own partial of h
+    # (the expand kernel sums the partials: no atomics, and the same sums whatever the timing).
     s, m, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     start = tl.load(starts_ptr + s)
     end = tl.load(starts_ptr + s + 1)
@@ -75,14 +77,13 @@ def _shrink_kernel(x_ptr, a_ptr, h_ptr, order_ptr, starts_ptr, num_tokens, K, R,
             acc += tl.dot(x.to(tl.float32), a.to(tl.float32), input_precision="ieee")
         else:
             acc += tl.dot(x.to(a.dtype), a)
-    if k_end > k_begin:
-        tl.atomic_add(h_ptr + tok[:, None] * h_stride + r[None, :], acc,
-                      mask=rmask[:, None] & (r < R)[None, :])
+    tl.store(h_ptr + split * h_stride_split + tok[:, None] * h_stride + r[None, :], acc,
+             mask=rmask[:, None] & (r < R)[None, :])
 
 
 @triton.jit(do_not_specialize=["num_tokens"])
-def _expand_kernel(h_ptr, b_ptr, y_ptr, order_ptr, starts_ptr, num_tokens, N, R, h_stride,
-                   b_stride_n, b_stride_s, y_stride,
+def _expand_kernel(h_ptr, b_ptr, y_ptr, order_ptr, starts_ptr, num_tokens, N, R, h_stride, h_stride_split,
+                   b_stride_n, b_stride_s, y_stride, SPLITS: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, FP32: tl.constexpr):
     s, m, nb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     start = tl.load(starts_ptr + s)
@@ -93,8 +94,11 @@ def _expand_kernel(h_ptr, b_ptr, y_ptr, order_ptr, starts_ptr, num_tokens, N, R,
     r = tl.arange(0, BLOCK_R)
     n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < tl.where(start + m * BLOCK_M < end, N, 0)   # a tile past this slot's tokens: no loads
-    h = tl.load(h_ptr + tok[:, None] * h_stride + r[None, :], mask=rmask[:, None] & (r < R)[None, :],
-                other=0.0)
+    hmask = rmask[:, None] & (r < R)[None, :]
+    h = tl.load(h_ptr + tok[:, None] * h_stride + r[None, :], mask=hmask, other=0.0)
+    for split in range(1, SPLITS):
+        h += tl.load(h_ptr + split * h_stride_split + tok[:, None] * h_stride + r[None, :], mask=hmask,
+                     other=0.0)
     b = tl.load(b_ptr + s.to(tl.int64) * b_stride_s + n[None, :] * b_stride_n + r[:, None],
                 mask=(r < R)[:, None] & nmask[None, :], other=0.0)
     if FP32:
@@ -121,17 +125,19 @@ def lora_triton(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tens
     assert y.stride(-1) == 1 and a.stride(2) == 1 and b.stride(2) == 1
     block_r = max(16, triton.next_power_of_2(R))
     fp32 = a.dtype == torch.float32   # fp32 weights: exact fp32 dots; else the dtype's tensor cores
-    h = torch.zeros(num_tokens, R, dtype=torch.float32, device=x.device)
     tiles = triton.cdiv(num_tokens, BLOCK_M)
     # Few tokens (decode): split the input features over programs too, so more SMs share the work.
     splits = max(1, min(SHRINK_SPLITS, triton.cdiv(K, 4 * BLOCK_K), triton.cdiv(1024, tiles)))
     per_split = triton.cdiv(triton.cdiv(K, splits), BLOCK_K) * BLOCK_K
-    _shrink_kernel[(num_slots, tiles, triton.cdiv(K, per_split))](
+    splits = triton.cdiv(K, per_split)
+    h = torch.empty(splits, num_tokens, R, dtype=torch.float32, device=x.device)   # [split, token, r]
+    _shrink_kernel[(num_slots, tiles, splits)](
         x2, a, h, batch.order, batch.starts, num_tokens, K, R, x2.stride(0), a.stride(0), a.stride(1),
-        h.stride(0), per_split, BLOCK_M=BLOCK_M, BLOCK_R=block_r, BLOCK_K=BLOCK_K, FP32=fp32)
+        h.stride(1), h.stride(0), per_split, BLOCK_M=BLOCK_M, BLOCK_R=block_r, BLOCK_K=BLOCK_K, FP32=fp32)
     _expand_kernel[(num_slots, tiles, triton.cdiv(N, BLOCK_N))](
-        h, b, y, batch.order, batch.starts, num_tokens, N, R, h.stride(0), b.stride(0), b.stride(1),
-        y.stride(0), BLOCK_M=BLOCK_M, BLOCK_R=block_r, BLOCK_N=BLOCK_N, FP32=fp32)
+        h, b, y, batch.order, batch.starts, num_tokens, N, R, h.stride(1), h.stride(0), b.stride(0),
+        b.stride(1), y.stride(0), SPLITS=splits, BLOCK_M=BLOCK_M, BLOCK_R=block_r, BLOCK_N=BLOCK_N,
+        FP32=fp32)
     return y
 
 
