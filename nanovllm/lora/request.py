@@ -9,6 +9,7 @@ class LoRARequest:
     lora_name: str       # the adapter's name (the server's model name for it)
     lora_int_id: int     # >= 1, unique per adapter: the engine keys its slots and the prefix cache by it
     lora_path: str = ""  # a PEFT folder: adapter_config.json + adapter_model.safetensors
+    base_model_name: str | None = None   # vLLM's field, informational (the server's parent model)
 
     def __post_init__(self):
         if not isinstance(self.lora_name, str) or not self.lora_name:
