@@ -227,8 +227,9 @@ def test_slot_table_is_lru_over_what_the_step_does_not_use():
 def test_interp_lora_kernels():
     from nanovllm.kernels.lora import LoRABatch, lora_reference, lora_triton
     g = torch.Generator().manual_seed(0)
+    # the fourth splits K; the last has 64-token tiles
     for slots_, rank, k, n, t in [(3, 24, 70, 90, 37), (1, 16, 64, 64, 5), (4, 48, 128, 200, 130),
-                                       (2, 16, 1100, 64, 20)]:   # the last splits K
+                                       (2, 16, 1100, 64, 20), (3, 16, 64, 80, 1500)]:
         a = torch.randn(slots_, rank, k, generator=g)
         b = torch.randn(n, slots_, rank, generator=g)
         x, y = torch.randn(t, k, generator=g), torch.randn(t, n, generator=g)
