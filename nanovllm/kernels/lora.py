@@ -69,8 +69,8 @@ class LoRABatch(NamedTuple):
 @triton.jit
 def _tile(pid, order_ptr, starts_ptr, tile_starts_ptr, NUM_SLOTS: tl.constexpr, BLOCK_M: tl.constexpr):
     """Program pid's slot and tokens: (slot, token ids, row mask, whether it has any)."""
-    s = 0
-    for j in range(1, NUM_SLOTS):
+    s = pid * 0
+    for j in tl.static_range(1, NUM_SLOTS):
         s += (pid >= tl.load(tile_starts_ptr + j)).to(tl.int32)
     first = tl.load(starts_ptr + s) + (pid - tl.load(tile_starts_ptr + s)) * BLOCK_M
     end = tl.load(starts_ptr + s + 1)
