@@ -15,6 +15,7 @@ import glob
 import json
 import multiprocessing
 import os
+import queue
 import tempfile
 import time
 from random import randint, seed
@@ -216,7 +217,10 @@ def lora_runs(args, options: dict, prompts, params, base_seconds: float, max_mod
                                                       options["load_format"], results))
     child.start()
     child.join()
-    out = results.get() if not results.empty() else {"error": f"the vLLM child exited with {child.exitcode}"}
+    try:
+        out = results.get(timeout=10)
+    except queue.Empty:
+        out = {"error": f"the vLLM child exited with {child.exitcode}"}
     if "error" in out:
         print(f"vLLM with LoRA: not run ({out['error']})")
         record["vllm_lora_error"] = out["error"]
@@ -241,17 +245,21 @@ def vllm_lora_child(model: str, paths: list[str], prompts, lengths, max_model_le
     except ImportError as e:
         results.put({"error": f"vllm is not installed: {e}"})
         return
-    llm = VllmLLM(model, load_format=load_format, skip_tokenizer_init=True, seed=0,
-                  max_model_len=max_model_len, enable_lora=True, max_loras=len(paths),
-                  max_lora_rank=LORA_RANK)
-    loras = [VllmLoRA(f"lora{i}", i + 1, path) for i, path in enumerate(paths)]
-    vparams = [VllmParams(temperature=temperature, ignore_eos=True, max_tokens=max_tokens, detokenize=False)
-               for temperature, max_tokens in lengths]
-    llm.generate([TokensPrompt(prompt_token_ids=[1, 2, 3])] * len(loras),
-                 VllmParams(max_tokens=8, detokenize=False), use_tqdm=False, lora_request=loras)
-    t = time.perf_counter()
-    llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], vparams, use_tqdm=False,
-                 lora_request=[loras[i % len(loras)] for i in range(len(prompts))])
+    try:
+        llm = VllmLLM(model, load_format=load_format, skip_tokenizer_init=True, seed=0,
+                      max_model_len=max_model_len, enable_lora=True, max_loras=len(paths),
+                      max_lora_rank=LORA_RANK)
+        loras = [VllmLoRA(f"lora{i}", i + 1, path) for i, path in enumerate(paths)]
+        vparams = [VllmParams(temperature=temperature, ignore_eos=True, max_tokens=max_tokens,
+                              detokenize=False) for temperature, max_tokens in lengths]
+        llm.generate([TokensPrompt(prompt_token_ids=[1, 2, 3])] * len(loras),
+                     VllmParams(max_tokens=8, detokenize=False), use_tqdm=False, lora_request=loras)
+        t = time.perf_counter()
+        llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], vparams, use_tqdm=False,
+                     lora_request=[loras[i % len(loras)] for i in range(len(prompts))])
+    except Exception as e:   # reported beside nanovllm's figures, which stand without it
+        results.put({"error": f"vLLM failed: {e!r}"})
+        raise
     results.put({"seconds": time.perf_counter() - t, "version": vllm.__version__})
 
 
