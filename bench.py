@@ -214,7 +214,7 @@ def lora_runs(args, options: dict, prompts, params, base_seconds: float, max_mod
     results = ctx.Queue()
     lengths = [(sp.temperature, sp.max_tokens) for sp in params]
     child = ctx.Process(target=vllm_lora_child, args=(args.model, paths, prompts, lengths, max_model_len,
-                                                      options["load_format"], results))
+                                                      options["load_format"], results, args.vllm_path))
     child.start()
     child.join()
     try:
@@ -234,9 +234,14 @@ def lora_runs(args, options: dict, prompts, params, base_seconds: float, max_mod
 
 
 def vllm_lora_child(model: str, paths: list[str], prompts, lengths, max_model_len: int, load_format: str,
-                    results):
+                    results, vllm_path: str | None = None):
     """vLLM with LoRA on (max_loras = the adapters), request i under adapter i % N: one warm-up, one
     timed generate (in a child process: it starts with the whole GPU)."""
+    import sys
+    if vllm_path:
+        sys.path.insert(0, vllm_path)
+    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")   # this process has imported torch
     try:
         import vllm
         from vllm import LLM as VllmLLM, SamplingParams as VllmParams
@@ -351,6 +356,7 @@ def main():
     p.add_argument("--lora", type=int, default=0, metavar="N",
                    help="also run with N random rank-16 LoRA adapters spread over the requests (see above)")
     p.add_argument("--no-vllm", action="store_true", help="--lora: skip the vLLM run")
+    p.add_argument("--vllm-path", help="--lora: a folder put first on the vLLM child's sys.path")
     p.add_argument("--json", help="write the figures to this file")
     args = p.parse_args()
     max_model_len = 4096
