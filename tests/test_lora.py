@@ -249,3 +249,25 @@ def test_lora_kernels_under_the_interpreter():
 
 
 test_interp_lora_kernels = interp(test_interp_lora_kernels)
+
+
+def test_the_scheduler_runs_no_more_adapters_than_slots():
+    from nanovllm.engine.scheduler import Scheduler
+    from nanovllm.engine.sequence import Sequence
+    a, b = LoRARequest("a", 1, "/x"), LoRARequest("b", 2, "/x")
+    sched = Scheduler(8, 64, 64, num_blocks=32, block_size=4, eos_token_ids={1}, max_loras=1)
+    seqs = [Sequence([5, 6, 7], SamplingParams(max_tokens=2), lora_request=r) for r in (a, None, b, a, None)]
+    for seq in seqs:
+        sched.add(seq)
+    first = sched.schedule()
+    assert first.is_prefill and first.seqs == seqs[:2]   # b waits: a holds the one slot (FIFO)
+    sched.postprocess(first, [9] * len(first.seqs))
+    batch = sched.schedule()
+    assert batch.seqs == seqs[:2] and not batch.is_prefill   # decode of what runs; b still waits
+    while True:
+        sched.postprocess(batch, [9] * len(batch.sampling_seqs))
+        assert len({s.lora_int_id for s in sched.running} - {None}) <= 1
+        if sched.is_finished():
+            break
+        batch = sched.schedule()
+    assert all(s.is_finished and s.num_completion_tokens == 2 for s in seqs)   # b ran once a finished
