@@ -7,11 +7,17 @@ overlap bound no engine can pass. The timed run is cold: its prompts are new to 
 --structured-json also runs the workload with every request constrained by one JSON schema.
 --workload long: 256 prompts of 4,000-8,000 random tokens, 64 output tokens each (prefill-bound);
 --ttft-32k also times the first token of one 32,768-token prompt; --prefill-attention picks the
-prefill attention kernel (auto, flash_attn_4, torch_flash; --attention-backend is its former name)."""
+prefill attention kernel (auto, flash_attn_4, torch_flash; --attention-backend is its former name).
+--lora N then runs the workload again on an engine with LoRA on, N random rank-16 adapters on every
+linear layer spread round-robin over the requests, against the base run, and vLLM (when installed)
+with the same adapters and requests in a child process."""
 import argparse
 import glob
 import json
+import multiprocessing
 import os
+import queue
+import tempfile
 import time
 from random import randint, seed
 
@@ -147,10 +153,127 @@ def prefix_cache_workload(num_seqs: int, prefix_len: int, seed_: int):
     return [prefix + [randint(0, 10000) for _ in range(32)] for _ in range(num_seqs)]
 
 
-def timed_generate(llm, prompts, params) -> float:
+def timed_generate(llm, prompts, params, lora_request=None) -> float:
     t = time.perf_counter()
-    llm.generate(prompts, params, use_tqdm=False)
+    if lora_request is None:
+        llm.generate(prompts, params, use_tqdm=False)
+    else:
+        llm.generate(prompts, params, use_tqdm=False, lora_request=lora_request)
     return time.perf_counter() - t
+
+
+LORA_RANK = 16
+LORA_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def random_adapters(model: str, n: int, folder: str) -> list[str]:
+    """n PEFT folders of random rank-16 LoRA on every linear layer of the model's decoder (bf16)."""
+    import torch
+    from safetensors.torch import save_file
+
+    from nanovllm.lora.adapter import TARGETS, module_shapes
+    from nanovllm.utils.hf_files import load_hf_config
+    hf_config = load_hf_config(model)
+    shapes, paths = module_shapes(hf_config), []
+    for i in range(n):
+        g = torch.Generator().manual_seed(i)
+        tensors = {}
+        for layer in range(hf_config.num_hidden_layers):
+            for module in LORA_MODULES:
+                fan_in, fan_out = shapes[module]
+                key = f"base_model.model.model.layers.{layer}.{TARGETS[module][0]}.{module}"
+                tensors[f"{key}.lora_A.weight"] = (torch.randn(LORA_RANK, fan_in, generator=g)
+                                                   / fan_in ** 0.5).bfloat16()
+                tensors[f"{key}.lora_B.weight"] = (torch.randn(fan_out, LORA_RANK, generator=g)
+                                                   * 0.01).bfloat16()
+        path = os.path.join(folder, f"lora{i}")
+        os.makedirs(path)
+        save_file(tensors, os.path.join(path, "adapter_model.safetensors"), metadata={"format": "pt"})
+        with open(os.path.join(path, "adapter_config.json"), "w") as f:
+            json.dump({"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": LORA_RANK,
+                       "lora_alpha": 2 * LORA_RANK, "target_modules": LORA_MODULES, "lora_dropout": 0.0,
+                       "bias": "none",
+                       "base_model_name_or_path": model, "fan_in_fan_out": False, "use_rslora": False,
+                       "use_dora": False, "modules_to_save": None}, f)
+        paths.append(path)
+    return paths
+
+
+def lora_runs(args, options: dict, prompts, params, base_seconds: float, max_model_len: int) -> dict:
+    """--lora N: the workload on a LoRA engine, request i under adapter i % N, against the base
+    run; then vLLM with the same adapters, requests and options, in a child process."""
+    from nanovllm import LoRARequest
+    n, tokens = args.lora, sum(sp.max_tokens for sp in params)
+    folder = tempfile.mkdtemp(prefix="bench_lora_")
+    paths = random_adapters(args.model, n, folder)
+    loras = [LoRARequest(f"lora{i}", i + 1, path) for i, path in enumerate(paths)]
+    per_request = [loras[i % n] for i in range(len(prompts))]
+    llm = LLM(args.model, enable_lora=True, max_loras=n, max_lora_rank=LORA_RANK, **options)
+    llm.generate([[1, 2, 3]] * n, SamplingParams(max_tokens=8), use_tqdm=False, lora_request=loras)
+    seconds = timed_generate(llm, prompts, params, per_request)
+    llm.shutdown()
+    record = dict(lora_adapters=n, lora_rank=LORA_RANK, lora_seconds=round(seconds, 3),
+                  lora_tokens_per_s=round(tokens / seconds, 1), lora_vs_base=round(base_seconds / seconds, 3))
+    print(f"LoRA: {n} adapters of rank {LORA_RANK} over {len(prompts)} requests: {tokens / seconds:.2f} "
+          f"tok/s, {base_seconds / seconds:.3f} of the base model's {tokens / base_seconds:.2f}")
+    if args.no_vllm:
+        return record
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    lengths = [(sp.temperature, sp.max_tokens) for sp in params]
+    child = ctx.Process(target=vllm_lora_child, args=(args.model, paths, prompts, lengths, max_model_len,
+                                                      options["load_format"], results, args.vllm_path))
+    child.start()
+    child.join()
+    try:
+        out = results.get(timeout=10)
+    except queue.Empty:
+        out = {"error": f"the vLLM child exited with {child.exitcode}"}
+    if "error" in out:
+        print(f"vLLM with LoRA: not run ({out['error']})")
+        record["vllm_lora_error"] = out["error"]
+        return record
+    vllm_tps = tokens / out["seconds"]
+    record.update(vllm_version=out["version"], vllm_lora_tokens_per_s=round(vllm_tps, 1),
+                  lora_vs_vllm=round(out["seconds"] / seconds, 3))
+    print(f"vLLM {out['version']} with the same adapters: {vllm_tps:.2f} tok/s; nanovllm "
+          f"{out['seconds'] / seconds:.3f}x")
+    return record
+
+
+def vllm_lora_child(model: str, paths: list[str], prompts, lengths, max_model_len: int, load_format: str,
+                    results, vllm_path: str | None = None):
+    """vLLM with LoRA on (max_loras = the adapters), request i under adapter i % N: one warm-up, one
+    timed generate (in a child process: it starts with the whole GPU)."""
+    import sys
+    if vllm_path:
+        sys.path.insert(0, vllm_path)
+    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")   # this process has imported torch
+    try:
+        import vllm
+        from vllm import LLM as VllmLLM, SamplingParams as VllmParams
+        from vllm.inputs import TokensPrompt
+        from vllm.lora.request import LoRARequest as VllmLoRA
+    except ImportError as e:
+        results.put({"error": f"vllm is not installed: {e}"})
+        return
+    try:
+        llm = VllmLLM(model, load_format=load_format, skip_tokenizer_init=True, seed=0,
+                      max_model_len=max_model_len, enable_lora=True, max_loras=len(paths),
+                      max_lora_rank=LORA_RANK)
+        loras = [VllmLoRA(f"lora{i}", i + 1, path) for i, path in enumerate(paths)]
+        vparams = [VllmParams(temperature=temperature, ignore_eos=True, max_tokens=max_tokens,
+                              detokenize=False) for temperature, max_tokens in lengths]
+        llm.generate([TokensPrompt(prompt_token_ids=[1, 2, 3])] * len(loras),
+                     VllmParams(max_tokens=8, detokenize=False), use_tqdm=False, lora_request=loras)
+        t = time.perf_counter()
+        llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], vparams, use_tqdm=False,
+                     lora_request=[loras[i % len(loras)] for i in range(len(prompts))])
+    except Exception as e:   # reported beside nanovllm's figures, which stand without it
+        results.put({"error": f"vLLM failed: {e!r}"})
+        raise
+    results.put({"seconds": time.perf_counter() - t, "version": vllm.__version__})
 
 
 def structured_json(llm, prompts, params, free_seconds: float) -> dict:
@@ -243,6 +366,10 @@ def main():
                    choices=["auto", "flash_attn_4", "torch_flash", "triton"],
                    help="FlashAttention-4 over the paged cache, or torch's FlashAttention-2 (torch_flash; "
                    "triton is its former name)")
+    p.add_argument("--lora", type=int, default=0, metavar="N",
+                   help="also run with N random rank-16 LoRA adapters spread over the requests (see above)")
+    p.add_argument("--no-vllm", action="store_true", help="--lora: skip the vLLM run")
+    p.add_argument("--vllm-path", help="--lora: a folder put first on the vLLM child's sys.path")
     p.add_argument("--json", help="write the figures to this file")
     args = p.parse_args()
     args.prefill_attention = {"triton": "torch_flash"}.get(args.prefill_attention, args.prefill_attention)
@@ -254,13 +381,13 @@ def main():
 
     dummy = not glob.glob(os.path.join(args.model, "*.safetensors"))
     t = time.perf_counter()
-    llm = LLM(args.model, enforce_eager=args.enforce_eager, max_model_len=max_model_len,
-              tensor_parallel_size=args.tensor_parallel_size, load_format="dummy" if dummy else "auto",
-              async_scheduling=not args.no_async_scheduling, kv_cache_dtype=args.kv_cache_dtype,
-              calculate_kv_scales=args.calculate_kv_scales, data_parallel_size=args.data_parallel_size,
-              tokenizer=args.tokenizer, enable_prefix_caching=not args.structured_json,
-              prefill_attention=args.prefill_attention,
-              disable_custom_all_reduce=args.disable_custom_all_reduce, quantization=args.quantization)
+    options = dict(enforce_eager=args.enforce_eager, max_model_len=max_model_len,
+                   tensor_parallel_size=args.tensor_parallel_size, load_format="dummy" if dummy else "auto",
+                   async_scheduling=not args.no_async_scheduling, kv_cache_dtype=args.kv_cache_dtype,
+                   calculate_kv_scales=args.calculate_kv_scales, tokenizer=args.tokenizer,
+                   enable_prefix_caching=not args.structured_json, prefill_attention=args.prefill_attention,
+                   disable_custom_all_reduce=args.disable_custom_all_reduce, quantization=args.quantization)
+    llm = LLM(args.model, data_parallel_size=args.data_parallel_size, **options)
     startup = time.perf_counter() - t
 
     if args.workload == "long":
@@ -340,6 +467,9 @@ def main():
               f"shared 2,000-token prefix cached {n / cached:.0f} tok/s ({no_cache / cached:.1f}x)")
     if args.structured_json:
         record.update(structured_json(llm, prompts, params, seconds))
+    if args.lora:
+        llm.shutdown()   # its memory goes to the LoRA engine
+        record.update(lora_runs(args, options, prompts, params, seconds, max_model_len))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(record, f, indent=1)

@@ -2,9 +2,11 @@ from nanovllm.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchS
 from nanovllm.engine.arg_utils import EngineArgs
 from nanovllm.inputs import TextPrompt, TokensPrompt
 from nanovllm.llm import LLM
+from nanovllm.lora.request import LoRARequest
 from nanovllm.outputs import CompletionOutput, RequestOutput
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.version import __version__
 
 __all__ = ["LLM", "EngineArgs", "SamplingParams", "RequestOutput", "CompletionOutput", "TextPrompt",
-           "TokensPrompt", "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence", "__version__"]
+           "TokensPrompt", "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence", "LoRARequest",
+           "__version__"]

@@ -64,6 +64,10 @@ class Config:
     max_logprobs: int = 20                      # most logprobs / prompt_logprobs a request asks; -1: no cap
     skip_tokenizer_init: bool = False           # True: no tokenizer (token-id prompts, outputs without text)
     download_dir: str | None = None             # where hub downloads go (None: huggingface_hub's cache)
+    enable_lora: bool = False                   # serve LoRA adapters (generate(..., lora_request=...))
+    max_loras: int = 1                          # adapters in one batch (their GPU slots)
+    max_lora_rank: int = 16                     # the largest adapter rank r accepted
+    max_cpu_loras: int | None = None            # adapters kept read on the host (None: max_loras)
     # vLLM's names and settings that change nothing here, so vLLM scripts run unchanged:
     block_size: int | None = None               # vLLM's name for kvcache_block_size
     swap_space: float = 4                       # GiB of CPU swap in vLLM; preempted sequences are recomputed
@@ -139,6 +143,11 @@ class Config:
             self.seed = random.getrandbits(31)   # drawn once, so every TP rank gets the same
         _check_int(self, "seed", 0)
         _check_int(self, "max_logprobs", -1)
+        _check_int(self, "max_loras", 1)
+        _check_int(self, "max_lora_rank", 1)
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = self.max_loras
+        _check_int(self, "max_cpu_loras", self.max_loras)
         if _is_bool(self.gpu_memory_utilization) or not isinstance(self.gpu_memory_utilization, numbers.Real):
             raise ValueError("gpu_memory_utilization must be a number in (0, 1], "
                              f"got {self.gpu_memory_utilization!r}")
@@ -147,7 +156,7 @@ class Config:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         for name in ("enforce_eager", "disable_custom_all_reduce", "enable_prefix_caching",
                      "async_scheduling", "trust_remote_code", "disable_log_stats", "calculate_kv_scales",
-                     "skip_tokenizer_init"):
+                     "skip_tokenizer_init", "enable_lora"):
             if not _is_bool(getattr(self, name)):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
             setattr(self, name, bool(getattr(self, name)))

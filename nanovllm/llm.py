@@ -4,7 +4,7 @@ from nanovllm.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchS
 from nanovllm.chat_utils import chat_prompts
 from nanovllm.engine.llm_engine import LLMEngine, serialised
 from nanovllm.engine.progress import check_use_tqdm
-from nanovllm.engine.requests import as_prompt_list, check_lora_and_priority
+from nanovllm.engine.requests import as_prompt_list
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import SamplingParams
 
@@ -54,12 +54,17 @@ class LLM:
         """vLLM's LLM.beam_search: for each prompt (a string, token ids or a prompt dict), the
         params.beam_width best beams of up to params.max_tokens tokens, best first. use_tqdm: one bar
         over the token steps; concurrency_limit: search at most this many prompts at a time (the
-        same results, less memory); lora_request: None (see check_lora_and_priority)."""
+        same results, less memory); lora_request: one LoRARequest or one per prompt (None: the base
+        model), as generate takes it."""
         if not isinstance(params, BeamSearchParams):
             raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
         check_use_tqdm(use_tqdm)
         prompts = as_prompt_list(prompts)
-        check_lora_and_priority(lora_request, None, len(prompts))
+        if lora_request is not None and not isinstance(lora_request, (list, tuple)):
+            lora_request = [lora_request] * len(prompts)
+        if lora_request is not None and len(lora_request) != len(prompts):
+            raise ValueError(f"got {len(lora_request)} LoRARequests for {len(prompts)} prompts; give one, "
+                             "or one per prompt")
         cap = self.config.max_logprobs
         if cap != -1 and 2 * params.beam_width > cap:
             raise ValueError(f"beam_width={params.beam_width} needs the {2 * params.beam_width} most likely "
@@ -68,19 +73,22 @@ class LLM:
         if concurrency_limit is not None and (type(concurrency_limit) is not int or concurrency_limit < 1):
             raise ValueError(f"concurrency_limit must be an integer >= 1 or None, got {concurrency_limit!r}")
         token_ids = self.llm_engine.prompt_token_ids(prompts)   # all checked first
+        loras = lora_request or [None] * len(prompts)
+        if lora_request is not None and hasattr(self.llm_engine, "requests"):   # checked before the search
+            self.llm_engine.requests.lora_list(loras, len(loras))   # (data parallel: generate refuses them)
         limit = concurrency_limit or max(len(prompts), 1)
-        chunks = [token_ids[i:i + limit] for i in range(0, len(token_ids), limit)]
+        chunks = [(token_ids[i:i + limit], loras[i:i + limit]) for i in range(0, len(token_ids), limit)]
         bar = None
         if use_tqdm:   # one bar over the token steps, as vLLM's
             bar = (use_tqdm if callable(use_tqdm) else tqdm)(
                 total=params.max_tokens * len(chunks), desc="Beam search", unit="token", dynamic_ncols=True)
         try:
-            return [out for chunk in chunks for out in self._beam_search(chunk, params, bar)]
+            return [out for chunk, lora in chunks for out in self._beam_search(chunk, lora, params, bar)]
         finally:
             if bar is not None:
                 bar.close()
 
-    def _beam_search(self, token_ids: list[list[int]], params: BeamSearchParams,
+    def _beam_search(self, token_ids: list[list[int]], loras: list, params: BeamSearchParams,
                      bar) -> list[BeamSearchOutput]:
         eos, max_model_len, tokenizer = self.eos_token_ids, self.config.max_model_len, self.tokenizer
         step = SamplingParams(temperature=params.temperature, max_tokens=1, logprobs=2 * params.beam_width,
@@ -96,11 +104,13 @@ class LLM:
                 done += [b for b in live if len(b.tokens) >= max_model_len]
                 live[:] = [b for b in live if len(b.tokens) < max_model_len]
             flat = [b for live in beams for b in live]
+            flat_loras = [lora for live, lora in zip(beams, loras) for _ in live]
             if not flat:
                 if bar is not None:
                     bar.update(steps_left)   # every beam ended early: the bar counts the steps it skips
                 break
-            outputs = iter(self.generate([b.tokens for b in flat], step, use_tqdm=False))
+            outputs = iter(self.generate([b.tokens for b in flat], step, use_tqdm=False,
+                                         lora_request=flat_loras if any(flat_loras) else None))
             if bar is not None:
                 bar.update(1)
             for i, live in enumerate(beams):
@@ -131,7 +141,7 @@ class LLM:
         "content"} dicts) or a list of them; each is rendered with the chat template (the
         tokenizer's, or `chat_template`) and generated from. continue_final_message: the last
         (assistant) message is continued rather than a new one started; tools: function definitions
-        the template shows the model; lora_request: None (see check_lora_and_priority);
+        the template shows the model; lora_request: as generate takes it;
         mm_processor_kwargs, tokenization_kwargs: None or empty (text-only models, and the template
         writes the special tokens)."""
         for name, value in (("mm_processor_kwargs", mm_processor_kwargs),

@@ -18,7 +18,7 @@ class CompletionOutput:
     logprobs: list[dict[int, Logprob]] | None = None   # one dict per output token
     finish_reason: str | None = None      # "stop" or "length"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
-    lora_request: None = None             # vLLM's field; nanovllm serves no LoRA adapters
+    lora_request: object = None           # vLLM's field: the request's LoRARequest (None: base model)
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -34,8 +34,9 @@ class RequestOutput:
     # SamplingParams.prompt_logprobs: None for the first prompt token, then {token id: Logprob} per token
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     num_cached_tokens: int = 0            # prompt tokens whose KV came from the prefix cache
-    metrics: None = None                  # vLLM's fields, for scripts that read them: no per-request
-    lora_request: None = None             # metrics are kept, and no LoRA adapters are served
+    metrics: None = None                  # vLLM's field, for scripts that read it: no per-request
+                                          # metrics are kept
+    lora_request: object = None           # the request's LoRARequest (None: the base model)
 
     def __getitem__(self, key: str):
         # nano-vllm style: out["text"], out["token_ids"] read the first completion

@@ -13,7 +13,7 @@ FLOORS = [
      "config"},                      # plain data, options and file helpers: no torch modules of ours
     {"kernels"},                     # Triton kernels and their torch references
     {"parallel"},                    # the TP group and its collectives, the command pipe, heartbeats
-    {"layers"},                      # nn.Modules built from kernels, sharded by the TP group
+    {"layers", "lora"},              # nn.Modules built from kernels, sharded by the TP group; LoRA on them
     {"models"},                      # decoders built from layers
     {"engine"},                      # Sequences, scheduler, ModelRunner, TP workers, LLMEngine
     {"distributed"},                 # data parallelism and Ray, built on LLMEngine

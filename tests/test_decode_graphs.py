@@ -30,9 +30,13 @@ def test_pack_then_view_gives_each_named_field_with_padding():
     assert inputs.context_lens.tolist() == [6, 9, 0, 0]
     assert inputs.token_rows.tolist() == [-1, -1, -1, -1]
     assert inputs.order.tolist() == [1, 0, 2, 3]   # the longer context first, then the padding rows
+    assert inputs.lora_slots.tolist() == [-1, -1, -1, -1]   # no LoRA: the base model, padding too
     assert inputs.block_tables.tolist() == [[7, 3, 0], [2, 5, 8], [0, 0, 0], [0, 0, 0]]
     pending = DecodeInputs.view(DecodeInputs.pack(decode_step([-1, 4]), 2, 3, BLOCK), 2, 3)
     assert pending.token_rows.tolist() == [-1, 4] and pending.input_ids.tolist() == [11, 0]
+    step = decode_step()
+    step.lora_slots = [1, -1]
+    assert DecodeInputs.view(DecodeInputs.pack(step, 3, 3, BLOCK), 3, 3).lora_slots.tolist() == [1, -1, -1]
 
 
 def test_view_reads_the_start_of_a_larger_buffer():
@@ -56,7 +60,7 @@ def fields(inputs: DecodeInputs) -> torch.Tensor:
 
 
 def test_graphs_pad_to_the_next_size_and_replay_on_the_static_buffer():
-    graphs = EagerGraphs(fields, max_bs=6, max_blocks=3, block_size=BLOCK, hidden_size=9,
+    graphs = EagerGraphs(fields, max_bs=6, max_blocks=3, block_size=BLOCK, hidden_size=10,
                          dtype=torch.float32, device=torch.device("cpu"))
     assert graphs.sizes == [2, 4, 6] and graphs.recorded == 3
     # The last capture (the smallest size) saw padding only: every field holds its padding value.
@@ -69,7 +73,7 @@ def test_graphs_pad_to_the_next_size_and_replay_on_the_static_buffer():
     for step in (decode_step(), decode_step([-1, 4]), three):   # three pads to 4
         n = step.num_seqs
         out = graphs.run(step)
-        assert out.shape == (n, 9) and out.data_ptr() == graphs.outputs.data_ptr()
+        assert out.shape == (n, 10) and out.data_ptr() == graphs.outputs.data_ptr()
         assert torch.equal(out, fields(DecodeInputs.view(DecodeInputs.pack(step, n, 3, BLOCK), n, 3)))
     assert DecodeInputs.view(graphs.inputs, 4, 3).order.tolist() == [2, 0, 1, 3]   # three's, padded
     assert graphs.fits(6) and not graphs.fits(7)

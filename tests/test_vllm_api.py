@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from conftest import EOS, REPO, HFOracle, make_model, tokens
-from nanovllm import LLM, SamplingParams
+from nanovllm import LLM, LoRARequest, SamplingParams
 from nanovllm.config import Config
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -303,7 +303,7 @@ def test_generate_and_chat_take_vllm_s_lora_request_and_priority_at_their_defaul
     chat = [{"role": "user", "content": "w5"}]
     out = llm.chat(chat, greedy, use_tqdm=False, chat_template=TEMPLATE, lora_request=None)[0]
     assert out.outputs[0].token_ids
-    for options, message in [(dict(lora_request=object()), "no LoRA adapters"),
+    for options, message in [(dict(lora_request=LoRARequest("x", 1, "/nowhere")), "no LoRA adapters"),
                              (dict(priority=[1]), "first come, first served"),
                              (dict(priority=[0, 0]), "2 entries for 1 prompts")]:
         with pytest.raises(ValueError, match=message):
@@ -454,7 +454,7 @@ def test_beam_search_takes_vllm_s_arguments(llm):
     llm.beam_search([[5] * (ENGINE["max_model_len"] - 1)], params, use_tqdm=Bar)
     assert bars[1].n == bars[1].kwargs["total"] == 3
     with pytest.raises(ValueError, match="lora_request"):
-        llm.beam_search(prompts, params, lora_request=object())
+        llm.beam_search(prompts, params, lora_request=LoRARequest("x", 1, "/nowhere"))
     with pytest.raises(ValueError, match="concurrency_limit"):
         llm.beam_search(prompts, params, concurrency_limit=0)
     with pytest.raises(ValueError, match=r"beam_width=11 needs the 22 most likely tokens.*beam_width <= 10"):

@@ -13,7 +13,7 @@ from nanovllm.config import Config
 from nanovllm.distributed.ray_utils import import_ray, init_ray
 from nanovllm.engine.generation_defaults import default_sampling_overrides
 from nanovllm.engine.llm_engine import LLMEngine
-from nanovllm.engine.requests import (as_prompt_list, check_lora_and_priority, sampling_params_list,
+from nanovllm.engine.requests import (as_prompt_list, check_priority, sampling_params_list,
                                       unwrap_prompt_dict)
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import SamplingParams
@@ -164,7 +164,10 @@ class DataParallelEngine:
         self._check_live()
         started = time.perf_counter()
         prompts = as_prompt_list(prompts)
-        check_lora_and_priority(lora_request, priority, len(prompts))
+        check_priority(priority, len(prompts))
+        if lora_request is not None:
+            raise ValueError("lora_request: data-parallel replicas do not serve LoRA adapters yet; use "
+                             "data_parallel_size=1 (tensor_parallel_size may be > 1) with enable_lora=True")
         # one SamplingParams per prompt (each replica validates their values)
         params = sampling_params_list(sampling_params, len(prompts), self.get_default_sampling_params)
         costs = [self._cost(p, sp) for p, sp in zip(prompts, params)]

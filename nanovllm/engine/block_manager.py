@@ -9,6 +9,15 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def cache_slots(block_table: list[int], start: int, end: int, bs: int) -> list[int]:
+    """KV-cache slots of token positions [start, end) of a sequence with this block table."""
+    slots = []
+    for i in range(start // bs, cdiv(end, bs)):
+        base = block_table[i] * bs
+        slots.extend(range(base + max(start, i * bs) - i * bs, base + min(end, (i + 1) * bs) - i * bs))
+    return slots
+
+
 def hash_block(token_ids: list[int], prefix_hash: int | None) -> int:
     """xxhash64 of a block's token ids, chained with the hash of the block before it."""
     h = xxhash.xxh64()
@@ -60,7 +69,9 @@ class BlockManager:
         token is always left out, so a fully cached prompt still computes its last token (and its
         last block): there must be logits to sample from."""
         bs = self.block_size
-        ids, hashes, h = [], [], None
+        # The chain starts from the adapter's id: a prefix computed under one adapter (or the base
+        # model, None) is never reused under another.
+        ids, hashes, h = [], [], seq.lora_int_id
         if not self.enable_prefix_caching or seq.wants_prompt_logprobs:
             return ids, hashes
         for i in range((seq.num_tokens - 1) // bs):
@@ -121,7 +132,7 @@ class BlockManager:
         while len(seq.block_hashes) < min(seq.num_computed_tokens, len(seq.token_ids)) // bs:
             i = len(seq.block_hashes)
             tokens = seq.token_ids[i * bs:(i + 1) * bs]
-            h = hash_block(tokens, seq.block_hashes[-1] if seq.block_hashes else None)
+            h = hash_block(tokens, seq.block_hashes[-1] if seq.block_hashes else seq.lora_int_id)
             block = self.blocks[seq.block_table[i]]
             block.hash, block.token_ids = h, tokens
             self.hash_to_block_id[h] = block.block_id

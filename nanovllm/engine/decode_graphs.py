@@ -21,6 +21,7 @@ class DecodeInputs(NamedTuple):
                                  # input token (still pending on the host); -1: it is input_ids
     order: torch.Tensor          # [rows] the rows by context length, longest first, padding last:
                                  # the order the attention kernel starts the sequences in
+    lora_slots: torch.Tensor     # [rows] the sequence's LoRA adapter slot; -1: the base model
     block_tables: torch.Tensor   # [rows, width] the sequence's KV blocks
 
     @staticmethod
@@ -37,7 +38,8 @@ class DecodeInputs(NamedTuple):
                    "slots": [table[pos // bs] * bs + pos % bs for pos, table in zip(starts, tables)],
                    "context_lens": [pos + 1 for pos in starts],
                    "token_rows": step.token_rows or [-1] * n,
-                   "order": longest_first(starts) + list(range(n, rows))}
+                   "order": longest_first(starts) + list(range(n, rows)),
+                   "lora_slots": step.lora_slots or [-1] * n}
         pad = rows - n
         flat = []
         for name in _VECTORS:
@@ -70,7 +72,7 @@ _NUM_VECTORS = len(_VECTORS)
 # What padding holds, per field: the kernels write no K/V for slot -1 and skip a row of length 0.
 # (order is a permutation: a padding row holds its own index there.)
 PADDING = {"input_ids": 0, "positions": 0, "slots": -1, "context_lens": 0, "token_rows": -1,
-           "block_tables": 0}
+           "lora_slots": -1, "block_tables": 0}
 
 
 def longest_first(lengths: list[int]) -> list[int]:

@@ -12,7 +12,7 @@ from nanovllm.engine.generation_defaults import default_sampling_overrides
 from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.output_builder import OutputBuilder
 from nanovllm.engine.progress import Progress, check_use_tqdm
-from nanovllm.engine.requests import RequestBuilder, as_prompt_list, check_lora_and_priority
+from nanovllm.engine.requests import RequestBuilder, as_prompt_list, check_priority
 from nanovllm.engine.run_ahead import RunAhead
 from nanovllm.engine.scheduler import ScheduledBatch, Scheduler
 from nanovllm.engine.sequence import Sequence
@@ -70,11 +70,14 @@ class LLMEngine:
         self.scheduler = Scheduler(c.max_num_seqs, c.max_num_batched_tokens, c.max_model_len,
                                    self.model_runner.num_kvcache_blocks, c.kvcache_block_size,
                                    eos_ids, c.enable_prefix_caching, self.tokenizer,
-                                   secondary_eos_token_ids(eos_ids, self.tokenizer))
+                                   secondary_eos_token_ids(eos_ids, self.tokenizer),
+                                   c.max_loras if c.enable_lora else 0)
         # SamplingParams fields the model's generation config sets (used when none are given).
         self.default_sampling_overrides = default_sampling_overrides(c.model, c.generation_config)
         self.requests = RequestBuilder(c, self.tokenizer, self.model_runner.num_kvcache_blocks, eos_ids,
                                        self.default_sampling_overrides)
+        if c.enable_lora:
+            self.requests.lora_modules = self.model_runner.lora.modules
         self.outputs = OutputBuilder(self.tokenizer)
         self.run_ahead = RunAhead(self.scheduler, self.executor, c.async_scheduling)
 
@@ -179,18 +182,22 @@ class LLMEngine:
             seq.abort()
         self._queued.clear()
         self.scheduler.reset()
+        if self.model_runner.lora is not None:   # a step may have taken slots it never loaded
+            self.model_runner.lora.slots.reset()
         self._reset_owed = False
 
     # ---- requests -------------------------------------------------------------------------
 
     @serialised
     def add_request(self, prompt: str | list[int], sampling_params: SamplingParams | None = None, *,
-                    prompt_index: int = 0) -> list[Sequence]:
+                    prompt_index: int = 0, lora_request=None) -> list[Sequence]:
         """Queue one prompt; return its sampling_params.n sequences (completions 0..n-1).
-        prompt_index: the prompt's place in its caller's batch, which error messages name."""
+        prompt_index: the prompt's place in its caller's batch, which error messages name;
+        lora_request: its adapter's LoRARequest (None: the base model)."""
         params = self.requests.params_list(sampling_params, 1)[0]
         ids = self.requests.token_ids(prompt, prompt_index, params.truncate_prompt_tokens)
-        seqs = self.requests.new_seqs(ids, params)
+        lora = self.requests.lora_list(lora_request, 1)[0]
+        seqs = self.requests.new_seqs(ids, params, lora)
         with self._reset_on_error():
             self._queue(seqs)
         return seqs
@@ -236,18 +243,20 @@ class LLMEngine:
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm=True, lora_request=None, priority=None) -> list[RequestOutput]:
         """vLLM's LLM.generate: one RequestOutput per prompt, in prompt order. use_tqdm: show a
-        progress bar (True), none (False), or draw it with this tqdm-like callable. lora_request,
-        priority: see check_lora_and_priority. Threads may share an engine: their calls are served
-        one after another (see one_call). An exception or Ctrl-C anywhere inside leaves the
+        progress bar (True), none (False), or draw it with this tqdm-like callable. lora_request:
+        a LoRARequest for every prompt, or a list of one per prompt (None: the base model), with
+        LLM(enable_lora=True); priority: see check_priority. Threads may share an engine: their
+        calls are served one after another (see one_call). An exception or Ctrl-C anywhere inside leaves the
         engine as a fresh one (see _reset)."""
         check_use_tqdm(use_tqdm)
         prompts = as_prompt_list(prompts)
-        check_lora_and_priority(lora_request, priority, len(prompts))
+        check_priority(priority, len(prompts))
         params = self.requests.params_list(sampling_params, len(prompts))
+        loras = self.requests.lora_list(lora_request, len(prompts))
         # all checked before any is queued
         token_ids = [self.requests.token_ids(p, i, sp.truncate_prompt_tokens)
                      for i, (p, sp) in enumerate(zip(prompts, params))]
-        per_prompt = [self.requests.new_seqs(ids, sp) for ids, sp in zip(token_ids, params)]
+        per_prompt = [self.requests.new_seqs(ids, sp, lr) for ids, sp, lr in zip(token_ids, params, loras)]
         with self._reset_on_error():
             self._queue([seq for seqs in per_prompt for seq in seqs])
             self._run_until_done(per_prompt, use_tqdm)

@@ -10,7 +10,7 @@ from contextlib import contextmanager
 import torch
 
 from nanovllm.config import Config, uses_cuda
-from nanovllm.engine.block_manager import cdiv
+from nanovllm.engine.block_manager import cache_slots, cdiv
 from nanovllm.engine.decode_graphs import DecodeGraphs, DecodeInputs
 from nanovllm.engine.sampled_tokens import PendingSample, prompt_logprobs
 from nanovllm.engine.sampling_prep import SamplingPrep
@@ -21,6 +21,7 @@ from nanovllm.layers.attention import Attention
 from nanovllm.layers.prefill_attention import select_prefill_attention
 from nanovllm.layers.fp8 import finish_loading, prepare_fp8
 from nanovllm.layers.sampler import Sampler
+from nanovllm.lora.layers import LoRAModel
 from nanovllm.models import get_model_class
 from nanovllm.utils.context import Context, forward_context
 from nanovllm.parallel.parallel_state import (TPGroup, broadcast, connect_peer_all_reduce, host_barrier,
@@ -102,6 +103,7 @@ class ModelRunner:
                 else:
                     load_model(self.model, config.model)
                 finish_loading(self.model, config.fp8, fp8_loaded)   # fold the norms, quantize at load
+                self.lora = LoRAModel.of(self.model, config)   # None unless enable_lora
             host_barrier("loaded")   # every rank has its shard: only now the first collective
             if not config.disable_custom_all_reduce:
                 connect_peer_all_reduce(self.device)   # decode-sized sums over peer memory (CUDA TP)
@@ -234,14 +236,6 @@ class ModelRunner:
         t = torch.tensor(data, dtype=dtype, pin_memory=self.use_cuda)
         return t.to(self.device, non_blocking=True)
 
-    def _slots(self, block_table: list[int], start: int, end: int) -> list[int]:
-        """Cache slots of token positions [start, end)."""
-        bs, slots = self.block_size, []
-        for i in range(start // bs, cdiv(end, bs)):
-            base = block_table[i] * bs
-            slots.extend(range(base + max(start, i * bs) - i * bs, base + min(end, (i + 1) * bs) - i * bs))
-        return slots
-
     def _block_tables(self, tables: list[list[int]]) -> torch.Tensor:
         width = max(len(t) for t in tables)
         return self._tensor([t + [-1] * (width - len(t)) for t in tables], torch.int32)
@@ -252,7 +246,7 @@ class ModelRunner:
             end = start + len(ids)
             input_ids.extend(ids)
             positions.extend(range(start, end))
-            slots.extend(self._slots(table, start, end))
+            slots.extend(cache_slots(table, start, end, self.block_size))
             cu_q.append(cu_q[-1] + len(ids))
             cu_k.append(cu_k[-1] + end)
             if samples:
@@ -269,7 +263,8 @@ class ModelRunner:
                       cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max(map(len, step.token_ids)),
                       max_seqlen_k=max(b - a for a, b in zip(cu_k, cu_k[1:])),
                       slot_mapping=self._tensor(slots, torch.int32),
-                      block_tables=block_tables, kv_slots=kv_slots)
+                      block_tables=block_tables, kv_slots=kv_slots,
+                      lora=self.lora and self.lora.prefill_batch(step, self.device))
         return (self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64), ctx,
                 self._tensor(logits_indices, torch.int64))
 
@@ -280,7 +275,8 @@ class ModelRunner:
         pending = self.sampled_tokens.index_select(0, inputs.token_rows.clamp(min=0))
         input_ids = torch.where(inputs.token_rows >= 0, pending, inputs.input_ids)
         ctx = Context(is_prefill=False, slot_mapping=inputs.slots, context_lens=inputs.context_lens,
-                      block_tables=inputs.block_tables, decode_order=inputs.order)
+                      block_tables=inputs.block_tables, decode_order=inputs.order,
+                      lora=self.lora and self.lora.batch(inputs.lora_slots))
         with forward_context(ctx):
             return self.model(input_ids, inputs.positions)
 
@@ -333,7 +329,7 @@ class ModelRunner:
 
     def step_input(self, batch: ScheduledBatch) -> StepInput:
         """What every rank needs to run the batch (the other ranks get it from rank 0)."""
-        return StepInput.of(batch)
+        return StepInput.of(batch, self.lora and self.lora.slots)
 
     def keep_sampled(self, token_ids: torch.Tensor):
         """Rank 0: store a step's sampled tokens, row i for its i-th sampling sequence, where the next
@@ -355,6 +351,8 @@ class ModelRunner:
         dtype (the sampler's torch path converts to fp32; the fused kernel reads bf16) on every
         rank, or None when no sequence samples."""
         with tp_group(self.group):
+            if step.lora_loads:   # adapters new to their GPU slots (in stream order after the last step)
+                self.lora.load_all(step.lora_loads, self.config.hf_config)
             if step.is_prefill:
                 input_ids, positions, ctx, logits_indices = self.prepare_prefill(step)
                 with forward_context(ctx):
@@ -391,7 +389,7 @@ class ModelRunner:
             layer.k_cache = layer.v_cache = None
         self.attention_layers = []
         # the group too: it holds the rendezvous store and gloo's sockets until collected
-        self.graphs = self.kv_cache = self.model = self.sampled_tokens = self.group = None
+        self.graphs = self.kv_cache = self.model = self.sampled_tokens = self.group = self.lora = None
         # The model's layers and their parameters reference each other (each parameter's
         # weight_loader is a bound method of its layer): only the cycle collector frees them, so
         # collect now, before giving the memory back, and also when automatic collection is off.

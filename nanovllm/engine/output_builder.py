@@ -21,7 +21,8 @@ class OutputBuilder:
                                                           first.sampling_params.detokenize)
         return RequestOutput(str(first.seq_id), prompt_text(prompt), first.prompt_token_ids,
                              [self.completion(seq) for seq in seqs], finished=True,
-                             prompt_logprobs=prompt_logprobs, num_cached_tokens=first.num_cached_tokens or 0)
+                             prompt_logprobs=prompt_logprobs, num_cached_tokens=first.num_cached_tokens or 0,
+                             lora_request=first.lora_request)
 
     def completion(self, seq: Sequence) -> CompletionOutput:
         ids, p = seq.completion_token_ids, seq.sampling_params
@@ -36,7 +37,8 @@ class OutputBuilder:
         logprobs = self.logprob_dicts(ids, seq.logprobs, p.detokenize) if seq.logprobs is not None else None
         cumulative = sum(lp.logprob for lp in seq.logprobs) if seq.logprobs is not None else None
         return CompletionOutput(seq.index, text, ids, cumulative, logprobs,
-                                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason)
+                                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
+                                lora_request=seq.lora_request)
 
     def logprob_dicts(self, ids: list[int], logprobs: list[TokenLogprobs],
                       detokenize: bool = True) -> list[dict[int, Logprob]]:

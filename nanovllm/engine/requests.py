@@ -9,6 +9,8 @@ from nanovllm.engine.block_manager import cdiv
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.token_constraints import bad_words_token_ids
 from nanovllm.inputs import UNSUPPORTED_PROMPT_KEYS
+from nanovllm.lora.adapter import check_adapter
+from nanovllm.lora.request import LoRARequest
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.structured.params import StructuredOutputsParams
 
@@ -28,6 +30,8 @@ class RequestBuilder:
         self.eos_token_ids = eos_token_ids
         self._eos = frozenset(eos_token_ids)   # each Sequence's (for its min_tokens ban)
         self._grammar_compiler = None   # built by the first request with structured_outputs
+        self.lora_modules = None        # the PEFT modules the model takes LoRA on (set by the engine)
+        self._adapters: dict[int, LoRARequest] = {}   # lora_int_id -> the checked adapter
 
     def token_ids(self, prompt, index: int, truncate: int | None = None) -> list[int]:
         """Validate one prompt and return its token ids; errors name the prompt's index. truncate:
@@ -135,7 +139,40 @@ class RequestBuilder:
                                                      self.eos_token_ids)
         return self._grammar_compiler.compile(params)
 
-    def new_seqs(self, token_ids: list[int], params: SamplingParams) -> list[Sequence]:
+    def lora_list(self, lora_request, n: int) -> list[LoRARequest | None]:
+        """One LoRARequest (or None: the base model) per prompt, each adapter's folder checked
+        against the model (check_adapter) the first time its lora_int_id comes."""
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            requests = [lora_request] * n
+        elif isinstance(lora_request, (list, tuple)):
+            if len(lora_request) != n:
+                raise ValueError(f"got {len(lora_request)} LoRARequests for {n} prompts; give one, "
+                                 "or one per prompt")
+            requests = list(lora_request)
+        else:
+            raise TypeError(f"lora_request must be a LoRARequest, a list of them (one per prompt) or "
+                            f"None, got {type(lora_request).__name__}")
+        for i, r in enumerate(requests):
+            if r is None:
+                continue
+            if not isinstance(r, LoRARequest):
+                raise TypeError(f"lora_request {i} is {type(r).__name__}, not LoRARequest (from "
+                                "nanovllm.lora.request import LoRARequest)")
+            if not self.config.enable_lora:
+                raise ValueError("lora_request given, but this engine serves no LoRA adapters: create it "
+                                 "with LLM(..., enable_lora=True)")
+            known = self._adapters.get(r.lora_int_id)
+            if known is not None and (known.lora_path, known.lora_name) != (r.lora_path, r.lora_name):
+                raise ValueError(f"lora_request {i}: lora_int_id {r.lora_int_id} is adapter "
+                                 f"{known.lora_name!r} ({known.lora_path}) already; give each adapter "
+                                 "its own lora_int_id")
+            if known is None:
+                check_adapter(r, self.config.hf_config, self.config.max_lora_rank, self.lora_modules)
+                self._adapters[r.lora_int_id] = r
+        return requests
+
+    def new_seqs(self, token_ids: list[int], params: SamplingParams,
+                 lora_request: LoRARequest | None = None) -> list[Sequence]:
         """The request's params.n sequences (completions 0..n-1) of checked token ids and params."""
         # n sequences share the prompt (the prefix cache shares its blocks once they are computed).
         compiled = None
@@ -143,7 +180,8 @@ class RequestBuilder:
             from nanovllm.structured.grammars import GrammarState
             compiled = self.compile_grammar(params.structured_outputs)   # a cache hit: checked before
         seqs = [Sequence(token_ids, params, index=i, eos_token_ids=self._eos,
-                         grammar=GrammarState(compiled) if compiled is not None else None)
+                         grammar=GrammarState(compiled) if compiled is not None else None,
+                         lora_request=lora_request)
                 for i in range(params.n)]   # each completion its own matcher
         if params.bad_words:
             bad = bad_words_token_ids(self.tokenizer, params.bad_words)
@@ -179,12 +217,10 @@ def past_max_logprobs(k: int | None, cap: int) -> bool:
     return k is not None and cap != -1 and (k == -1 or k > cap)
 
 
-def check_lora_and_priority(lora_request, priority, num_prompts: int):
-    """vLLM's generate options for features nanovllm does not have, taken at their defaults so
-    that vLLM code passing them explicitly runs unchanged: lora_request None; priority None or
-    all 0 (vLLM's default first-come-first-served policy also refuses other priorities)."""
-    if lora_request is not None:
-        raise ValueError("lora_request: nanovllm serves no LoRA adapters; pass None")
+def check_priority(priority, num_prompts: int):
+    """vLLM's generate option, taken at its default so that vLLM code passing it explicitly runs
+    unchanged: priority None or all 0 (vLLM's default first-come-first-served policy also refuses
+    other priorities)."""
     if priority is not None:
         if len(priority) != num_prompts:
             raise ValueError(f"priority has {len(priority)} entries for {num_prompts} prompts")

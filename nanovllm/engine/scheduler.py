@@ -41,8 +41,10 @@ class Scheduler:
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
                  num_blocks: int, block_size: int, eos_token_ids: set[int],
                  enable_prefix_caching: bool = True, tokenizer=None,
-                 secondary_eos_token_ids: frozenset[int] = frozenset()):
-        """tokenizer: for stop strings; secondary_eos_token_ids: see StopChecker."""
+                 secondary_eos_token_ids: frozenset[int] = frozenset(), max_loras: int = 0):
+        """tokenizer: for stop strings; secondary_eos_token_ids: see StopChecker; max_loras: the
+        most distinct LoRA adapters among the running sequences (their GPU slots; 0: LoRA off)."""
+        self.max_loras = max_loras
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -78,9 +80,16 @@ class Scheduler:
     def _schedule_prefill(self) -> ScheduledBatch:
         seqs, counts, finished = [], [], []
         budget = self.max_num_batched_tokens
+        # The adapters of the running sequences: a prompt of another one waits while all slots are taken.
+        adapters = {s.lora_int_id for s in self.running} - {None} if self.max_loras else set()
         # Every sequence already in `seqs` is in `running` too, except a chunk, which ends the loop.
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            lora = seq.lora_int_id
+            if lora is not None and lora not in adapters:
+                if len(adapters) >= self.max_loras:
+                    break
+                adapters.add(lora)
             if not seq.block_table:
                 if not self.block_manager.can_allocate(seq):
                     if not seqs and not self.running:

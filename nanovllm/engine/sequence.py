@@ -25,8 +25,10 @@ class Sequence:
     _ids = count()
 
     def __init__(self, token_ids: list[int], sampling_params: SamplingParams | None = None,
-                 index: int = 0, eos_token_ids: frozenset[int] = frozenset(), grammar=None):
-        """grammar: a GrammarState (nanovllm/structured) when the request has structured_outputs."""
+                 index: int = 0, eos_token_ids: frozenset[int] = frozenset(), grammar=None,
+                 lora_request=None):
+        """grammar: a GrammarState (nanovllm/structured) when the request has structured_outputs;
+        lora_request: the LoRARequest of its adapter (None: the base model)."""
         if sampling_params is None:
             sampling_params = SamplingParams()
         self.seq_id = next(Sequence._ids)
@@ -35,6 +37,7 @@ class Sequence:
         self.token_ids = list(token_ids)
         self.num_prompt_tokens = len(self.token_ids)
         self.sampling_params = sampling_params
+        self.lora_request = lora_request
         # Invariant: the first num_computed_tokens tokens have their K/V in the blocks of block_table.
         self.num_computed_tokens = 0
         # Tokens sampled on the device whose ids the host has not seen yet (0, or 1 while the engine
@@ -67,6 +70,10 @@ class Sequence:
     def num_tokens(self) -> int:
         """Tokens the KV cache must hold: the known ones and the pending one."""
         return len(self.token_ids) + self.num_pending
+
+    @property
+    def lora_int_id(self) -> int | None:
+        return None if self.lora_request is None else self.lora_request.lora_int_id
 
     @property
     def num_completion_tokens(self) -> int:

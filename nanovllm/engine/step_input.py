@@ -22,9 +22,12 @@ class StepInput:
                                           # this sequence's input (-1: the id is in token_ids)
     prompt_logprob_counts: list[int] | None = None   # prefill: positions from `start` on whose logits are
                                           # also computed (for prompt_logprobs); None when no sequence asks
+    lora_slots: list[int] | None = None   # LoRA on: each sequence's adapter slot (-1: the base model)
+    lora_loads: list | None = None        # (slot, LoRARequest): adapters every rank loads before the step
 
     @classmethod
-    def of(cls, batch: ScheduledBatch) -> "StepInput":
+    def of(cls, batch: ScheduledBatch, lora_slots=None) -> "StepInput":
+        """lora_slots: rank 0's lora.slots.SlotTable when LoRA is on."""
         seqs = batch.seqs
         starts = [seq.num_computed_tokens for seq in seqs]
         token_ids = [seq.token_ids[s:s + n] for seq, s, n in zip(seqs, starts, batch.num_new_tokens)]
@@ -32,9 +35,10 @@ class StepInput:
             token_ids = [ids or [0] for ids in token_ids]
         else:
             assert not any(seq.num_pending for seq in seqs), "a pending input token needs its row"
+        slots, loads = lora_slots.assign([seq.lora_request for seq in seqs]) if lora_slots else (None, None)
         return cls(batch.is_prefill, [seq.seq_id for seq in seqs], starts, token_ids,
                    [seq.block_table for seq in seqs], batch.samples, batch.token_rows,
-                   prompt_logprob_counts(batch, starts))
+                   prompt_logprob_counts(batch, starts), slots, loads)
 
     @property
     def num_seqs(self) -> int:

@@ -26,9 +26,12 @@ def _shard(loaded: torch.Tensor, dim: int, size: int, rank: int, world: int) -> 
 class LinearBase(nn.Module):
     """y = x W^T (+ b) with W: [output_size, input_size] on this rank. tp_dim: the sharded axis of
     W (0 = output columns, 1 = input rows, None = replicated). quant: None, or the method of an FP8
-    weight (layers/fp8.py sets it, with the scales beside the weight)."""
+    weight (layers/fp8.py sets it, with the scales beside the weight). lora: None, or a
+    lora.layers.LoRALinear: lora(x, y) -> y plus the step's adapters' updates (added before any
+    all-reduce)."""
 
     quant = None
+    lora = None
 
     def __init__(self, input_size: int, output_size: int, bias: bool, tp_dim: int | None):
         super().__init__()
@@ -49,7 +52,8 @@ class LinearBase(nn.Module):
         return F.linear(x, self.weight, bias) if self.quant is None else self.quant.apply(self, x, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.matmul(x, self.bias)
+        y = self.matmul(x, self.bias)
+        return y if self.lora is None else self.lora(x, y)
 
 
 class ReplicatedLinear(LinearBase):
@@ -109,10 +113,13 @@ class RowParallelLinear(LinearBase):
         # place, so the sum over ranks holds it once: no add kernel (an FP8 GEMM: added after it).
         if residual is not None and self.bias is None:
             if self.tp_rank != 0:
-                return all_reduce(self.matmul(x))
-            y = residual.addmm_(x, self.weight.t()) if self.quant is None else residual.add_(self.matmul(x))
-            return all_reduce(y)
+                y = self.matmul(x)
+            elif self.quant is None:
+                y = residual.addmm_(x, self.weight.t())
+            else:
+                y = residual.add_(self.matmul(x))
+            return all_reduce(y if self.lora is None else self.lora(x, y))
         y = self.matmul(x)
-        y = all_reduce(y)
+        y = all_reduce(y if self.lora is None else self.lora(x, y))
         y = y + self.bias if self.bias is not None else y
         return y if residual is None else y + residual

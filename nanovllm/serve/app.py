@@ -38,12 +38,15 @@ class ClientGone(Exception):
 
 
 def create_app(engine, model_name: str, stream_interval: int = 1, *, api_key: str | None = None,
-               cors: dict | None = None, tool_call_parser: str | None = None) -> FastAPI:
+               cors: dict | None = None, tool_call_parser: str | None = None,
+               lora_modules: list | None = None) -> FastAPI:
     """stream_interval: see EngineLoop (1: every token is streamed as the engine makes it).
     tool_call_parser: how "auto" tool choice reads calls back (tools.PARSERS; None: "auto" is a 400).
     api_key: when set, /v1 routes need "Authorization: Bearer <api_key>" (a 401 otherwise), as
     vLLM's --api-key. cors: CORSMiddleware's options (default: any origin, method and header,
-    no credentials, as vLLM's defaults)."""
+    no credentials, as vLLM's defaults). lora_modules: LoRARequests served beside the base model, a
+    request naming one's lora_name as its model runs under that adapter (vLLM's --lora-modules)."""
+    adapters = {r.lora_name: r for r in lora_modules or ()}
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -67,14 +70,18 @@ def create_app(engine, model_name: str, stream_interval: int = 1, *, api_key: st
         app.add_middleware(_ApiKey, api_key=api_key)
 
     def check_model(name: str | None):
-        # no name or an empty one: the served model, as vLLM takes it
-        if name and name != model_name:
-            raise ModelNotFound(f"The model `{name}` does not exist; this server serves `{model_name}`.")
+        """The request's LoRARequest (None: the base model). No name or an empty one: the served
+        model, as vLLM takes it."""
+        if name and name != model_name and name not in adapters:
+            served = ", ".join(f"`{n}`" for n in [model_name, *adapters])
+            raise ModelNotFound(f"The model `{name}` does not exist; this server serves {served}.")
+        return adapters.get(name) if name else None
 
     def start(body):
-        check_model(body.model)
+        lora = check_model(body.model)
         if ignored := body.ignored_fields():   # as vLLM, which logs them too
             logger.warning("The following fields were present in the request but ignored: %s", ignored)
+        return lora
 
     @app.exception_handler(RequestValidationError)
     async def bad_body(raw: HTTPRequest, exc: RequestValidationError):
@@ -158,9 +165,12 @@ def create_app(engine, model_name: str, stream_interval: int = 1, *, api_key: st
             "created": api.now(),
             "owned_by": "nanovllm",
             "root": engine.config.model,
+            "parent": None,
             "max_model_len": engine.config.max_model_len,
         }
-        return {"object": "list", "data": [card]}
+        loras = [{**card, "id": name, "root": r.lora_path, "parent": model_name}
+                 for name, r in adapters.items()]
+        return {"object": "list", "data": [card, *loras]}
 
     @app.get("/metrics")
     async def metrics():
@@ -177,29 +187,29 @@ def create_app(engine, model_name: str, stream_interval: int = 1, *, api_key: st
 
     @app.post("/v1/completions")
     async def completions(body: api.CompletionRequest, raw: HTTPRequest):
-        start(body)
+        lora = start(body)
         if tokenizer is None and (body.echo or body.logprobs is not None):
             raise ValueError("echo and logprobs need a tokenizer, and this server has none (the model folder "
                              "has none, or --skip-tokenizer-init)")
         params = body.completion_params(engine.default_sampling_overrides)
         check_logprobs(body, params, engine.config.max_logprobs)
         await compile_grammar(engine, params)
-        requests = await submit(raw, [(p, params) for p in body.prompts()])
-        reply = _Completions(tokenizer, model_name, body, requests)
+        requests = await submit(raw, [(p, params) for p in body.prompts()], lora)
+        reply = _Completions(tokenizer, body.model or model_name, body, requests)
         if body.stream:
             return sse(raw, requests, reply)
         return reply.response(await collect(raw, requests))
 
     @app.post("/v1/chat/completions")
     async def chat(body: api.ChatRequest, raw: HTTPRequest):
-        start(body)
+        lora = start(body)
         tools = ToolChoice(body.tools, body.tool_choice, tool_call_parser)
         params = body.chat_params(engine.default_sampling_overrides, tools.schema())
         check_logprobs(body, params, engine.config.max_logprobs)
         await compile_grammar(engine, params)
         prompt = await asyncio.to_thread(chat_prompt, tokenizer, body)
-        requests = await submit(raw, [(prompt, params)])
-        reply = _Chat(tokenizer, model_name, body, requests, tools)
+        requests = await submit(raw, [(prompt, params)], lora)
+        reply = _Chat(tokenizer, body.model or model_name, body, requests, tools)
         if body.stream:
             return sse(raw, requests, reply)
         return reply.response(await collect(raw, requests))
@@ -269,13 +279,14 @@ async def compile_grammar(engine, params):
         raise ValueError(f"this server cannot serve structured outputs: {e}") from None
 
 
-async def submit(raw: HTTPRequest, prompts: list[tuple]) -> list[Request]:
-    """Queue every prompt of one HTTP request (sharing one update queue); all or nothing."""
+async def submit(raw: HTTPRequest, prompts: list[tuple], lora_request=None) -> list[Request]:
+    """Queue every prompt of one HTTP request (sharing one update queue), under its adapter's
+    LoRARequest (None: the base model); all or nothing."""
     loop: EngineLoop = raw.app.state.loop
     updates: asyncio.Queue = asyncio.Queue()
     requests, base = [], 0
     for prompt, params in prompts:
-        requests.append(Request(prompt, params, updates, choice_base=base))
+        requests.append(Request(prompt, params, updates, choice_base=base, lora_request=lora_request))
         base += params.n
     try:
         await loop.add(requests)

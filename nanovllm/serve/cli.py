@@ -41,6 +41,9 @@ def parser() -> argparse.ArgumentParser:
                    help='let the model decide to call tools (tool_choice "auto"); needs --tool-call-parser')
     p.add_argument("--tool-call-parser", choices=PARSERS, default=None,
                    help="how the model writes tool calls (hermes: <tool_call>{json}</tool_call>, Qwen's)")
+    p.add_argument("--lora-modules", nargs="+", type=_lora_module, default=None, metavar="NAME=PATH",
+                   help="LoRA adapters served beside the model (with --enable-lora): name=path, or a JSON "
+                   '{"name": ..., "path": ...}; a request naming one as its model runs under it')
     EngineArgs.add_cli_args(p)  # every LLM option, as vLLM spells its flags (--max-model-len ...)
     return p
 
@@ -53,6 +56,32 @@ def _json_list(text: str) -> list[str]:
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
         raise argparse.ArgumentTypeError(f'expected a JSON list of strings such as \'["*"]\', got {text!r}')
     return value
+
+
+def _lora_module(text: str) -> tuple[str, str]:
+    """vLLM's --lora-modules entry: name=path, or {"name": ..., "path": ...} as JSON."""
+    if text.lstrip().startswith("{"):
+        try:
+            value = json.loads(text)
+            return str(value["name"]), str(value["path"])
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise argparse.ArgumentTypeError(f'expected {{"name": ..., "path": ...}}, got {text!r}') from None
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected name=path, got {text!r}")
+    return name, path
+
+
+def lora_requests(modules: list[tuple[str, str]] | None, enable_lora: bool) -> list:
+    """The LoRARequests of --lora-modules (ids 1, 2, ... in their order), each checked by the
+    engine before the server starts."""
+    from nanovllm.lora.request import LoRARequest
+    if modules and not enable_lora:
+        raise SystemExit("--lora-modules needs --enable-lora")
+    names = [name for name, _ in modules or ()]
+    if len(set(names)) != len(names):
+        raise SystemExit(f"--lora-modules: each adapter needs its own name, got {names}")
+    return [LoRARequest(name, i, path) for i, (name, path) in enumerate(modules or (), 1)]
 
 
 def serve(argv: list[str] | None = None):
@@ -74,8 +103,10 @@ def serve(argv: list[str] | None = None):
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    loras = lora_requests(args.lora_modules, args.enable_lora)
     llm = LLM(**dataclasses.asdict(EngineArgs.from_cli_args(args)))
     try:
+        llm.llm_engine.requests.lora_list(loras, len(loras))   # a bad adapter stops the server now
         uvicorn.run(
             create_app(
                 llm,
@@ -83,6 +114,7 @@ def serve(argv: list[str] | None = None):
                 args.stream_interval,
                 api_key=args.api_key or os.environ.get("VLLM_API_KEY"),
                 tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
+                lora_modules=loras,
                 cors=dict(allow_origins=args.allowed_origins, allow_methods=args.allowed_methods,
                           allow_headers=args.allowed_headers, allow_credentials=args.allow_credentials),
             ),

@@ -33,6 +33,7 @@ class Request:
     params: SamplingParams
     updates: asyncio.Queue = field(default_factory=asyncio.Queue)
     choice_base: int = 0  # this request's first choice index in its HTTP response
+    lora_request: object = None  # the LoRARequest of the adapter the client named as its model
     seqs: list[Sequence] = field(default_factory=list)
     # Per completion: the length of its token_ids already sent (prompt included); -1 once its final
     # output went out.
@@ -132,7 +133,8 @@ class EngineLoop:
         added = []
         try:
             for i, request in enumerate(requests):
-                request.seqs = self.engine.add_request(request.prompt, request.params, prompt_index=i)
+                request.seqs = self.engine.add_request(request.prompt, request.params, prompt_index=i,
+                                                       lora_request=request.lora_request)
                 added.append(request)
                 self._check_room(request, i)
         except (ValueError, TypeError, ImportError) as e:  # the client's fault: a 400, the engine goes on

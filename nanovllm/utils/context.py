@@ -18,6 +18,7 @@ class Context:
     block_tables: torch.Tensor | None = None   # [num_seqs, max_blocks] int32; None in prefill: no prefix
     decode_order: torch.Tensor | None = None   # [num_seqs] int32 rows by context, longest first (decode)
     kv_slots: torch.Tensor | None = None       # [total_k] int64 slot of each key (prefill with block_tables)
+    lora: object | None = None                 # kernels.lora.LoRABatch: each token's adapter slot (LoRA on)
 
 
 # Context is frozen, so one shared default is safe.

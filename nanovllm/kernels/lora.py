@@ -1,0 +1,189 @@
+"""Batched LoRA for a step whose tokens run under different adapters (punica's / S-LoRA's
+shrink-expand): y[t] += B[s] (A[s] x[t]) for each token t of adapter slot s = slots[t] (-1: the base
+model, nothing added). A layer's adapters live in fixed slot buffers:
+  a: [num_slots, R, in]  the slots' A matrices (R = the layer's slices x max_lora_rank, zero-padded)
+  b: [out, num_slots, R] the slots' B matrices, scale (lora_alpha / r) folded in.
+
+The Triton path groups the tokens by slot once per step (LoRABatch, which also numbers each slot's
+tiles of block_m tokens, so the grid is the tiles there can be, not tiles x slots) and gives each
+program a tile of one slot's tokens: it gathers their rows of x (shrink: x A^T into fp32 partials
+[splits, tokens, R], the input features split over several programs when the tokens are few, as in
+decode) or of those partials (expand: adds their sum times B^T into y's rows). The grid is fixed by
+the token count, so the decode CUDA graphs replay it for any mix of adapters; the few programs past
+the last tile do no work.
+The torch path (CPU, and the oracle) multiplies by every slot's matrices and masks the other slots'
+columns to zero: the same sums, exact, with no host sync."""
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from nanovllm.kernels.common import interpreted
+
+BLOCK_K = 64    # shrink: input features per iteration
+BLOCK_N = 64    # expand: output features per program
+SHRINK_SPLITS = 8   # shrink: the most programs one tile's input features are split over
+
+
+def block_m(num_tokens: int) -> int:
+    """Tokens per program: small tiles for decode's few tokens, larger ones (each B tile read
+    for more rows) for prefill."""
+    return 16 if num_tokens <= 1024 else 64
+
+
+class LoRABatch(NamedTuple):
+    """One step's tokens by adapter slot, computed once and read by every LoRA layer."""
+    slots: torch.Tensor        # [T] slot of each token, -1: base model
+    order: torch.Tensor        # [T] int64 the adapters' tokens grouped by slot (the rest unused)
+    starts: torch.Tensor       # [num_slots + 1] int32 slot s's tokens are order[starts[s]:starts[s + 1]]
+    tile_starts: torch.Tensor  # [num_slots + 1] int32 slot s's token tiles are programs
+                               # tile_starts[s]..tile_starts[s + 1] - 1 (block_m tokens each)
+    block_m: int
+
+    @classmethod
+    def of(cls, slots: torch.Tensor, num_slots: int) -> "LoRABatch":
+        """Elementwise ops and cumulative sums only (no sort, no host sync): recorded into the
+        decode CUDA graphs with slots as their input."""
+        num_tokens, bm = slots.numel(), block_m(slots.numel())
+        mask = slots.reshape(-1, 1) == torch.arange(num_slots, device=slots.device)   # [T, num_slots]
+        cum = mask.cumsum(0)
+        starts = torch.zeros(num_slots + 1, dtype=torch.int64, device=slots.device)
+        starts[1:] = cum[-1].cumsum(0)
+        tile_starts = torch.zeros(num_slots + 1, dtype=torch.int64, device=slots.device)
+        tile_starts[1:] = ((cum[-1] + bm - 1) // bm).cumsum(0)
+        # token t of slot s goes to starts[s] + (its rank among slot s's tokens); base tokens to a spare row
+        dest = ((starts[:-1] + cum - 1) * mask).sum(1)
+        dest = torch.where(slots >= 0, dest, num_tokens)
+        order = torch.zeros(num_tokens + 1, dtype=torch.int64, device=slots.device)
+        order.scatter_(0, dest, torch.arange(num_tokens, device=slots.device))
+        return cls(slots, order[:num_tokens], starts.to(torch.int32), tile_starts.to(torch.int32), bm)
+
+    @staticmethod
+    def max_tiles(num_tokens: int, num_slots: int) -> int:
+        """The programs that cover every slot's tiles, whatever the mix: each slot's last tile may
+        be partial."""
+        return triton.cdiv(num_tokens, block_m(num_tokens)) + num_slots
+
+
+@triton.jit
+def _tile(pid, order_ptr, starts_ptr, tile_starts_ptr, NUM_SLOTS: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Program pid's slot and tokens: (slot, token ids, row mask, whether it has any)."""
+    s = pid * 0
+    for j in tl.static_range(1, NUM_SLOTS):
+        s += (pid >= tl.load(tile_starts_ptr + j)).to(tl.int32)
+    first = tl.load(starts_ptr + s) + (pid - tl.load(tile_starts_ptr + s)) * BLOCK_M
+    end = tl.load(starts_ptr + s + 1)
+    active = pid < tl.load(tile_starts_ptr + NUM_SLOTS)   # programs past the last tile: none
+    end = tl.where(active, end, first)
+    idx = first + tl.arange(0, BLOCK_M)
+    rmask = idx < end
+    tok = tl.load(order_ptr + idx, mask=rmask, other=0).to(tl.int64)
+    return s, tok, rmask, first < end
+
+
+@triton.jit(do_not_specialize=["num_tokens"])
+def _shrink_kernel(x_ptr, a_ptr, h_ptr, order_ptr, starts_ptr, tile_starts_ptr, num_tokens, K, R, x_stride,
+                   a_stride_s, a_stride_r, h_stride, h_stride_split, K_PER_SPLIT, NUM_SLOTS: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, FP32: tl.constexpr):
+    # Program (token tile, K split): its share of the input features, into its own partial of h
+    # (the expand kernel sums the partials: no atomics, and the same sums whatever the timing).
+    s, tok, rmask, active = _tile(tl.program_id(0), order_ptr, starts_ptr, tile_starts_ptr, NUM_SLOTS,
+                                  BLOCK_M)
+    split = tl.program_id(1)
+    r = tl.arange(0, BLOCK_R)
+    k_begin = split * K_PER_SPLIT
+    k_end = tl.where(active, tl.minimum(k_begin + K_PER_SPLIT, K), k_begin)   # no tokens: no work
+    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    a_base = a_ptr + s.to(tl.int64) * a_stride_s
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        kmask = k < k_end
+        x = tl.load(x_ptr + tok[:, None] * x_stride + k[None, :], mask=rmask[:, None] & kmask[None, :],
+                    other=0.0)
+        a = tl.load(a_base + r[None, :] * a_stride_r + k[:, None], mask=(r < R)[None, :] & kmask[:, None],
+                    other=0.0)
+        if FP32:
+            acc += tl.dot(x.to(tl.float32), a.to(tl.float32), input_precision="ieee")
+        else:
+            acc += tl.dot(x.to(a.dtype), a)
+    tl.store(h_ptr + split * h_stride_split + tok[:, None] * h_stride + r[None, :], acc,
+             mask=rmask[:, None] & (r < R)[None, :])
+
+
+@triton.jit(do_not_specialize=["num_tokens"])
+def _expand_kernel(h_ptr, b_ptr, y_ptr, order_ptr, starts_ptr, tile_starts_ptr, num_tokens, N, R, h_stride,
+                   h_stride_split, b_stride_n, b_stride_s, y_stride, SPLITS: tl.constexpr,
+                   NUM_SLOTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
+                   BLOCK_N: tl.constexpr, FP32: tl.constexpr):
+    # Program (token tile, block of output features).
+    s, tok, rmask, active = _tile(tl.program_id(0), order_ptr, starts_ptr, tile_starts_ptr, NUM_SLOTS,
+                                  BLOCK_M)
+    r = tl.arange(0, BLOCK_R)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = n < tl.where(active, N, 0)   # no tokens: no loads
+    hmask = rmask[:, None] & (r < R)[None, :]
+    h = tl.load(h_ptr + tok[:, None] * h_stride + r[None, :], mask=hmask, other=0.0)
+    for split in range(1, SPLITS):
+        h += tl.load(h_ptr + split * h_stride_split + tok[:, None] * h_stride + r[None, :], mask=hmask,
+                     other=0.0)
+    b = tl.load(b_ptr + s.to(tl.int64) * b_stride_s + n[None, :] * b_stride_n + r[:, None],
+                mask=(r < R)[:, None] & nmask[None, :], other=0.0)
+    if FP32:
+        acc = tl.dot(h, b.to(tl.float32), input_precision="ieee")
+    else:
+        acc = tl.dot(h.to(b.dtype), b)
+    mask = rmask[:, None] & nmask[None, :]
+    y_ptrs = y_ptr + tok[:, None] * y_stride + n[None, :]
+    y = tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptrs, (y + acc).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    t2 = t.reshape(-1, t.shape[-1])
+    return t2 if t2.stride(-1) == 1 else t2.contiguous()
+
+
+def lora_triton(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, batch: LoRABatch):
+    """y += the slots' LoRA of x, in place (see the module docstring). x: [T, in], y: [T, out]
+    with unit column stride."""
+    x2 = _rows(x)
+    num_tokens, num_slots, R, K = x2.size(0), a.size(0), a.size(1), a.size(2)
+    N = y.size(-1)
+    assert y.stride(-1) == 1 and a.stride(2) == 1 and b.stride(2) == 1
+    block_r = max(16, triton.next_power_of_2(R))
+    fp32 = a.dtype == torch.float32   # fp32 weights: exact fp32 dots; else the dtype's tensor cores
+    tiles, bm = LoRABatch.max_tiles(num_tokens, num_slots), batch.block_m
+    # Few tokens (decode): split the input features over programs too, so more SMs share the work.
+    splits = max(1, min(SHRINK_SPLITS, triton.cdiv(K, 4 * BLOCK_K), triton.cdiv(1024, tiles)))
+    per_split = triton.cdiv(triton.cdiv(K, splits), BLOCK_K) * BLOCK_K
+    splits = triton.cdiv(K, per_split)
+    h = torch.empty(splits, num_tokens, R, dtype=torch.float32, device=x.device)   # [split, token, r]
+    meta = (batch.order, batch.starts, batch.tile_starts, num_tokens)
+    _shrink_kernel[(tiles, splits)](
+        x2, a, h, *meta, K, R, x2.stride(0), a.stride(0), a.stride(1), h.stride(1), h.stride(0), per_split,
+        NUM_SLOTS=num_slots, BLOCK_M=bm, BLOCK_R=block_r, BLOCK_K=BLOCK_K, FP32=fp32)
+    _expand_kernel[(tiles, triton.cdiv(N, BLOCK_N))](
+        h, b, y, *meta, N, R, h.stride(1), h.stride(0), b.stride(0), b.stride(1), y.stride(0),
+        SPLITS=splits, NUM_SLOTS=num_slots, BLOCK_M=bm, BLOCK_R=block_r, BLOCK_N=BLOCK_N, FP32=fp32)
+    return y
+
+
+def lora_reference(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                   slots: torch.Tensor) -> torch.Tensor:
+    """The torch path: y + the slots' LoRA of x (a new tensor), every slot computed and the
+    columns of the slots a token does not use masked to zero."""
+    num_slots, R, K = a.shape
+    x2 = x.reshape(-1, K)
+    h = x2.to(a.dtype) @ a.reshape(num_slots * R, K).t()                    # [T, num_slots * R]
+    mask = slots.reshape(-1, 1) == torch.arange(num_slots, device=x.device)  # [T, num_slots]
+    h = (h.view(-1, num_slots, R) * mask.unsqueeze(-1).to(h.dtype)).view(-1, num_slots * R)
+    return y + (h @ b.reshape(b.size(0), num_slots * R).t()).to(y.dtype)
+
+
+def apply_lora(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+               batch: LoRABatch) -> torch.Tensor:
+    """y plus the slots' LoRA of x: Triton on CUDA (in place), torch elsewhere."""
+    if interpreted(x.device):
+        return lora_reference(x, y, a, b, batch.slots)
+    return lora_triton(x, y, a, b, batch)

@@ -1,0 +1,144 @@
+"""LoRA on the decoder's linear layers: each qkv_proj, o_proj, gate_up_proj and down_proj gets a
+LoRALinear (its `lora` attribute), which the layer calls on its input and output before any
+all-reduce. A LoRALinear holds max_loras slots of zero-padded A and B matrices (kernels/lora.py);
+the step's LoRABatch (in the forward context) says which slot each token uses.
+
+Tensor parallelism splits an adapter with its base layer: a column-parallel layer (qkv, gate_up)
+keeps A whole and takes its rows of each slice's B; a row-parallel one (o, down) takes its columns
+of A and keeps B whole, so each rank adds B (A_rank x_rank) to its partial sum and the all-reduce
+that sums the base layer's partials sums these too.
+
+With the RMSNorm weights folded into qkv_proj and gate_up_proj (models/llama.py), those layers
+see the un-normalised residual stream h and their outputs are scaled by rstd(h) afterwards: so A
+takes the same fold (A diag(w)) and its output, added before that scaling, gets rstd(h) too."""
+from collections import OrderedDict
+
+import torch
+
+from nanovllm.kernels.lora import LoRABatch, apply_lora
+from nanovllm.lora.adapter import TARGETS, AdapterInfo, check_adapter, load_adapter
+from nanovllm.lora.request import LoRARequest
+from nanovllm.lora.slots import SlotTable
+from nanovllm.utils.context import get_context
+
+# our fused layer -> its PEFT modules, in slice order
+SLICES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
+          "gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+
+
+class LoRALinear:
+    def __init__(self, base, modules: tuple[str, ...], max_loras: int, max_rank: int,
+                 input_scale: torch.Tensor | None = None):
+        out_local, in_local = base.weight.shape
+        self.modules, self.rank = modules, max_rank
+        self.row_parallel = base.tp_dim == 1
+        self.tp_rank, self.tp_size = base.tp_rank, base.tp_size
+        if hasattr(base, "num_kv_heads"):     # QKVParallelLinear
+            q, kv = base.num_heads * base.head_dim, base.num_kv_heads * base.head_dim
+            self.sizes = (q, kv, kv)
+        elif hasattr(base, "output_sizes"):   # MergedColumnParallelLinear
+            self.sizes = tuple(s // base.tp_size for s in base.output_sizes)
+        else:
+            self.sizes = (out_local,)
+        self.input_scale = input_scale
+        dtype = base.weight.dtype   # the activations' (a weight stored in 8 bits: bf16)
+        kw = dict(dtype=dtype if dtype.itemsize >= 2 else torch.bfloat16, device=base.weight.device)
+        self.a = torch.zeros(max_loras, len(modules) * max_rank, in_local, **kw)
+        self.b = torch.zeros(out_local, max_loras, len(modules) * max_rank, **kw)
+
+    def set_slot(self, slot: int, weights: dict[str, tuple[torch.Tensor, torch.Tensor]]):
+        """Slot `slot` <- this layer's matrices of one adapter (module -> (A, scaled B), whole);
+        a module the adapter lacks gets zeros."""
+        self.a[slot].zero_()
+        self.b[:, slot].zero_()
+        offset = 0
+        for i, (module, size) in enumerate(zip(self.modules, self.sizes)):
+            if module in weights:
+                a, b = weights[module]
+                r, cols = a.size(0), slice(i * self.rank, i * self.rank + a.size(0))
+                if self.row_parallel:
+                    width = self.a.size(2)
+                    a = a[:, self.tp_rank * width:(self.tp_rank + 1) * width]
+                else:
+                    b = b[self.tp_rank * size:(self.tp_rank + 1) * size]
+                if self.input_scale is not None:
+                    a = a * self.input_scale.float().cpu()
+                self.a[slot, cols] = a.to(self.a.dtype)
+                self.b[offset:offset + size, slot, cols] = b.to(self.b.dtype)
+                assert r <= self.rank
+            offset += size
+
+    def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        batch = get_context().lora
+        return y if batch is None else apply_lora(x, y, self.a, self.b, batch)
+
+
+class LoRAModel:
+    """One rank's LoRA state: the LoRALinear of every layer, and the adapters read from disk, kept in
+    an LRU of max_cpu_loras on the host so that an adapter evicted from its GPU slot comes back by a
+    copy, not a read."""
+
+    def __init__(self, model, max_loras: int, max_lora_rank: int, max_cpu_loras: int):
+        self.max_loras, self.max_lora_rank, self.max_cpu_loras = max_loras, max_lora_rank, max_cpu_loras
+        self.layers: dict[tuple[int, str], LoRALinear] = {}
+        for i, layer in enumerate(model.model.layers):
+            folded = getattr(layer, "folded", False)
+            for block, norm in (("self_attn", "input_layernorm"), ("mlp", "post_attention_layernorm")):
+                for name in ("qkv_proj", "o_proj") if block == "self_attn" else ("gate_up_proj", "down_proj"):
+                    base = getattr(getattr(layer, block), name, None)
+                    if base is None:   # a mixture-of-experts MLP: no LoRA there
+                        continue
+                    scale = getattr(layer, norm).weight if folded and name in ("qkv_proj", "gate_up_proj") \
+                        else None
+                    base.lora = self.layers[i, name] = LoRALinear(base, SLICES[name], max_loras,
+                                                                  max_lora_rank, scale)
+        # PEFT modules every layer has (a mixture-of-experts model: no MLP ones)
+        num_layers = len(model.model.layers)
+        self.modules = frozenset(m for name in SLICES for m in SLICES[name]
+                                 if all((i, name) in self.layers for i in range(num_layers)))
+        self.cpu: OrderedDict[int, dict] = OrderedDict()   # lora_int_id -> load_adapter's tensors
+        self.slots = SlotTable(max_loras)   # rank 0's: which adapter is in which slot
+
+    @classmethod
+    def of(cls, model, config) -> "LoRAModel | None":
+        """The model's LoRA layers (after loading and folding), or None when config.enable_lora is off."""
+        if not config.enable_lora:
+            return None
+        return cls(model, config.max_loras, config.max_lora_rank, config.max_cpu_loras)
+
+    def load_all(self, loads: list[tuple[int, LoRARequest]], hf_config):
+        """A step's loads. One that fails leaves its slot's contents unknown: the table forgets every
+        slot, so each adapter is loaded again when next used."""
+        try:
+            for slot, request in loads:
+                self.load(slot, request, hf_config)
+        except BaseException:
+            self.slots.reset()
+            raise
+
+    def load(self, slot: int, request: LoRARequest, hf_config):
+        """Put an adapter into a GPU slot (from the host LRU, or read and checked from its folder)."""
+        weights = self.cpu.pop(request.lora_int_id, None)
+        if weights is None:
+            info: AdapterInfo = check_adapter(request, hf_config, self.max_lora_rank, self.modules)
+            weights = load_adapter(request, info)
+        self.cpu[request.lora_int_id] = weights
+        while len(self.cpu) > self.max_cpu_loras:
+            self.cpu.popitem(last=False)
+        per_layer: dict[tuple[int, str], dict] = {}
+        for (layer, module), pair in weights.items():
+            per_layer.setdefault((layer, TARGETS[module][1]), {})[module] = pair
+        with torch.no_grad():
+            for key, lora in self.layers.items():
+                lora.set_slot(slot, per_layer.get(key, {}))
+
+    def batch(self, slots: torch.Tensor) -> LoRABatch:
+        return LoRABatch.of(slots, self.max_loras)
+
+    def prefill_batch(self, step, device: torch.device) -> LoRABatch | None:
+        """A prefill step's LoRABatch: each sequence's slot for each of its tokens; None when every
+        sequence runs the base model (no LoRA kernels in the step)."""
+        if max(step.lora_slots) < 0:
+            return None
+        per_token = [slot for slot, ids in zip(step.lora_slots, step.token_ids) for _ in ids]
+        return self.batch(torch.tensor(per_token, dtype=torch.int32).to(device, non_blocking=True))
