@@ -83,7 +83,7 @@ def kv_bytes(args) -> int:
 
 def weight_bytes(args) -> int:
     """Bytes of one weight: FP8 with --quantization fp8 or an FP8 checkpoint, else bf16."""
-    fp8 = args.quantization == "fp8" or "quantization_config" in (model_config(args) or {})
+    fp8 = getattr(args, "quantization", None) == "fp8" or "quantization_config" in (model_config(args) or {})
     return 1 if fp8 else 2
 
 
