@@ -89,7 +89,7 @@ def kv_bytes(args) -> int:
 
 def weight_bytes(args) -> int:
     """Bytes of one weight: FP8 with --quantization fp8 or an FP8 checkpoint, else bf16."""
-    fp8 = args.quantization == "fp8" or "quantization_config" in (model_config(args) or {})
+    fp8 = getattr(args, "quantization", None) == "fp8" or "quantization_config" in (model_config(args) or {})
     return 1 if fp8 else 2
 
 
@@ -121,7 +121,8 @@ def data_parallel_replicas(job, prompts, params, args, gpu: roofline.DeviceLimit
     """Where a data-parallel run's time went (job: the DataParallelEngine's last_job): each replica's
     share, the seconds inside its engine and, when the model folder has a config.json, its limit (its
     own prompts and outputs alone; the job's limit is the slowest replica's, as workload_limit's dp)."""
-    config, shape = model_config(args), dict(tp=args.tensor_parallel_size, kv_bytes=kv_bytes(args))
+    config = model_config(args)
+    shape = dict(tp=args.tensor_parallel_size, kv_bytes=kv_bytes(args), weight_bytes=weight_bytes(args))
     rows = []
     for r, share in sorted(job.shares.items()):
         prompt_lens, output_lens = [len(prompts[i]) for i in share], [params[i].max_tokens for i in share]

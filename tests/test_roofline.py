@@ -167,6 +167,11 @@ def test_bench_limits_follow_its_options():
     limit, documented = bench.workload_limits(args, prompts, params, fast)
     assert limit == pytest.approx(workload_limit(config_of("qwen3-8b"), lens, outs, fast, 2, 1))
     assert documented == pytest.approx(workload_limit(config_of("qwen3-8b"), lens, outs, H200, 2, 1))
+    # FP8 weights: --quantization fp8, or a config with a quantization_config
+    for fp8 in (SimpleNamespace(**vars(args), quantization="fp8"),
+                SimpleNamespace(**{**vars(args), "model": os.path.join(CONFIGS, "qwen3-8b-fp8")})):
+        assert bench.workload_limits(fp8, prompts, params, fast)[0] == pytest.approx(
+            workload_limit(config_of("qwen3-8b"), lens, outs, fast, 2, 1, weight_bytes=1))
     no_config = SimpleNamespace(model="no/such/folder")
     assert bench.workload_limits(no_config, prompts, params, fast) == (None, None)
 
