@@ -37,8 +37,10 @@ def test_lora_kernels_at_0_6b_shapes(dtype, k, n, rank, tokens):
 
 def test_lora_kernels_replay_in_a_cuda_graph_with_new_slots():
     g = torch.Generator(device="cuda").manual_seed(1)
-    a = torch.randn(4, 32, 1024, device="cuda", generator=g).bfloat16()
-    b = torch.randn(2048, 4, 32, device="cuda", generator=g).bfloat16()
+    # scaled as trained adapters are (outputs of order 1): unscaled, bf16's rounding of the rank-32
+    # intermediate alone passes any absolute tolerance that would still catch a wrong slot
+    a = (torch.randn(4, 32, 1024, device="cuda", generator=g) / 32).bfloat16()
+    b = (torch.randn(2048, 4, 32, device="cuda", generator=g) / 32 ** 0.5).bfloat16()
     x = torch.randn(64, 1024, device="cuda", generator=g).bfloat16()
     y0 = torch.randn(64, 2048, device="cuda", generator=g).bfloat16()
     slots = torch.full((64,), -1, dtype=torch.int32, device="cuda")
@@ -56,7 +58,7 @@ def test_lora_kernels_replay_in_a_cuda_graph_with_new_slots():
         slots.copy_(torch.randint(-1, 4, (64,), device="cuda", generator=g, dtype=torch.int32))
         graph.replay()
         want = lora_reference(x.float(), y0.float(), a.float(), b.float(), slots)
-        torch.testing.assert_close(y.float(), want, atol=0.5, rtol=2e-2)
+        torch.testing.assert_close(y.float(), want, atol=5e-2, rtol=2e-2)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

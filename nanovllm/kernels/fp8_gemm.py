@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-FP8_MAX = 448.0
+FP8_MAX = tl.constexpr(448.0)   # a constexpr: the kernels read it
 # The block format's GEMM: "triton" (below), or "cublas": torch._scaled_mm with 1x128 activation and
 # 128x128 weight scales (cuBLASLt 12.9+ on Hopper; bf16 outputs, K / 128 a multiple of 4, else
 # Triton). A module constant, so benchmarks/bench_with.py can compare both.
