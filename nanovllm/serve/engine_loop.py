@@ -133,8 +133,8 @@ class EngineLoop:
         added = []
         try:
             for i, request in enumerate(requests):
-                request.seqs = self.engine.add_request(request.prompt, request.params, prompt_index=i,
-                                                       lora_request=request.lora_request)
+                lora = {} if request.lora_request is None else {"lora_request": request.lora_request}
+                request.seqs = self.engine.add_request(request.prompt, request.params, prompt_index=i, **lora)
                 added.append(request)
                 self._check_room(request, i)
         except (ValueError, TypeError, ImportError) as e:  # the client's fault: a 400, the engine goes on
