@@ -19,8 +19,8 @@ import triton.language as tl
 
 FP8_MAX = tl.constexpr(448.0)   # a constexpr: the kernels read it
 # The block format's GEMM: "triton" (below), or "cublas": torch._scaled_mm with 1x128 activation and
-# 128x128 weight scales (cuBLASLt 12.9+ on Hopper; bf16 outputs, K / 128 a multiple of 4, else
-# Triton). A module constant, so benchmarks/bench_with.py can compare both.
+# 128x128 weight scales (cuBLASLt 12.9+ on Hopper; bf16 outputs, K / 128 a multiple of 4, 64 rows or
+# more, else Triton). A module constant, so benchmarks/bench_with.py can compare both.
 BLOCK_GEMM = "triton"
 # Under the interpreter (tests on CPU) tl.dot on FP8 is not emulated: the tiles go through fp32.
 _DOT_F32 = os.environ.get("TRITON_INTERPRET") == "1"
@@ -145,7 +145,9 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block: t
     token), then the FP8 GEMM."""
     shape, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
-    if (BLOCK_GEMM == "cublas" and block == (128, 128) and x.dtype == torch.bfloat16 and x2.shape[0]
+    # cuBLASLt has no block-scaled algorithm for one row (CUBLAS_STATUS_NOT_SUPPORTED on the H200; 64
+    # rows and more ran): fewer than 64 take the Triton GEMM
+    if (BLOCK_GEMM == "cublas" and block == (128, 128) and x.dtype == torch.bfloat16 and x2.shape[0] >= 64
             and w_scale.shape[1] % 4 == 0 and not _DOT_F32):
         xq, xs = quantize_activations(x2, 128, m_major=True)
         # scale_a [M, K/128] stride (1, M); scale_b [K/128, N/128] stride (1, K/128)

@@ -30,6 +30,12 @@ def dequantize_weight(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, in
     return (w.float() * s).to(dtype)
 
 
+def _over_fp8_max(amax: torch.Tensor) -> torch.Tensor:
+    """amax / 448, correctly rounded as the kernels' div_rn (on CUDA, torch divides by a Python number
+    as a multiplication by its reciprocal, which can differ in the last bit), at least MIN_SCALE."""
+    return (amax / torch.full_like(amax, FP8_MAX)).clamp(min=MIN_SCALE)
+
+
 def quantize_weight(w: torch.Tensor, block: tuple[int, int] | None) -> tuple[torch.Tensor, torch.Tensor]:
     """w: [..., N, K] -> (w_fp8, scale float32): the scale of each block (or row) is its amax / 448."""
     if w.dim() == 3:
@@ -37,13 +43,13 @@ def quantize_weight(w: torch.Tensor, block: tuple[int, int] | None) -> tuple[tor
         return torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
     w = w.float()
     if block is None:
-        scale = (w.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=MIN_SCALE)
+        scale = _over_fp8_max(w.abs().amax(dim=1, keepdim=True))
         return (w / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
     n, k = w.shape
     bn, bk = block
     padded = F.pad(w, (0, -k % bk, 0, -n % bn))
     blocks = padded.view(padded.shape[0] // bn, bn, padded.shape[1] // bk, bk)
-    scale = (blocks.abs().amax(dim=(1, 3)) / FP8_MAX).clamp(min=MIN_SCALE)
+    scale = _over_fp8_max(blocks.abs().amax(dim=(1, 3)))
     return (w / _expand(scale, w.shape, block)).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
@@ -52,7 +58,7 @@ def quantize_activations(x: torch.Tensor, group: int) -> tuple[torch.Tensor, tor
     columns scaled by their amax / 448 (group = K: one scale per token)."""
     m, k = x.shape
     xg = F.pad(x.float(), (0, -k % group)).view(m, -1, group)
-    scale = (xg.abs().amax(dim=2) / FP8_MAX).clamp(min=MIN_SCALE)
+    scale = _over_fp8_max(xg.abs().amax(dim=2))
     q = (xg / scale[:, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return q.view(m, -1)[:, :k].contiguous(), scale
 
