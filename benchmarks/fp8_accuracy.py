@@ -58,6 +58,33 @@ def score(hf, prompt: list[int], output: list[int]) -> torch.Tensor:
     return logits.max(-1).values - logits.gather(1, torch.tensor(output, device=DEVICE)[:, None])[:, 0]
 
 
+def model_folder(args) -> str:
+    """--gguf converted, else --model, else the demo model's folder."""
+    if args.gguf:
+        return convert_gguf(args.gguf)
+    if args.model is None:
+        from nanovllm.utils.default_model import default_model_path
+        return default_model_path()
+    return args.model
+
+
+def greedy_outputs(model: str, prompts: list[list[int]], params: SamplingParams,
+                   configs: dict[str, dict]) -> dict[str, list[list[int]]]:
+    """Each configuration's output tokens for the prompts, one engine at a time (each freed before
+    the next starts)."""
+    outputs = {}
+    for name, options in configs.items():
+        budget = (4 << 30) if DEVICE == "cuda" else (64 << 20)
+        llm = LLM(model, device=DEVICE, kv_cache_memory_bytes=budget, **options)
+        outputs[name] = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+        llm.shutdown()
+        del llm
+        gc.collect()
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
+    return outputs
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--model", help="a Hugging Face model folder (default: the demo's SmolLM2)")
@@ -66,24 +93,10 @@ def main():
     p.add_argument("--num-prompts", type=int, default=len(TOPICS) * len(TEMPLATES))
     p.add_argument("--json", help="write the figures here")
     args = p.parse_args()
-    if args.gguf:
-        args.model = convert_gguf(args.gguf)
-    elif args.model is None:
-        from nanovllm.utils.default_model import default_model_path
-        args.model = default_model_path()
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
-    prompts = chat_prompts(tokenizer)[:args.num_prompts]
-    params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
-    outputs = {}
-    for name, options in CONFIGS.items():
-        budget = (4 << 30) if DEVICE == "cuda" else (64 << 20)
-        llm = LLM(args.model, device=DEVICE, kv_cache_memory_bytes=budget, **options)
-        outputs[name] = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
-        llm.shutdown()
-        del llm
-        gc.collect()
-        if DEVICE == "cuda":
-            torch.cuda.empty_cache()
+    args.model = model_folder(args)
+    prompts = chat_prompts(AutoTokenizer.from_pretrained(args.model))[:args.num_prompts]
+    outputs = greedy_outputs(args.model, prompts, SamplingParams(temperature=0, max_tokens=args.max_tokens),
+                             CONFIGS)
     hf = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).to(DEVICE).eval()
     rows = []
     print(f"{args.model}: {len(prompts)} chat prompts, greedy, up to {args.max_tokens} tokens")

@@ -13,14 +13,13 @@ The default model is the demo's SmolLM2-135M-Instruct (see benchmarks/fp8_accura
 made); --num-prompts 64 --max-tokens 128 are the defaults.
 """
 import argparse
-import gc
 import json
 
 import torch
-from fp8_accuracy import DEVICE, chat_prompts, convert_gguf
+from fp8_accuracy import DEVICE, chat_prompts, greedy_outputs, model_folder
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from nanovllm import LLM, SamplingParams
+from nanovllm import SamplingParams
 
 CONFIGS = {"bf16": dict(dtype="bfloat16"), "fp8 weights": dict(dtype="bfloat16", quantization="fp8")}
 
@@ -43,24 +42,10 @@ def main():
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--json", help="write the figures here")
     args = p.parse_args()
-    if args.gguf:
-        args.model = convert_gguf(args.gguf)
-    elif args.model is None:
-        from nanovllm.utils.default_model import default_model_path
-        args.model = default_model_path()
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
-    prompts = chat_prompts(tokenizer)[:args.num_prompts]
+    args.model = model_folder(args)
+    prompts = chat_prompts(AutoTokenizer.from_pretrained(args.model))[:args.num_prompts]
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
-    outputs = {}
-    for name, options in CONFIGS.items():
-        budget = (4 << 30) if DEVICE == "cuda" else (64 << 20)
-        llm = LLM(args.model, device=DEVICE, kv_cache_memory_bytes=budget, **options)
-        outputs[name] = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
-        llm.shutdown()
-        del llm
-        gc.collect()
-        if DEVICE == "cuda":
-            torch.cuda.empty_cache()
+    outputs = greedy_outputs(args.model, prompts, params, CONFIGS)
     dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
     hf = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(DEVICE).eval()
     print(f"{args.model}: {len(prompts)} chat prompts, greedy, {args.max_tokens} tokens each")

@@ -167,3 +167,41 @@ def run_interpreted_tests(test_file: str, **env_vars: str):
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     assert " passed" in result.stdout and "skipped" not in result.stdout.splitlines()[-1]
+
+
+def serve_process(args: list[str], log, timeout_s: float):
+    """Runs `python -m nanovllm.serve ARGS --port P` on a free port, its output to the file `log` (a
+    file: a full pipe would block it); yields the base URL once /health answers, and stops the server
+    at the end whatever happened (use with `yield from` in a fixture)."""
+    import socket
+    import time
+    import urllib.request
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "nanovllm.serve", *args, "--port", str(port)],
+                            stdout=log, stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if proc.poll() is not None:
+                log.seek(0)
+                pytest.fail(f"the server exited with {proc.returncode}:\n{log.read()}")
+            try:
+                if urllib.request.urlopen(base + "/health", timeout=5).status == 200:
+                    break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail("the server did not start in time")
+            time.sleep(0.5)
+        yield base
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()

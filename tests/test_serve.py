@@ -5,8 +5,6 @@ import asyncio
 import importlib.util
 import json
 import socket
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -29,6 +27,7 @@ for _module, _package in (
 import openai  # noqa: E402
 
 import nanovllm  # noqa: E402
+from conftest import serve_process  # noqa: E402
 from nanovllm import LLM, SamplingParams  # noqa: E402
 from nanovllm.utils.default_model import default_model_path  # noqa: E402
 
@@ -46,12 +45,6 @@ PROMPTS = [
 ]
 START_TIMEOUT_S = 180
 SERVER_LOG = []   # the server's log file (stdout and stderr), for tests that read it
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _get(url: str) -> tuple[int, str]:
@@ -74,53 +67,12 @@ def server(model_path, tmp_path_factory):
 
 
 def _serve(model_path, tmp_path_factory, *extra_flags):
-    port = _free_port()
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in ENGINE.items()]
-    log = open(tmp_path_factory.mktemp("server") / "server.log", "w+")  # a file: a full pipe would block it
+    log = open(tmp_path_factory.mktemp("server") / "server.log", "w+")
     SERVER_LOG.append(log.name)
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "nanovllm.serve",
-            model_path,
-            "--port",
-            str(port),
-            "--served-model-name",
-            NAME,
-            "--log-level",
-            "info",   # as a user starts it: the start-up log is read by a test
-            *flags,
-            *extra_flags,
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            if proc.poll() is not None:
-                log.seek(0)
-                pytest.fail(f"the server exited with {proc.returncode}:\n{log.read()}")
-            try:
-                if _get(base + "/health")[0] == 200:
-                    break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail("the server did not start in time")
-            time.sleep(0.5)
-        yield base
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
+    yield from serve_process([model_path, "--served-model-name", NAME,
+                              "--log-level", "info",   # as a user starts it: a test reads the start-up log
+                              *flags, *extra_flags], log, START_TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")

@@ -2,11 +2,6 @@
 openai client; each adapter's completion equals LLM.generate's under the same LoRARequest, both are
 listed in /v1/models, and an unknown model name is a 404."""
 import importlib.util
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
 
 import pytest
 
@@ -16,7 +11,7 @@ for _module in ("fastapi", "uvicorn", "openai", "peft"):
 
 import openai  # noqa: E402
 
-from conftest import make_model  # noqa: E402
+from conftest import make_model, serve_process  # noqa: E402
 from nanovllm import LLM, LoRARequest, SamplingParams  # noqa: E402
 from test_lora import ALL, make_adapter  # noqa: E402
 
@@ -37,38 +32,10 @@ def setup(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(setup):
     model, adapters, root = setup
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in ENGINE.items() if k != "enable_lora"]
     log = open(root / "server.log", "w+")
-    proc = subprocess.Popen([sys.executable, "-m", "nanovllm.serve", model, "--port", str(port),
-                             "--served-model-name", "tiny", "--enable-lora", *flags, "--lora-modules",
-                             *(f"{n}={p}" for n, p in adapters.items())],
-                            stdout=log, stderr=subprocess.STDOUT, text=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            if proc.poll() is not None:
-                log.seek(0)
-                pytest.fail(f"the server exited with {proc.returncode}:\n{log.read()}")
-            try:
-                if urllib.request.urlopen(base + "/health", timeout=5).status == 200:
-                    break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, "the server did not start in time"
-            time.sleep(0.5)
-        yield base
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
+    yield from serve_process([model, "--served-model-name", "tiny", "--enable-lora", *flags, "--lora-modules",
+                              *(f"{n}={p}" for n, p in adapters.items())], log, 180)
 
 
 def test_the_server_serves_two_adapters_to_the_openai_client(setup, server):
