@@ -260,10 +260,12 @@ def test_the_scheduler_runs_no_more_adapters_than_slots():
     for seq in seqs:
         sched.add(seq)
     first = sched.schedule()
-    assert first.is_prefill and first.seqs == seqs[:2]   # b waits: a holds the one slot (FIFO)
+    # b waits (a holds the one slot); the prompts behind it, of a and of the base model, go first
+    assert first.is_prefill and first.seqs == [seqs[0], seqs[1], seqs[3], seqs[4]]
+    assert list(sched.waiting) == [seqs[2]]
     sched.postprocess(first, [9] * len(first.seqs))
     batch = sched.schedule()
-    assert batch.seqs == seqs[:2] and not batch.is_prefill   # decode of what runs; b still waits
+    assert batch.seqs == first.seqs and not batch.is_prefill   # decode of what runs; b still waits
     while True:
         sched.postprocess(batch, [9] * len(batch.sampling_seqs))
         assert len({s.lora_int_id for s in sched.running} - {None}) <= 1
@@ -271,3 +273,22 @@ def test_the_scheduler_runs_no_more_adapters_than_slots():
             break
         batch = sched.schedule()
     assert all(s.is_finished and s.num_completion_tokens == 2 for s in seqs)   # b ran once a finished
+
+
+def test_a_chunk_behind_a_skipped_adapter_goes_first_next_step():
+    """A prompt chunked while an earlier one waits for a slot continues before it: its blocks are held,
+    and the waiting prompt must not take the cache first."""
+    from nanovllm.engine.scheduler import Scheduler
+    from nanovllm.engine.sequence import Sequence
+    a, b = LoRARequest("a", 1, "/x"), LoRARequest("b", 2, "/x")
+    sched = Scheduler(8, 8, 64, num_blocks=32, block_size=4, eos_token_ids={1}, max_loras=1)
+    first, blocked, long = (Sequence(list(range(5, 5 + n)), SamplingParams(max_tokens=2), lora_request=r)
+                            for n, r in ((3, a), (3, b), (12, None)))
+    for seq in (first, blocked, long):
+        sched.add(seq)
+    batch = sched.schedule()
+    assert batch.seqs == [first, long] and batch.num_new_tokens == [3, 5]   # long: a chunk of 5
+    assert list(sched.waiting) == [long, blocked]
+    sched.postprocess(batch, [9] * len(batch.sampling_seqs))
+    batch = sched.schedule()
+    assert batch.is_prefill and batch.seqs[0] is long

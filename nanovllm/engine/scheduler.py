@@ -80,15 +80,18 @@ class Scheduler:
     def _schedule_prefill(self) -> ScheduledBatch:
         seqs, counts, finished = [], [], []
         budget = self.max_num_batched_tokens
-        # The adapters of the running sequences: a prompt of another one waits while all slots are taken.
+        # The adapters of the running sequences: a prompt of another one waits while all slots are
+        # taken, and the prompts behind it go first (as vLLM skips it), keeping their order.
         adapters = {s.lora_int_id for s in self.running} - {None} if self.max_loras else set()
+        i = 0   # waiting[:i]: prompts skipped for want of an adapter slot
         # Every sequence already in `seqs` is in `running` too, except a chunk, which ends the loop.
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[i]
             lora = seq.lora_int_id
             if lora is not None and lora not in adapters:
                 if len(adapters) >= self.max_loras:
-                    break
+                    i += 1
+                    continue
                 adapters.add(lora)
             if not seq.block_table:
                 if not self.block_manager.can_allocate(seq):
@@ -103,8 +106,11 @@ class Scheduler:
             counts.append(n)
             budget -= n
             if seq.num_computed_tokens + n < seq.num_tokens:
-                break   # a chunk: the rest of this prompt goes first in the next step
-            self.waiting.popleft()
+                if i:   # a chunk: the rest of this prompt goes first in the next step
+                    del self.waiting[i]
+                    self.waiting.appendleft(seq)
+                break
+            del self.waiting[i]
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
         return ScheduledBatch(seqs, counts, is_prefill=True, finished=finished)
@@ -139,7 +145,7 @@ class Scheduler:
 
     def _finish_oversized(self, seq: Sequence):
         # Only a sequence that grew past the whole cache gets here (prompts are checked on entry).
-        self.waiting.popleft()
+        self.waiting.remove(seq)
         self._finish(seq, LENGTH)
 
     def postprocess(self, batch: ScheduledBatch, token_ids: list[int],
