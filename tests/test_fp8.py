@@ -68,6 +68,16 @@ def dequantized_copy(src: str, dst: str, block, scale_dtype) -> str:
     return dst
 
 
+def _set_quantization_config(folder: str, qconfig: dict):
+    """Writes qconfig into the folder's config.json as its quantization_config."""
+    path = os.path.join(folder, "config.json")
+    with open(path) as f:
+        config = json.load(f)
+    config["quantization_config"] = qconfig
+    with open(path, "w") as f:
+        json.dump(config, f)
+
+
 def save_fp8(src: str, dst: str, fmt: str) -> str:
     """dst: src's model in FP8 format fmt; dst + '-dequantized': its dequantized copy. Returns dst."""
     qconfig, block, scale_name, scale_dtype = FORMATS[fmt]
@@ -79,11 +89,7 @@ def save_fp8(src: str, dst: str, fmt: str) -> str:
             tensors[name], tensors[name.removesuffix("weight") + scale_name] = w, s.to(scale_dtype)
     edit_checkpoint(dst, quantize)
     dequantized_copy(src, dst + "-dequantized", block, scale_dtype)
-    with open(os.path.join(dst, "config.json")) as f:
-        config = json.load(f)
-    config["quantization_config"] = qconfig
-    with open(os.path.join(dst, "config.json"), "w") as f:
-        json.dump(config, f)
+    _set_quantization_config(dst, qconfig)
     return dst
 
 
@@ -156,11 +162,7 @@ def test_a_shard_that_splits_a_block_is_a_clear_error(tmp_path):
 
 def _with_quantization_config(src: str, dst: str, qconfig: dict) -> str:
     shutil.copytree(src, dst)
-    with open(os.path.join(dst, "config.json")) as f:
-        config = json.load(f)
-    config["quantization_config"] = qconfig
-    with open(os.path.join(dst, "config.json"), "w") as f:
-        json.dump(config, f)
+    _set_quantization_config(dst, qconfig)
     return dst
 
 
