@@ -10,8 +10,8 @@ Scales are dequantization factors (w = w_fp8 * scale; HF names them weight_scale
 import torch
 import torch.nn.functional as F
 
-FP8 = torch.float8_e4m3fn
-FP8_MAX = torch.finfo(FP8).max   # 448
+from nanovllm.kernels.reference import FP8_MAX, quantize_fp8
+
 MIN_SCALE = 1e-12                # an all-zero group keeps scale > 0 (its values quantize to 0)
 
 
@@ -44,13 +44,13 @@ def quantize_weight(w: torch.Tensor, block: tuple[int, int] | None) -> tuple[tor
     w = w.float()
     if block is None:
         scale = _over_fp8_max(w.abs().amax(dim=1, keepdim=True))
-        return (w / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+        return quantize_fp8(w, scale), scale
     n, k = w.shape
     bn, bk = block
     padded = F.pad(w, (0, -k % bk, 0, -n % bn))
     blocks = padded.view(padded.shape[0] // bn, bn, padded.shape[1] // bk, bk)
     scale = _over_fp8_max(blocks.abs().amax(dim=(1, 3)))
-    return (w / _expand(scale, w.shape, block)).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+    return quantize_fp8(w, _expand(scale, w.shape, block)), scale
 
 
 def quantize_activations(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,7 +59,7 @@ def quantize_activations(x: torch.Tensor, group: int) -> tuple[torch.Tensor, tor
     m, k = x.shape
     xg = F.pad(x.float(), (0, -k % group)).view(m, -1, group)
     scale = _over_fp8_max(xg.abs().amax(dim=2))
-    q = (xg / scale[:, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    q = quantize_fp8(xg, scale[:, :, None])
     return q.view(m, -1)[:, :k].contiguous(), scale
 
 

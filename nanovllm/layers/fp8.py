@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.kernels import KERNELS
-from nanovllm.kernels.fp8_reference import FP8, dequantize_weight, quantize_weight
+from nanovllm.kernels.fp8_reference import dequantize_weight, quantize_weight
+from nanovllm.kernels.reference import FP8_DTYPE as FP8
 from nanovllm.kernels.moe_reference import fused_moe_ref
 from nanovllm.layers.fused_moe import FusedMoE
 from nanovllm.layers.linear import (LinearBase, MergedColumnParallelLinear, QKVParallelLinear,
