@@ -9,14 +9,12 @@ overlap bound no engine can pass. The timed run is cold: its prompts are new to 
 --ttft-32k also times the first token of one 32,768-token prompt; --prefill-attention picks the
 prefill attention kernel (auto, flash_attn_4, torch_flash; --attention-backend is its former name).
 --lora N then runs the workload again on an engine with LoRA on, N random rank-16 adapters on every
-linear layer spread round-robin over the requests, against the base run, and vLLM (when installed)
-with the same adapters and requests in a child process."""
+linear layer spread round-robin over the requests, against the base run (against vLLM with the same
+adapters and requests: benchmarks/vs_vllm.py --lora N)."""
 import argparse
 import glob
 import json
-import multiprocessing
 import os
-import queue
 import tempfile
 import time
 from random import randint, seed
@@ -202,7 +200,7 @@ def random_adapters(model: str, n: int, folder: str) -> list[str]:
 
 def lora_runs(args, options: dict, prompts, params, base_seconds: float, max_model_len: int) -> dict:
     """--lora N: the workload on a LoRA engine, request i under adapter i % N, against the base
-    run; then vLLM with the same adapters, requests and options, in a child process."""
+    run (against vLLM with the same adapters: benchmarks/vs_vllm.py --lora N)."""
     from nanovllm import LoRARequest
     n, tokens = args.lora, sum(sp.max_tokens for sp in params)
     folder = tempfile.mkdtemp(prefix="bench_lora_")
@@ -217,64 +215,7 @@ def lora_runs(args, options: dict, prompts, params, base_seconds: float, max_mod
                   lora_tokens_per_s=round(tokens / seconds, 1), lora_vs_base=round(base_seconds / seconds, 3))
     print(f"LoRA: {n} adapters of rank {LORA_RANK} over {len(prompts)} requests: {tokens / seconds:.2f} "
           f"tok/s, {base_seconds / seconds:.3f} of the base model's {tokens / base_seconds:.2f}")
-    if args.no_vllm:
-        return record
-    ctx = multiprocessing.get_context("spawn")
-    results = ctx.Queue()
-    lengths = [(sp.temperature, sp.max_tokens) for sp in params]
-    child = ctx.Process(target=vllm_lora_child, args=(args.model, paths, prompts, lengths, max_model_len,
-                                                      options["load_format"], results, args.vllm_path))
-    child.start()
-    child.join()
-    try:
-        out = results.get(timeout=10)
-    except queue.Empty:
-        out = {"error": f"the vLLM child exited with {child.exitcode}"}
-    if "error" in out:
-        print(f"vLLM with LoRA: not run ({out['error']})")
-        record["vllm_lora_error"] = out["error"]
-        return record
-    vllm_tps = tokens / out["seconds"]
-    record.update(vllm_version=out["version"], vllm_lora_tokens_per_s=round(vllm_tps, 1),
-                  lora_vs_vllm=round(out["seconds"] / seconds, 3))
-    print(f"vLLM {out['version']} with the same adapters: {vllm_tps:.2f} tok/s; nanovllm "
-          f"{out['seconds'] / seconds:.3f}x")
     return record
-
-
-def vllm_lora_child(model: str, paths: list[str], prompts, lengths, max_model_len: int, load_format: str,
-                    results, vllm_path: str | None = None):
-    """vLLM with LoRA on (max_loras = the adapters), request i under adapter i % N: one warm-up, one
-    timed generate (in a child process: it starts with the whole GPU)."""
-    import sys
-    if vllm_path:
-        sys.path.insert(0, vllm_path)
-    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
-    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")   # this process has imported torch
-    try:
-        import vllm
-        from vllm import LLM as VllmLLM, SamplingParams as VllmParams
-        from vllm.inputs import TokensPrompt
-        from vllm.lora.request import LoRARequest as VllmLoRA
-    except ImportError as e:
-        results.put({"error": f"vllm is not installed: {e}"})
-        return
-    try:
-        llm = VllmLLM(model, load_format=load_format, skip_tokenizer_init=True, seed=0,
-                      max_model_len=max_model_len, enable_lora=True, max_loras=len(paths),
-                      max_lora_rank=LORA_RANK)
-        loras = [VllmLoRA(f"lora{i}", i + 1, path) for i, path in enumerate(paths)]
-        vparams = [VllmParams(temperature=temperature, ignore_eos=True, max_tokens=max_tokens,
-                              detokenize=False) for temperature, max_tokens in lengths]
-        llm.generate([TokensPrompt(prompt_token_ids=[1, 2, 3])] * len(loras),
-                     VllmParams(max_tokens=8, detokenize=False), use_tqdm=False, lora_request=loras)
-        t = time.perf_counter()
-        llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], vparams, use_tqdm=False,
-                     lora_request=[loras[i % len(loras)] for i in range(len(prompts))])
-    except Exception as e:   # reported beside nanovllm's figures, which stand without it
-        results.put({"error": f"vLLM failed: {e!r}"})
-        raise
-    results.put({"seconds": time.perf_counter() - t, "version": vllm.__version__})
 
 
 def structured_json(llm, prompts, params, free_seconds: float) -> dict:
@@ -369,8 +310,6 @@ def main():
                    "triton is its former name)")
     p.add_argument("--lora", type=int, default=0, metavar="N",
                    help="also run with N random rank-16 LoRA adapters spread over the requests (see above)")
-    p.add_argument("--no-vllm", action="store_true", help="--lora: skip the vLLM run")
-    p.add_argument("--vllm-path", help="--lora: a folder put first on the vLLM child's sys.path")
     p.add_argument("--json", help="write the figures to this file")
     args = p.parse_args()
     args.prefill_attention = {"triton": "torch_flash"}.get(args.prefill_attention, args.prefill_attention)

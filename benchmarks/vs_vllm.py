@@ -84,22 +84,34 @@ class Engine:
     def label_steps(self, labels: list): ...
 
 
+def lora_options(adapters: list[str]) -> dict:
+    """LoRA on, one GPU slot per adapter, when there are adapters."""
+    from bench import LORA_RANK
+    return dict(enable_lora=True, max_loras=len(adapters), max_lora_rank=LORA_RANK) if adapters else {}
+
+
+def per_request(loras: list, num_prompts: int) -> dict:
+    """generate's lora_request argument: request i under adapter i % N (none without adapters)."""
+    return dict(lora_request=[loras[i % len(loras)] for i in range(num_prompts)]) if loras else {}
+
+
 class NanoEngine(Engine):
     name = "nanovllm"
 
-    def __init__(self, args):
-        from nanovllm import LLM
+    def __init__(self, args, adapters: list[str]):
+        from nanovllm import LLM, LoRARequest
         options = dict(kv_cache_dtype=args.kv_cache_dtype, max_model_len=max_model_len(args.workload),
-                       enable_prefix_caching=args.prefix_caching == "on")
+                       enable_prefix_caching=args.prefix_caching == "on", **lora_options(adapters))
         options.update(parse_options(args.nano_option))
         self.llm = LLM(os.path.join(ROOT, args.model) if not os.path.isabs(args.model) else args.model,
                        load_format="dummy", skip_tokenizer_init=True, **options)
+        self.loras = [LoRARequest(f"lora{i}", i + 1, path) for i, path in enumerate(adapters)]
 
     def generate(self, prompts, max_tokens):
         from nanovllm import SamplingParams
         params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m, detokenize=False)
                   for m in max_tokens]
-        outs = self.llm.generate(prompts, params, use_tqdm=False)
+        outs = self.llm.generate(prompts, params, use_tqdm=False, **per_request(self.loras, len(prompts)))
         return sum(len(o.outputs[0].token_ids) for o in outs)
 
     def label_steps(self, labels: list):
@@ -123,19 +135,23 @@ class NanoEngine(Engine):
 class VllmEngine(Engine):
     name = "vllm"
 
-    def __init__(self, args):
+    def __init__(self, args, adapters: list[str]):
         from vllm import LLM
+        from vllm.lora.request import LoRARequest
+        options = dict(lora_options(adapters), **parse_options(args.vllm_option))
         self.llm = LLM(os.path.join(ROOT, args.model) if not os.path.isabs(args.model) else args.model,
                        load_format="dummy", skip_tokenizer_init=True, seed=0,
                        kv_cache_dtype=args.kv_cache_dtype, max_model_len=max_model_len(args.workload),
-                       enable_prefix_caching=args.prefix_caching == "on", **parse_options(args.vllm_option))
+                       enable_prefix_caching=args.prefix_caching == "on", **options)
+        self.loras = [LoRARequest(f"lora{i}", i + 1, path) for i, path in enumerate(adapters)]
 
     def generate(self, prompts, max_tokens):
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m, detokenize=False)
                   for m in max_tokens]
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False,
+                                 **per_request(self.loras, len(prompts)))
         return sum(len(o.outputs[0].token_ids) for o in outs)
 
     def label_steps(self, labels: list):
@@ -198,14 +214,19 @@ def parse_options(pairs: list[str]) -> dict:
 def child(args) -> dict:
     """Start the engine, warm up, time args.runs generate calls (or one profiled call)."""
     prompts, max_tokens = workload(args.workload, args.num_seqs)
+    adapters = []
+    if args.lora:   # the same random adapters in each engine's child (bench.py's, seeded by index)
+        from bench import random_adapters
+        adapters = random_adapters(args.model, args.lora, tempfile.mkdtemp(prefix="vs_vllm_lora_"))
     t = time.perf_counter()
-    engine = (VllmEngine if args.child == "vllm" else NanoEngine)(args)
-    record = dict(engine=args.child, model=args.model, workload=args.workload,
+    engine = (VllmEngine if args.child == "vllm" else NanoEngine)(args, adapters)
+    record = dict(engine=args.child, model=args.model, workload=args.workload, lora=args.lora,
                   kv_cache_dtype=args.kv_cache_dtype, startup_s=round(time.perf_counter() - t, 2), runs=[])
     if args.child == "vllm":
         import vllm
         record["version"] = vllm.__version__
-    engine.generate([[1, 2, 3]], [8])   # warm-up
+    warm = max(1, args.lora)
+    engine.generate([[1, 2, 3]] * warm, [8] * warm)   # warm-up (every adapter loaded)
     if args.profile_child:
         record["profile"] = profile_run(engine, prompts, max_tokens, args)
         return record
@@ -328,7 +349,8 @@ def format_profile(engine: str, p: dict) -> str:
 
 def tag(args) -> str:
     name = os.path.basename(os.path.normpath(args.model))
-    return f"{name}_{args.workload}_{args.kv_cache_dtype}_cache-{args.prefix_caching}"
+    lora = f"_lora{args.lora}" if args.lora else ""
+    return f"{name}_{args.workload}_{args.kv_cache_dtype}{lora}_cache-{args.prefix_caching}"
 
 
 def wait_gpu_free(timeout: float = 60):
@@ -361,7 +383,7 @@ def run_child(args, engine: str, profile: bool) -> dict | None:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", engine, "--result", result,
            "--model", args.model, "--workload", args.workload, "--kv-cache-dtype", args.kv_cache_dtype,
            "--runs", str(args.runs), "--num-seqs", str(args.num_seqs),
-           "--prefix-caching", args.prefix_caching]
+           "--prefix-caching", args.prefix_caching, "--lora", str(args.lora)]
     cmd += ["--profile-child"] if profile else []
     cmd += [x for o in args.nano_option for x in ("--nano-option", o)]
     cmd += [x for o in args.vllm_option for x in ("--vllm-option", o)]
@@ -405,6 +427,9 @@ def main():
     p.add_argument("--prefix-caching", default="off", choices=["off", "on"],
                    help="off (default): every run is a cold run; on (both engines' default): from the second "
                         "run on, the repeated prompts hit the prefix cache")
+    p.add_argument("--lora", type=int, default=0, metavar="N",
+                   help="N random rank-16 adapters (bench.py's) on every linear layer, request i under "
+                        "adapter i %% N, one GPU slot each, in both engines")
     p.add_argument("--engines", nargs="+", default=["vllm", "nanovllm"], choices=["vllm", "nanovllm"])
     p.add_argument("--profile", action="store_true", help="also one profiled run per engine")
     p.add_argument("--no-timing", action="store_true", help="only the profiled runs")

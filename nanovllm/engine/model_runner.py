@@ -149,9 +149,10 @@ class ModelRunner:
         seq_len = min(c.max_num_batched_tokens, c.max_model_len)
         num_seqs = max(1, min(c.max_num_batched_tokens // seq_len, c.max_num_seqs))
         cu = torch.arange(0, (num_seqs + 1) * seq_len, seq_len, dtype=torch.int32, device=self.device)
-        ctx = Context(is_prefill=True, cu_seqlens_q=cu, cu_seqlens_k=cu,
-                      max_seqlen_q=seq_len, max_seqlen_k=seq_len)
         input_ids = torch.zeros(num_seqs * seq_len, dtype=torch.int64, device=self.device)
+        # LoRA: all tokens in slot 0 (empty), so its prefill kernels compile now and count in the peak
+        ctx = Context(is_prefill=True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=seq_len,
+                      max_seqlen_k=seq_len, lora=self.lora and self.lora.batch(input_ids.int()))
         positions = torch.arange(seq_len, device=self.device).repeat(num_seqs)
         with forward_context(ctx):
             hidden = self.model(input_ids, positions)
