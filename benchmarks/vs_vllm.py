@@ -136,6 +136,9 @@ class VllmEngine(Engine):
     name = "vllm"
 
     def __init__(self, args, adapters: list[str]):
+        import importlib.util
+        if importlib.util.find_spec("flashinfer") is None:   # vLLM's LoRA runner imports it for sampling
+            os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
         from vllm import LLM
         from vllm.lora.request import LoRARequest
         options = dict(lora_options(adapters), **parse_options(args.vllm_option))
@@ -350,7 +353,9 @@ def format_profile(engine: str, p: dict) -> str:
 def tag(args) -> str:
     name = os.path.basename(os.path.normpath(args.model))
     lora = f"_lora{args.lora}" if args.lora else ""
-    return f"{name}_{args.workload}_{args.kv_cache_dtype}{lora}_cache-{args.prefix_caching}"
+    # each distinct --nano-option / --vllm-option, e.g. _quantization-fp8
+    options = "".join(f"_{o.replace('=', '-')}" for o in dict.fromkeys(args.nano_option + args.vllm_option))
+    return f"{name}_{args.workload}_{args.kv_cache_dtype}{lora}{options}_cache-{args.prefix_caching}"
 
 
 def wait_gpu_free(timeout: float = 60):
@@ -464,6 +469,7 @@ def main():
                         f.write(text + "\n")
                 records[f"{engine}_profile"] = prof
     if args.out:
+        records["options"] = {"nanovllm": args.nano_option, "vllm": args.vllm_option}
         with open(os.path.join(args.out, f"vs_vllm_{tag(args)}.json"), "w") as f:
             json.dump(records, f, indent=1)
     for engine in args.engines:

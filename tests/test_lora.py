@@ -143,6 +143,26 @@ def test_without_norm_folding(model_dir, adapters, oracles, monkeypatch):
         llm.shutdown()
 
 
+def test_a_biased_layer_keeps_its_adapters_apart_from_its_weight(tmp_path):
+    # Qwen2's qkv_proj has a bias: its slots' A are not folded under the weight (the shrink, then
+    # the expand add to its output); the other layers fold
+    path = make_model(str(tmp_path / "qwen2"), "qwen2", seed=6)
+    lora = LoRARequest("q2", 1, make_adapter(path, str(tmp_path / "a"), 8, ALL, seed=3))
+    oracles = {None: PeftOracle(path, None), 1: PeftOracle(path, lora)}
+    llm = LLM(path, **OPTIONS)
+    try:
+        layers = llm.model_runner.lora.layers
+        assert not layers[0, "qkv_proj"].folded and layers[0, "o_proj"].folded
+        loras = [None, lora] * len(PROMPTS)
+        prompts = [p for p in PROMPTS for _ in range(2)]
+        outs = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras)
+        for p, r, out in zip(prompts, loras, outs):
+            oracles[r and r.lora_int_id].assert_greedy(p, out.outputs[0].token_ids)
+        assert outs[0].outputs[0].token_ids != outs[1].outputs[0].token_ids
+    finally:
+        llm.shutdown()
+
+
 def test_the_prefix_cache_is_keyed_by_adapter(llm, adapters):
     prompt = random_prompts(1, [40], seed=11)[0]
     one = SamplingParams(temperature=0, max_tokens=1)
@@ -225,7 +245,8 @@ def test_slot_table_is_lru_over_what_the_step_does_not_use():
 
 
 def test_interp_lora_kernels():
-    from nanovllm.kernels.lora import LoRABatch, lora_reference, lora_triton
+    from nanovllm.kernels.lora import (LoRABatch, expand_folded, expand_folded_triton, lora_reference,
+                                       lora_triton)
     g = torch.Generator().manual_seed(0)
     # the fourth splits K; the last has 64-token tiles
     for slots_, rank, k, n, t in [(3, 24, 70, 90, 37), (1, 16, 64, 64, 5), (4, 48, 128, 200, 130),
@@ -239,8 +260,18 @@ def test_interp_lora_kernels():
             if slots[i] >= 0:
                 want[i] += b[:, slots[i]] @ (a[slots[i]] @ x[i])
         torch.testing.assert_close(lora_reference(x, y, a, b, slots), want, rtol=1e-4, atol=1e-3)
-        torch.testing.assert_close(lora_triton(x, y.clone(), a, b, LoRABatch.of(slots, slots_)), want,
-                                   rtol=1e-4, atol=1e-3)
+        batch = LoRABatch.of(slots, slots_)
+        torch.testing.assert_close(lora_triton(x, y.clone(), a, b, batch), want, rtol=1e-4, atol=1e-3)
+        # folded: y and every slot's A x from one GEMM ([W; A]); then y's columns + B (A x), or that
+        # added into a residual
+        w = torch.randn(n, k, generator=g)
+        yf = x @ torch.cat([w, a.reshape(-1, k)]).t()
+        want = lora_reference(x, x @ w.t(), a, b, slots)
+        residual = torch.randn(t, n, generator=g)
+        for fold in (expand_folded, expand_folded_triton):
+            torch.testing.assert_close(fold(yf, b, batch), want, rtol=1e-4, atol=1e-3)
+            torch.testing.assert_close(fold(yf, b, batch, residual.clone()), residual + want,
+                                       rtol=1e-4, atol=1e-3)
 
 
 @pytest.mark.skipif(INTERPRETED, reason="the subprocess itself")

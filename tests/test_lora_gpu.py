@@ -1,6 +1,7 @@
-"""LoRA on CUDA: the batched Triton kernels at Qwen3-0.6B shapes against the torch reference (also
-replayed in a CUDA graph after the slots change), and a batch mixing the base model and two adapters
-of different ranks on the engine (CUDA graphs on and off) against PEFT's argmax. Run on the H200."""
+"""LoRA on CUDA: the batched Triton kernels, unfolded and folded, at Qwen3-0.6B shapes against the
+torch reference (also replayed in a CUDA graph after the slots change), and a batch mixing the base
+model and two adapters of different ranks on the engine (CUDA graphs on and off) against PEFT's
+argmax. Run on the H200."""
 import pytest
 import torch
 
@@ -10,7 +11,7 @@ pytest.importorskip("peft")
 
 from conftest import random_prompts  # noqa: E402
 from nanovllm import LLM  # noqa: E402
-from nanovllm.kernels.lora import LoRABatch, lora_reference, lora_triton  # noqa: E402
+from nanovllm.kernels.lora import LoRABatch, expand_folded_triton, lora_reference, lora_triton  # noqa: E402
 from test_lora import GREEDY, adapters, mixed, model_dir, oracles  # noqa: E402,F401
 
 ATOL = {"float32": 1e-3, "bfloat16": 0.3}
@@ -33,6 +34,14 @@ def test_lora_kernels_at_0_6b_shapes(dtype, k, n, rank, tokens):
     torch.testing.assert_close(got.float(), want, **tol)
     base = slots < 0
     assert torch.equal(got[base], y[base])   # base-model tokens untouched
+    # folded: y's GEMM and every slot's A x in one ([W; A]), then the expand, alone or into a residual
+    w = (torch.randn(n, k, device="cuda", generator=g) / k ** 0.5).to(dtype)
+    yf = x @ torch.cat([w, a.reshape(-1, k)]).t()
+    want = lora_reference(x.float(), (x @ w.t()).float(), a.float(), b.float(), slots)
+    batch = LoRABatch.of(slots, num_slots)
+    torch.testing.assert_close(expand_folded_triton(yf, b, batch).float(), want, **tol)
+    got = expand_folded_triton(yf, b, batch, y.clone())
+    torch.testing.assert_close(got.float(), want + y.float(), **tol)
 
 
 def test_lora_kernels_replay_in_a_cuda_graph_with_new_slots():
@@ -46,9 +55,15 @@ def test_lora_kernels_replay_in_a_cuda_graph_with_new_slots():
     slots = torch.full((64,), -1, dtype=torch.int32, device="cuda")
     y = y0.clone()
 
+    w = (torch.randn(2048, 1024, device="cuda", generator=g) / 32).bfloat16()
+    wa = torch.cat([w, a.reshape(-1, 1024)])
+    folded = torch.empty_like(y0)
+
     def step():
         y.copy_(y0)
-        lora_triton(x, y, a, b, LoRABatch.of(slots, 4))
+        batch = LoRABatch.of(slots, 4)
+        lora_triton(x, y, a, b, batch)
+        folded.copy_(expand_folded_triton(x @ wa.t(), b, batch))
     step()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -59,6 +74,8 @@ def test_lora_kernels_replay_in_a_cuda_graph_with_new_slots():
         graph.replay()
         want = lora_reference(x.float(), y0.float(), a.float(), b.float(), slots)
         torch.testing.assert_close(y.float(), want, atol=5e-2, rtol=2e-2)
+        want = lora_reference(x.float(), (x @ w.t()).float(), a.float(), b.float(), slots)
+        torch.testing.assert_close(folded.float(), want, atol=5e-2, rtol=2e-2)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -4,15 +4,19 @@ model, nothing added). A layer's adapters live in fixed slot buffers:
   a: [num_slots, R, in]  the slots' A matrices (R = the layer's slices x max_lora_rank, zero-padded)
   b: [out, num_slots, R] the slots' B matrices, scale (lora_alpha / r) folded in.
 
-The Triton path groups the tokens by slot once per step (LoRABatch, which also numbers each slot's
-tiles of block_m tokens, so the grid is the tiles there can be, not tiles x slots) and gives each
-program a tile of one slot's tokens: it gathers their rows of x (shrink: x A^T into fp32 partials
-[splits, tokens, R], the input features split over several programs when the tokens are few, as in
-decode) or of those partials (expand: adds their sum times B^T into y's rows). A prefill step's
-shrink is one cuBLAS GEMM for every slot instead (at 16,384 tokens it and the wider expand tile
-take 102 us against 190 for Qwen3-0.6B's qkv_proj with 4 slots of rank 16). The grid is fixed by
-the token count, so the decode CUDA graphs replay it for any mix of adapters; the few programs past
-the last tile do no work.
+A bf16 / fp32 layer keeps every slot's A as extra rows under its weight (lora/layers.py), so one
+cuBLAS GEMM gives x W^T and every slot's A x side by side ("folded"): [T, out + num_slots x R].
+expand_folded then writes each token's base columns plus B[s] times its slot's columns (at
+Qwen3-0.6B's shapes the extra rows cost the GEMM a few % and save a shrink kernel a layer). An FP8 or
+biased layer runs the shrink kernel instead: it gathers each tile's rows of x into fp32 partials
+[splits, tokens, R], the input features split over several programs when the tokens are few, as
+in decode (a prefill step's shrink is one cuBLAS GEMM for every slot), and the expand adds into y.
+
+The Triton kernels group the tokens by slot once per step (LoRABatch, which also numbers each
+group's tiles of block_m tokens, so the grid is the tiles there can be, not tiles x slots), the
+base model's tokens last (the folded expand copies their base columns), and give each program a
+tile of one group's tokens. The grid is fixed by the token count, so the decode CUDA graphs replay
+it for any mix of adapters; the few programs past the last tile do no work.
 The torch path (CPU, and the oracle) multiplies by every slot's matrices and masks the other slots'
 columns to zero: the same sums, exact, with no host sync."""
 from typing import NamedTuple
@@ -37,48 +41,50 @@ def block_m(num_tokens: int) -> int:
 
 
 class LoRABatch(NamedTuple):
-    """One step's tokens by adapter slot, computed once and read by every LoRA layer."""
+    """One step's tokens by adapter slot, computed once and read by every LoRA layer. Group s <
+    num_slots is slot s's tokens, group num_slots the base model's."""
     slots: torch.Tensor        # [T] slot of each token, -1: base model
-    order: torch.Tensor        # [T] int64 the adapters' tokens grouped by slot (the rest unused)
-    starts: torch.Tensor       # [num_slots + 1] int32 slot s's tokens are order[starts[s]:starts[s + 1]]
-    tile_starts: torch.Tensor  # [num_slots + 1] int32 slot s's token tiles are programs
-                               # tile_starts[s]..tile_starts[s + 1] - 1 (block_m tokens each)
+    order: torch.Tensor        # [T] int64 the tokens grouped by slot, the base model's last
+    starts: torch.Tensor       # [num_slots + 2] int32 group g's tokens are order[starts[g]:starts[g + 1]]
+    tile_starts: torch.Tensor  # [num_slots + 2] int32 group g's token tiles are programs
+                               # tile_starts[g]..tile_starts[g + 1] - 1 (block_m tokens each)
     block_m: int
 
     @classmethod
     def of(cls, slots: torch.Tensor, num_slots: int) -> "LoRABatch":
         """Elementwise ops and cumulative sums only (no sort, no host sync): recorded into the
         decode CUDA graphs with slots as their input."""
-        num_tokens, bm = slots.numel(), block_m(slots.numel())
-        mask = slots.reshape(-1, 1) == torch.arange(num_slots, device=slots.device)   # [T, num_slots]
+        num_tokens, bm, dev = slots.numel(), block_m(slots.numel()), slots.device
+        group = torch.where(slots >= 0, slots, num_slots)
+        mask = group.reshape(-1, 1) == torch.arange(num_slots + 1, device=dev)   # [T, groups]
         cum = mask.cumsum(0)
-        starts = torch.zeros(num_slots + 1, dtype=torch.int64, device=slots.device)
+        starts = torch.zeros(num_slots + 2, dtype=torch.int64, device=dev)
         starts[1:] = cum[-1].cumsum(0)
-        tile_starts = torch.zeros(num_slots + 1, dtype=torch.int64, device=slots.device)
+        tile_starts = torch.zeros(num_slots + 2, dtype=torch.int64, device=dev)
         tile_starts[1:] = ((cum[-1] + bm - 1) // bm).cumsum(0)
-        # token t of slot s goes to starts[s] + (its rank among slot s's tokens); base tokens to a spare row
+        # token t of group g goes to starts[g] + (its rank among group g's tokens)
         dest = ((starts[:-1] + cum - 1) * mask).sum(1)
-        dest = torch.where(slots >= 0, dest, num_tokens)
-        order = torch.zeros(num_tokens + 1, dtype=torch.int64, device=slots.device)
-        order.scatter_(0, dest, torch.arange(num_tokens, device=slots.device))
-        return cls(slots, order[:num_tokens], starts.to(torch.int32), tile_starts.to(torch.int32), bm)
+        order = torch.empty(num_tokens, dtype=torch.int64, device=dev)
+        order.scatter_(0, dest, torch.arange(num_tokens, device=dev))
+        return cls(slots, order, starts.to(torch.int32), tile_starts.to(torch.int32), bm)
 
     @staticmethod
-    def max_tiles(num_tokens: int, num_slots: int) -> int:
-        """The programs that cover every slot's tiles, whatever the mix: each slot's last tile may
-        be partial."""
-        return triton.cdiv(num_tokens, block_m(num_tokens)) + num_slots
+    def max_tiles(num_tokens: int, num_groups: int) -> int:
+        """The programs that cover the first num_groups groups' tiles, whatever the mix: each
+        group's last tile may be partial."""
+        return triton.cdiv(num_tokens, block_m(num_tokens)) + num_groups
 
 
 @triton.jit
-def _tile(pid, order_ptr, starts_ptr, tile_starts_ptr, NUM_SLOTS: tl.constexpr, BLOCK_M: tl.constexpr):
-    """Program pid's slot and tokens: (slot, token ids, row mask, whether it has any)."""
+def _tile(pid, order_ptr, starts_ptr, tile_starts_ptr, NUM_GROUPS: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Program pid's group (slot; num_slots: the base model) and tokens among the first NUM_GROUPS
+    groups: (group, token ids, row mask, whether it has any)."""
     s = pid * 0
-    for j in tl.static_range(1, NUM_SLOTS):
+    for j in tl.static_range(1, NUM_GROUPS):
         s += (pid >= tl.load(tile_starts_ptr + j)).to(tl.int32)
     first = tl.load(starts_ptr + s) + (pid - tl.load(tile_starts_ptr + s)) * BLOCK_M
     end = tl.load(starts_ptr + s + 1)
-    active = pid < tl.load(tile_starts_ptr + NUM_SLOTS)   # programs past the last tile: none
+    active = pid < tl.load(tile_starts_ptr + NUM_GROUPS)   # programs past the last tile: none
     end = tl.where(active, end, first)
     idx = first + tl.arange(0, BLOCK_M)
     rmask = idx < end
@@ -93,7 +99,7 @@ def _shrink_kernel(x_ptr, a_ptr, h_ptr, order_ptr, starts_ptr, tile_starts_ptr, 
     # Program (token tile, K split): its share of the input features, into its own partial of h
     # (the expand kernel sums the partials: no atomics, and the same sums whatever the timing).
     s, tok, rmask, active = _tile(tl.program_id(0), order_ptr, starts_ptr, tile_starts_ptr, NUM_SLOTS,
-                                  BLOCK_M)
+                                  BLOCK_M)   # the slots' groups only
     split = tl.program_id(1)
     r = tl.arange(0, BLOCK_R)
     k_begin = split * K_PER_SPLIT
@@ -116,32 +122,36 @@ def _shrink_kernel(x_ptr, a_ptr, h_ptr, order_ptr, starts_ptr, tile_starts_ptr, 
 
 
 @triton.jit(do_not_specialize=["num_tokens"])
-def _expand_kernel(h_ptr, b_ptr, y_ptr, order_ptr, starts_ptr, tile_starts_ptr, num_tokens, N, R, h_stride,
-                   h_stride_split, h_stride_slot, splits, b_stride_n, b_stride_s, y_stride,
-                   NUM_SLOTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
-                   BLOCK_N: tl.constexpr, FP32: tl.constexpr):
-    # Program (token tile, block of output features). h: the shrink's fp32 partials, or every slot's
-    # columns side by side (h_stride_slot = R: this tile's slot's are read).
-    s, tok, rmask, active = _tile(tl.program_id(0), order_ptr, starts_ptr, tile_starts_ptr, NUM_SLOTS,
+def _expand_kernel(h_ptr, b_ptr, base_ptr, y_ptr, order_ptr, starts_ptr, tile_starts_ptr, num_tokens, N, R,
+                   h_stride, h_stride_split, h_stride_slot, splits, b_stride_n, b_stride_s, base_stride,
+                   y_stride, NUM_SLOTS: tl.constexpr, NUM_GROUPS: tl.constexpr, ADD_Y: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, FP32: tl.constexpr):
+    # Program (token tile, block of output features): y = base + h B^T for the tile's rows (ADD_Y:
+    # y += that). h: the shrink's fp32 partials, or every slot's columns side by side (h_stride_slot
+    # = R: this tile's slot's are read). A base-model tile (group NUM_SLOTS) adds nothing.
+    s, tok, rmask, active = _tile(tl.program_id(0), order_ptr, starts_ptr, tile_starts_ptr, NUM_GROUPS,
                                   BLOCK_M)
     r = tl.arange(0, BLOCK_R)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < tl.where(active, N, 0)   # no tokens: no loads
-    hmask = rmask[:, None] & (r < R)[None, :]
+    rvalid = r < tl.where(s < NUM_SLOTS, R, 0)   # a base-model tile: no h or B
+    hmask = rmask[:, None] & rvalid[None, :]
     h_rows = h_ptr + s.to(tl.int64) * h_stride_slot + tok[:, None] * h_stride + r[None, :]
     h = tl.load(h_rows, mask=hmask, other=0.0).to(tl.float32)
     for split in range(1, splits):
         h += tl.load(h_rows + split * h_stride_split, mask=hmask, other=0.0)
     b = tl.load(b_ptr + s.to(tl.int64) * b_stride_s + n[None, :] * b_stride_n + r[:, None],
-                mask=(r < R)[:, None] & nmask[None, :], other=0.0)
+                mask=rvalid[:, None] & nmask[None, :], other=0.0)
     if FP32:
         acc = tl.dot(h, b.to(tl.float32), input_precision="ieee")
     else:
         acc = tl.dot(h.to(b.dtype), b)
     mask = rmask[:, None] & nmask[None, :]
+    acc += tl.load(base_ptr + tok[:, None] * base_stride + n[None, :], mask=mask, other=0.0).to(tl.float32)
     y_ptrs = y_ptr + tok[:, None] * y_stride + n[None, :]
-    y = tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(y_ptrs, (y + acc).to(y_ptr.dtype.element_ty), mask=mask)
+    if ADD_Y:
+        acc += tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -154,12 +164,9 @@ def lora_triton(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tens
     with unit column stride."""
     x2 = _rows(x)
     num_tokens, num_slots, R, K = x2.size(0), a.size(0), a.size(1), a.size(2)
-    N = y.size(-1)
     assert y.stride(-1) == 1 and a.stride(2) == 1 and b.stride(2) == 1
-    block_r = max(16, triton.next_power_of_2(R))
     fp32 = a.dtype == torch.float32   # fp32 weights: exact fp32 dots; else the dtype's tensor cores
     tiles, bm = LoRABatch.max_tiles(num_tokens, num_slots), batch.block_m
-    meta = (batch.order, batch.starts, batch.tile_starts, num_tokens)
     if bm == 64 and not fp32:
         # prefill: one cuBLAS GEMM for every slot's A (num_slots x R columns, a few % of the layer's
         # own GEMM) beats the gathered shrink; the expand reads each tile's slot's columns
@@ -172,28 +179,63 @@ def lora_triton(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tens
         splits = triton.cdiv(K, per_split)
         h = torch.empty(splits, num_tokens, R, dtype=torch.float32, device=x.device)   # [split, token, r]
         _shrink_kernel[(tiles, splits)](
-            x2, a, h, *meta, K, R, x2.stride(0), a.stride(0), a.stride(1), h.stride(1), h.stride(0),
-            per_split,
-            NUM_SLOTS=num_slots, BLOCK_M=bm, BLOCK_R=block_r, BLOCK_K=BLOCK_K, FP32=fp32,
-            num_warps=SHRINK_WARPS)
+            x2, a, h, batch.order, batch.starts, batch.tile_starts, num_tokens, K, R, x2.stride(0),
+            a.stride(0), a.stride(1), h.stride(1), h.stride(0), per_split, NUM_SLOTS=num_slots, BLOCK_M=bm,
+            BLOCK_R=max(16, triton.next_power_of_2(R)), BLOCK_K=BLOCK_K, FP32=fp32, num_warps=SHRINK_WARPS)
         h_strides = (h.stride(1), h.stride(0), 0)
-    block_n, warps = EXPAND_TILE[bm]
-    _expand_kernel[(tiles, triton.cdiv(N, block_n))](
-        h, b, y, *meta, N, R, *h_strides, splits, b.stride(0), b.stride(1), y.stride(0),
-        NUM_SLOTS=num_slots, BLOCK_M=bm, BLOCK_R=block_r, BLOCK_N=block_n, FP32=fp32, num_warps=warps)
+    _expand(h, h_strides, splits, b, y, y, batch, num_slots, add_y=False)
     return y
+
+
+def _expand(h, h_strides, splits, b, base, y, batch: LoRABatch, num_groups: int, add_y: bool):
+    """The expand kernel over the first num_groups groups' tiles: y (+)= base + h B^T."""
+    num_tokens, N, num_slots, R = y.size(0), y.size(1), b.size(1), b.size(2)
+    block_n, warps = EXPAND_TILE[batch.block_m]
+    _expand_kernel[(LoRABatch.max_tiles(num_tokens, num_groups), triton.cdiv(N, block_n))](
+        h, b, base, y, batch.order, batch.starts, batch.tile_starts, num_tokens, N, R, *h_strides, splits,
+        b.stride(0), b.stride(1), base.stride(0), y.stride(0), NUM_SLOTS=num_slots, NUM_GROUPS=num_groups,
+        ADD_Y=add_y, BLOCK_M=batch.block_m, BLOCK_R=max(16, triton.next_power_of_2(R)), BLOCK_N=block_n,
+        FP32=b.dtype == torch.float32, num_warps=warps)
+
+
+def expand_folded_triton(yf: torch.Tensor, b: torch.Tensor, batch: LoRABatch,
+                         y: torch.Tensor | None = None) -> torch.Tensor:
+    """expand_folded's kernel: the base-model tokens' tiles run too (they copy their base columns)."""
+    num_slots, R, out = b.size(1), b.size(2), b.size(0)
+    assert yf.stride(-1) == 1 and b.stride(2) == 1 and (y is None or y.stride(-1) == 1)
+    dest = torch.empty(yf.size(0), out, dtype=yf.dtype, device=yf.device) if y is None else y
+    _expand(yf[:, out:], (yf.stride(0), 0, R), 1, b, yf, dest, batch, num_slots + 1, add_y=y is not None)
+    return dest
+
+
+def expand_folded(yf: torch.Tensor, b: torch.Tensor, batch: LoRABatch,
+                  y: torch.Tensor | None = None) -> torch.Tensor:
+    """yf = x [W; A_0; ...; A_last]^T: [T, out + num_slots x R], the base output and then every
+    slot's A x. Returns each token's base columns plus B[slot] times its slot's columns, [T, out]:
+    a new tensor, or added into y when given (a residual; in place on CUDA). Triton on CUDA, torch
+    elsewhere."""
+    if interpreted(yf.device):
+        out = b.size(0)
+        lora = yf[:, :out] + _lora_of(yf[:, out:], b, batch.slots).to(yf.dtype)
+        return lora if y is None else y + lora
+    return expand_folded_triton(yf, b, batch, y)
+
+
+def _lora_of(h: torch.Tensor, b: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """The torch path's sum: each token's B[slot] times its slot's columns of h [T, num_slots x R]
+    (every slot's A x), the other slots' columns masked to zero."""
+    num_slots, R = b.size(1), b.size(2)
+    mask = (slots.reshape(-1, 1) == torch.arange(num_slots, device=h.device)).to(h.dtype)   # [T, slots]
+    h = (h.reshape(-1, num_slots, R) * mask.unsqueeze(-1)).reshape(-1, num_slots * R)
+    return h @ b.reshape(b.size(0), num_slots * R).t()
 
 
 def lora_reference(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                    slots: torch.Tensor) -> torch.Tensor:
-    """The torch path: y + the slots' LoRA of x (a new tensor), every slot computed and the
-    columns of the slots a token does not use masked to zero."""
+    """The torch path: y + the slots' LoRA of x (a new tensor)."""
     num_slots, R, K = a.shape
-    x2 = x.reshape(-1, K)
-    h = x2.to(a.dtype) @ a.reshape(num_slots * R, K).t()                    # [T, num_slots * R]
-    mask = slots.reshape(-1, 1) == torch.arange(num_slots, device=x.device)  # [T, num_slots]
-    h = (h.view(-1, num_slots, R) * mask.unsqueeze(-1).to(h.dtype)).view(-1, num_slots * R)
-    return y + (h @ b.reshape(b.size(0), num_slots * R).t()).to(y.dtype)
+    h = x.reshape(-1, K).to(a.dtype) @ a.reshape(num_slots * R, K).t()   # [T, num_slots * R]
+    return y + _lora_of(h, b, slots).to(y.dtype)
 
 
 def apply_lora(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor,

@@ -27,8 +27,8 @@ class LinearBase(nn.Module):
     """y = x W^T (+ b) with W: [output_size, input_size] on this rank. tp_dim: the sharded axis of
     W (0 = output columns, 1 = input rows, None = replicated). quant: None, or the method of an FP8
     weight (layers/fp8.py sets it, with the scales beside the weight). lora: None, or a
-    lora.layers.LoRALinear: lora(x, y) -> y plus the step's adapters' updates (added before any
-    all-reduce)."""
+    lora.layers.LoRALinear, run before any all-reduce: lora.folded_linear(x) is the layer's output
+    with the step's adapters when lora.folds(), else lora(x, y) adds them to its output y."""
 
     quant = None
     lora = None
@@ -52,6 +52,8 @@ class LinearBase(nn.Module):
         return F.linear(x, self.weight, bias) if self.quant is None else self.quant.apply(self, x, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.lora is not None and self.lora.folds():
+            return self.lora.folded_linear(x)
         y = self.matmul(x, self.bias)
         return y if self.lora is None else self.lora(x, y)
 
@@ -111,15 +113,20 @@ class RowParallelLinear(LinearBase):
         # The bias is added once, after the sum, not on every rank. residual (the same on every
         # rank): added to the output; without a bias it is rank 0's GEMM's C (beta 1), updated in
         # place, so the sum over ranks holds it once: no add kernel (an FP8 GEMM: added after it).
-        if residual is not None and self.bias is None:
-            if self.tp_rank != 0:
+        into = residual if residual is not None and self.bias is None else None
+        own = into if self.tp_rank == 0 else None
+        if self.lora is not None and self.lora.folds():
+            y = self.lora.folded_linear(x, own)
+        else:
+            if own is None:
                 y = self.matmul(x)
             elif self.quant is None:
-                y = residual.addmm_(x, self.weight.t())
+                y = own.addmm_(x, self.weight.t())
             else:
-                y = residual.add_(self.matmul(x))
-            return all_reduce(y if self.lora is None else self.lora(x, y))
-        y = self.matmul(x)
-        y = all_reduce(y if self.lora is None else self.lora(x, y))
+                y = own.add_(self.matmul(x))
+            y = y if self.lora is None else self.lora(x, y)
+        y = all_reduce(y)
+        if into is not None:
+            return y
         y = y + self.bias if self.bias is not None else y
         return y if residual is None else y + residual

@@ -1,7 +1,11 @@
 """LoRA on the decoder's linear layers: each qkv_proj, o_proj, gate_up_proj and down_proj gets a
-LoRALinear (its `lora` attribute), which the layer calls on its input and output before any
-all-reduce. A LoRALinear holds max_loras slots of zero-padded A and B matrices (kernels/lora.py);
-the step's LoRABatch (in the forward context) says which slot each token uses.
+LoRALinear (its `lora` attribute), which the layer runs before any all-reduce. A LoRALinear holds
+max_loras slots of zero-padded A and B matrices (kernels/lora.py); the step's LoRABatch (in the
+forward context) says which slot each token uses. A bf16 or fp32 layer without a bias keeps the
+slots' A as rows under its own weight (one buffer [out + max_loras x R, in], the layer's weight a
+view of its first rows): in a step with adapters its GEMM gives x W^T and every slot's A x at once,
+and the expand adds each token's B (A x) ("folded"). An FP8 or biased layer calls the LoRALinear on
+its input and output instead (the shrink kernel, then the expand).
 
 Tensor parallelism splits an adapter with its base layer: a column-parallel layer (qkv, gate_up)
 keeps A whole and takes its rows of each slice's B; a row-parallel one (o, down) takes its columns
@@ -15,7 +19,9 @@ from collections import OrderedDict
 
 import torch
 
-from nanovllm.kernels.lora import LoRABatch, apply_lora
+import torch.nn.functional as F
+
+from nanovllm.kernels.lora import LoRABatch, apply_lora, expand_folded
 from nanovllm.lora.adapter import TARGETS, AdapterInfo, check_adapter, load_adapter
 from nanovllm.lora.request import LoRARequest
 from nanovllm.lora.slots import SlotTable
@@ -43,8 +49,16 @@ class LoRALinear:
         self.input_scale = input_scale
         dtype = base.weight.dtype   # the activations' (a weight stored in 8 bits: bf16)
         kw = dict(dtype=dtype if dtype.itemsize >= 2 else torch.bfloat16, device=base.weight.device)
-        self.a = torch.zeros(max_loras, len(modules) * max_rank, in_local, **kw)
-        self.b = torch.zeros(out_local, max_loras, len(modules) * max_rank, **kw)
+        R = len(modules) * max_rank
+        self.folded = base.quant is None and base.bias is None
+        if self.folded:   # [W; A_0; ...]: the base weight becomes a view of the buffer's first rows
+            self.weight = torch.zeros(out_local + max_loras * R, in_local, **kw)
+            self.weight[:out_local] = base.weight.data
+            base.weight.data = self.weight[:out_local]
+            self.a = self.weight[out_local:].view(max_loras, R, in_local)
+        else:
+            self.a = torch.zeros(max_loras, R, in_local, **kw)
+        self.b = torch.zeros(out_local, max_loras, R, **kw)
 
     def set_slot(self, slot: int, weights: dict[str, tuple[torch.Tensor, torch.Tensor]]):
         """Slot `slot` <- this layer's matrices of one adapter (module -> (A, scaled B), whole);
@@ -69,8 +83,18 @@ class LoRALinear:
             offset += size
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """An unfolded layer: its output y plus the step's adapters' B (A x)."""
         batch = get_context().lora
         return y if batch is None else apply_lora(x, y, self.a, self.b, batch)
+
+    def folds(self) -> bool:
+        """Whether the layer runs folded in this step (a folded layer, and adapters in the step)."""
+        return self.folded and get_context().lora is not None
+
+    def folded_linear(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """A folded layer's output with the step's adapters: one GEMM for x W^T and every slot's
+        A x, then the expand; residual given: the output added into it (in place on CUDA)."""
+        return expand_folded(F.linear(x, self.weight), self.b, get_context().lora, residual)
 
 
 class LoRAModel:
