@@ -4,7 +4,7 @@ from nanovllm.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchS
 from nanovllm.chat_utils import chat_prompts
 from nanovllm.engine.llm_engine import LLMEngine, serialised
 from nanovllm.engine.progress import check_use_tqdm
-from nanovllm.engine.requests import as_prompt_list
+from nanovllm.engine.requests import as_prompt_list, lora_per_prompt
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import SamplingParams
 
@@ -60,11 +60,7 @@ class LLM:
             raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
         check_use_tqdm(use_tqdm)
         prompts = as_prompt_list(prompts)
-        if lora_request is not None and not isinstance(lora_request, (list, tuple)):
-            lora_request = [lora_request] * len(prompts)
-        if lora_request is not None and len(lora_request) != len(prompts):
-            raise ValueError(f"got {len(lora_request)} LoRARequests for {len(prompts)} prompts; give one, "
-                             "or one per prompt")
+        loras = lora_per_prompt(lora_request, len(prompts), self.config.enable_lora)
         cap = self.config.max_logprobs
         if cap != -1 and 2 * params.beam_width > cap:
             raise ValueError(f"beam_width={params.beam_width} needs the {2 * params.beam_width} most likely "
@@ -73,9 +69,8 @@ class LLM:
         if concurrency_limit is not None and (type(concurrency_limit) is not int or concurrency_limit < 1):
             raise ValueError(f"concurrency_limit must be an integer >= 1 or None, got {concurrency_limit!r}")
         token_ids = self.llm_engine.prompt_token_ids(prompts)   # all checked first
-        loras = lora_request or [None] * len(prompts)
-        if lora_request is not None and hasattr(self.llm_engine, "requests"):   # checked before the search
-            self.llm_engine.requests.lora_list(loras, len(loras))   # (data parallel: generate refuses them)
+        if any(loras) and hasattr(self.llm_engine, "requests"):   # folders checked before the search
+            self.llm_engine.requests.lora_list(loras, len(loras))   # (data parallel: by the replicas)
         limit = concurrency_limit or max(len(prompts), 1)
         chunks = [(token_ids[i:i + limit], loras[i:i + limit]) for i in range(0, len(token_ids), limit)]
         bar = None

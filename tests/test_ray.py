@@ -173,6 +173,9 @@ def test_strings_chat_and_errors(dp_llm, qwen3_dir):
         dp_llm.generate([[5, 6], [7, 8], [9999]], GREEDY, use_tqdm=False)
     with pytest.raises(TypeError, match="unknown option.*'bogus'"):
         LLM(qwen3_dir, data_parallel_size=2, bogus=1)
+    from nanovllm import LoRARequest
+    with pytest.raises(ValueError, match="enable_lora=True"):   # on the driver, before any replica
+        dp_llm.generate([[5, 6]], GREEDY, use_tqdm=False, lora_request=LoRARequest("x", 1, "/nowhere"))
     # The replicas still work after a failed job.
     assert tokens(dp_llm.generate(texts[:1], GREEDY, use_tqdm=False)) == tokens(outs[:1])
 
@@ -267,3 +270,33 @@ def test_ray_data_example_writes_every_row(ray_session, dp_llm, qwen3_dir, tmp_p
     expected = [o.outputs[0].text for o in one.generate(sample, SamplingParams(temperature=0, max_tokens=4),
                                                         use_tqdm=False)]
     assert [got.iloc[i]["generated_text"] for i in (0, 150, 299)] == expected
+
+
+def test_replicas_serve_lora_adapters_as_one_engine(ray_session, qwen3_dir, tmp_path):
+    """(After the Ray Data test: dp_llm's CPUs are free.) Each replica loads the adapters of its
+    prompts; the tokens are one LoRA engine's, a bad adapter is the replica's clear error and the
+    replicas serve the next job."""
+    pytest.importorskip("peft")
+    from test_lora import ALL, make_adapter
+    from nanovllm import LoRARequest
+    a = LoRARequest("a", 1, make_adapter(qwen3_dir, str(tmp_path / "a"), 8, ALL, seed=1))
+    b = LoRARequest("b", 2, make_adapter(qwen3_dir, str(tmp_path / "b"), 4, ["q_proj", "down_proj"], seed=2))
+    prompts = random_prompts(8, [5, 9, 13, 7, 11, 6, 8, 10], seed=4)
+    loras = [a, None, b, a, b, None, a, b]
+    options = dict(ENGINE, enable_lora=True, max_loras=2, max_lora_rank=8)
+    one = LLM(qwen3_dir, **options)
+    expected = tokens(one.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras))
+    base = tokens(one.generate(prompts, GREEDY, use_tqdm=False))
+    one.shutdown()
+    assert all((got != want) == (lora is not None) for got, want, lora in zip(base, expected, loras))
+    dp = LLM(qwen3_dir, data_parallel_size=2, **options)
+    try:
+        outs = dp.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras)
+        assert tokens(outs) == expected
+        assert [o.lora_request for o in outs] == loras
+        assert all(dp.last_job.shares[r] for r in (0, 1))
+        with pytest.raises(FileNotFoundError, match="nowhere"):
+            dp.generate(prompts[:2], GREEDY, use_tqdm=False, lora_request=LoRARequest("x", 3, "/nowhere"))
+        assert tokens(dp.generate(prompts[:1], GREEDY, use_tqdm=False, lora_request=a)) == expected[:1]
+    finally:
+        dp.shutdown()

@@ -13,8 +13,8 @@ from nanovllm.config import Config
 from nanovllm.distributed.ray_utils import import_ray, init_ray
 from nanovllm.engine.generation_defaults import default_sampling_overrides
 from nanovllm.engine.llm_engine import LLMEngine
-from nanovllm.engine.requests import (as_prompt_list, check_priority, sampling_params_list,
-                                      unwrap_prompt_dict)
+from nanovllm.engine.requests import (as_prompt_list, check_priority, lora_per_prompt,
+                                      sampling_params_list, unwrap_prompt_dict)
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.balance import assign_by_cost, request_cost
@@ -44,10 +44,11 @@ class _Replica:
     def ready(self) -> ReplicaInfo:
         return ReplicaInfo(os.getpid(), self.engine_startup_s, self.engine.config, self.engine.eos_token_ids)
 
-    def generate(self, prompts: list, params: list[SamplingParams]) -> tuple[list[RequestOutput], float]:
+    def generate(self, prompts: list, params: list[SamplingParams],
+                 loras: list | None = None) -> tuple[list[RequestOutput], float]:
         """The outputs, and the seconds the engine's generate took (to tell the driver's overhead apart)."""
         t = time.perf_counter()
-        outputs = self.engine.generate(prompts, params, use_tqdm=False)
+        outputs = self.engine.generate(prompts, params, use_tqdm=False, lora_request=loras)
         return outputs, time.perf_counter() - t
 
     def prompt_token_ids(self, prompts: list) -> list[list[int]]:
@@ -165,17 +166,17 @@ class DataParallelEngine:
         started = time.perf_counter()
         prompts = as_prompt_list(prompts)
         check_priority(priority, len(prompts))
-        if lora_request is not None:
-            raise ValueError("lora_request: data-parallel replicas do not serve LoRA adapters yet; use "
-                             "data_parallel_size=1 (tensor_parallel_size may be > 1) with enable_lora=True")
-        # one SamplingParams per prompt (each replica validates their values)
+        # one SamplingParams and one LoRARequest (or None) per prompt (each replica checks their
+        # values, and each adapter's folder, as one engine does)
         params = sampling_params_list(sampling_params, len(prompts), self.get_default_sampling_params)
+        loras = lora_per_prompt(lora_request, len(prompts), self.config.enable_lora)
         costs = [self._cost(p, sp) for p, sp in zip(prompts, params)]
         queues = {r: deque(self._chunks(share, costs))
                   for r, share in zip(self.live, assign_by_cost(costs, len(self.live)))}
         timing = JobTiming(0.0, time.perf_counter() - started, {r: [] for r in queues},
                            {r: 0.0 for r in queues}, {r: 0.0 for r in queues})
-        outputs = self._run(queues, prompts, params, _progress(len(prompts), use_tqdm), timing, started)
+        outputs = self._run(queues, prompts, params, loras if any(loras) else None,
+                            _progress(len(prompts), use_tqdm), timing, started)
         for i, out in enumerate(outputs):
             out.request_id = str(i)   # replicas number their requests independently
         timing.wall_s = time.perf_counter() - started
@@ -202,8 +203,8 @@ class DataParallelEngine:
         return [_Chunk(part, sum(costs[i] for i in part))
                 for part in (indices[k:k + size] for k in range(0, len(indices), size))]
 
-    def _run(self, queues: dict[int, deque], prompts: list, params: list, bar, timing: JobTiming,
-             started: float) -> list[RequestOutput]:
+    def _run(self, queues: dict[int, deque], prompts: list, params: list, loras: list | None, bar,
+             timing: JobTiming, started: float) -> list[RequestOutput]:
         """Keep CALLS_IN_FLIGHT chunks on each live replica until every chunk has its outputs."""
         ray = import_ray()
         outputs: list[RequestOutput | None] = [None] * len(prompts)
@@ -214,8 +215,9 @@ class DataParallelEngine:
                 for r in self.live:
                     while queues[r] and sum(v[0] == r for v in in_flight.values()) < CALLS_IN_FLIGHT:
                         chunk = queues[r].popleft()
-                        ref = self.replicas[r].generate.remote([prompts[i] for i in chunk.indices],
-                                                               [params[i] for i in chunk.indices])
+                        ref = self.replicas[r].generate.remote(
+                            [prompts[i] for i in chunk.indices], [params[i] for i in chunk.indices],
+                            loras and [loras[i] for i in chunk.indices])
                         in_flight[ref] = (r, chunk)
                 if not in_flight:
                     break
@@ -299,7 +301,7 @@ def _check_cluster_fits(ray, bundle: dict, replicas: int):
                          f"(cluster: {ray.cluster_resources()})")
 
 
-_PROMPT_INDEX = re.compile(r"^(prompt|sampling_params) (\d+)")
+_PROMPT_INDEX = re.compile(r"^(prompt|sampling_params|lora_request) (\d+)")
 
 
 def _with_job_indices(error: Exception, indices: list[int]) -> Exception:

@@ -142,25 +142,10 @@ class RequestBuilder:
     def lora_list(self, lora_request, n: int) -> list[LoRARequest | None]:
         """One LoRARequest (or None: the base model) per prompt, each adapter's folder checked
         against the model (check_adapter) the first time its lora_int_id comes."""
-        if lora_request is None or isinstance(lora_request, LoRARequest):
-            requests = [lora_request] * n
-        elif isinstance(lora_request, (list, tuple)):
-            if len(lora_request) != n:
-                raise ValueError(f"got {len(lora_request)} LoRARequests for {n} prompts; give one, "
-                                 "or one per prompt")
-            requests = list(lora_request)
-        else:
-            raise TypeError(f"lora_request must be a LoRARequest, a list of them (one per prompt) or "
-                            f"None, got {type(lora_request).__name__}")
+        requests = lora_per_prompt(lora_request, n, self.config.enable_lora)
         for i, r in enumerate(requests):
             if r is None:
                 continue
-            if not isinstance(r, LoRARequest):
-                raise TypeError(f"lora_request {i} is {type(r).__name__}, not LoRARequest (from "
-                                "nanovllm.lora.request import LoRARequest)")
-            if not self.config.enable_lora:
-                raise ValueError("lora_request given, but this engine serves no LoRA adapters: create it "
-                                 "with LLM(..., enable_lora=True)")
             known = self._adapters.get(r.lora_int_id)
             if known is not None and (known.lora_path, known.lora_name) != (r.lora_path, r.lora_name):
                 raise ValueError(f"lora_request {i}: lora_int_id {r.lora_int_id} is adapter "
@@ -276,3 +261,26 @@ def as_prompt_list(prompts) -> list:
         raise TypeError("prompts must be a string, a list of token ids, or a list of those; "
                         f"got {type(prompts).__name__}")
     return list(prompts)
+
+
+def lora_per_prompt(lora_request, n: int, enable_lora: bool) -> list[LoRARequest | None]:
+    """generate's lora_request (None, one LoRARequest, or one per prompt) as one per prompt, its
+    types checked; an adapter for an engine made without enable_lora is a ValueError."""
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        requests = [lora_request] * n
+    elif isinstance(lora_request, (list, tuple)):
+        if len(lora_request) != n:
+            raise ValueError(f"got {len(lora_request)} LoRARequests for {n} prompts; give one, "
+                             "or one per prompt")
+        requests = list(lora_request)
+    else:
+        raise TypeError(f"lora_request must be a LoRARequest, a list of them (one per prompt) or "
+                        f"None, got {type(lora_request).__name__}")
+    for i, r in enumerate(requests):
+        if r is not None and not isinstance(r, LoRARequest):
+            raise TypeError(f"lora_request {i} is {type(r).__name__}, not LoRARequest (from "
+                            "nanovllm.lora.request import LoRARequest)")
+    if any(requests) and not enable_lora:
+        raise ValueError("lora_request given, but this engine serves no LoRA adapters: create it "
+                         "with LLM(..., enable_lora=True)")
+    return requests
