@@ -143,24 +143,40 @@ def test_without_norm_folding(model_dir, adapters, oracles, monkeypatch):
         llm.shutdown()
 
 
-def test_a_biased_layer_keeps_its_adapters_apart_from_its_weight(tmp_path):
-    # Qwen2's qkv_proj has a bias: its slots' A are not folded under the weight (the shrink, then
-    # the expand add to its output); the other layers fold
-    path = make_model(str(tmp_path / "qwen2"), "qwen2", seed=6)
-    lora = LoRARequest("q2", 1, make_adapter(path, str(tmp_path / "a"), 8, ALL, seed=3))
-    oracles = {None: PeftOracle(path, None), 1: PeftOracle(path, lora)}
+def check_one_adapter(path: str, oracle_path: str, lora: LoRARequest) -> dict:
+    """Prompts alternately under the base model and lora give PEFT's greedy argmax on the model in
+    oracle_path, the adapter changing the tokens; returns {layer name: whether it runs folded}."""
+    oracles = {None: PeftOracle(oracle_path, None), 1: PeftOracle(oracle_path, lora)}
     llm = LLM(path, **OPTIONS)
     try:
-        layers = llm.model_runner.lora.layers
-        assert not layers[0, "qkv_proj"].folded and layers[0, "o_proj"].folded
         loras = [None, lora] * len(PROMPTS)
         prompts = [p for p in PROMPTS for _ in range(2)]
         outs = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras)
         for p, r, out in zip(prompts, loras, outs):
             oracles[r and r.lora_int_id].assert_greedy(p, out.outputs[0].token_ids)
         assert outs[0].outputs[0].token_ids != outs[1].outputs[0].token_ids
+        return {name: lora.folded for (i, name), lora in llm.model_runner.lora.layers.items() if i == 0}
     finally:
         llm.shutdown()
+
+
+def test_a_biased_layer_keeps_its_adapters_apart_from_its_weight(tmp_path):
+    # Qwen2's qkv_proj has a bias: its slots' A are not folded under the weight (the shrink, then
+    # the expand add to its output); the other layers fold
+    path = make_model(str(tmp_path / "qwen2"), "qwen2", seed=6)
+    lora = LoRARequest("q2", 1, make_adapter(path, str(tmp_path / "a"), 8, ALL, seed=3))
+    folded = check_one_adapter(path, path, lora)
+    assert folded == {"qkv_proj": False, "o_proj": True, "gate_up_proj": True, "down_proj": True}
+
+
+def test_adapters_on_fp8_weights(tmp_path):
+    # an FP8 checkpoint (compressed-tensors, per channel): every layer keeps its adapters apart;
+    # PEFT on the dequantized weights is the oracle (the CPU path computes on them)
+    from test_fp8 import SHAPES, save_fp8
+    src = make_model(str(tmp_path / "src"), "qwen3", seed=7, **SHAPES)
+    fp8 = save_fp8(src, str(tmp_path / "fp8"), "compressed-tensors")
+    lora = LoRARequest("f", 1, make_adapter(fp8 + "-dequantized", str(tmp_path / "a"), 8, ALL, seed=4))
+    assert not any(check_one_adapter(fp8, fp8 + "-dequantized", lora).values())
 
 
 def test_the_prefix_cache_is_keyed_by_adapter(llm, adapters):

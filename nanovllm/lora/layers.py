@@ -33,7 +33,7 @@ SLICES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
 
 
 class LoRALinear:
-    def __init__(self, base, modules: tuple[str, ...], max_loras: int, max_rank: int,
+    def __init__(self, base, modules: tuple[str, ...], max_loras: int, max_rank: int, dtype: torch.dtype,
                  input_scale: torch.Tensor | None = None):
         out_local, in_local = base.weight.shape
         self.modules, self.rank = modules, max_rank
@@ -47,8 +47,7 @@ class LoRALinear:
         else:
             self.sizes = (out_local,)
         self.input_scale = input_scale
-        dtype = base.weight.dtype   # the activations' (a weight stored in 8 bits: bf16)
-        kw = dict(dtype=dtype if dtype.itemsize >= 2 else torch.bfloat16, device=base.weight.device)
+        kw = dict(dtype=dtype, device=base.weight.device)   # the activations' (an FP8 weight's too)
         R = len(modules) * max_rank
         self.folded = base.quant is None and base.bias is None
         if self.folded:   # [W; A_0; ...]: the base weight becomes a view of the buffer's first rows
@@ -105,6 +104,7 @@ class LoRAModel:
     def __init__(self, model, max_loras: int, max_lora_rank: int, max_cpu_loras: int):
         self.max_loras, self.max_lora_rank, self.max_cpu_loras = max_loras, max_lora_rank, max_cpu_loras
         self.layers: dict[tuple[int, str], LoRALinear] = {}
+        dtype = model.model.embed_tokens.weight.dtype   # the activations'
         for i, layer in enumerate(model.model.layers):
             folded = getattr(layer, "folded", False)
             for block, norm in (("self_attn", "input_layernorm"), ("mlp", "post_attention_layernorm")):
@@ -115,7 +115,7 @@ class LoRAModel:
                     scale = getattr(layer, norm).weight if folded and name in ("qkv_proj", "gate_up_proj") \
                         else None
                     base.lora = self.layers[i, name] = LoRALinear(base, SLICES[name], max_loras,
-                                                                  max_lora_rank, scale)
+                                                                  max_lora_rank, dtype, scale)
         # PEFT modules every layer has (a mixture-of-experts model: no MLP ones)
         num_layers = len(model.model.layers)
         self.modules = frozenset(m for name in SLICES for m in SLICES[name]
