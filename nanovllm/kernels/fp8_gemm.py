@@ -22,6 +22,10 @@ FP8_MAX = tl.constexpr(448.0)   # a constexpr: the kernels read it
 # 128x128 weight scales (cuBLASLt 12.9+ on Hopper; bf16 outputs, K / 128 a multiple of 4, 64 rows or
 # more, else Triton). A module constant, so benchmarks/bench_with.py can compare both.
 BLOCK_GEMM = "triton"
+# Fast accumulation for the per-channel torch._scaled_mm: the FP8 products summed in the tensor
+# cores' accumulator throughout, not promoted to fp32 registers every few k-steps (vLLM's CUTLASS
+# FP8 GEMMs on Hopper do the same). A module constant, so bench_with.py can compare both.
+FAST_ACCUM = True
 # Under the interpreter (tests on CPU) tl.dot on FP8 is not emulated: the tiles go through fp32.
 _DOT_F32 = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -156,7 +160,8 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block: t
     xq, xs = quantize_activations(x2, k if block is None else block[1])
     if block is None and x.dtype == torch.bfloat16 and x2.shape[0] and not _DOT_F32:
         # cuBLASLt's FP8 GEMM with row-wise scales: scale_a [M, 1], scale_b [1, N]
-        y = torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=w_scale.view(1, -1), out_dtype=x.dtype)
+        y = torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=w_scale.view(1, -1), out_dtype=x.dtype,
+                             use_fast_accum=FAST_ACCUM)
     else:
         y = fp8_gemm(xq, xs, w, w_scale, block, x.dtype)
     if bias is not None:
