@@ -4,8 +4,9 @@ model, nothing added). A layer's adapters live in fixed slot buffers:
   a: [num_slots, R, in]  the slots' A matrices (R = the layer's slices x max_lora_rank, zero-padded)
   b: [out, num_slots, R] the slots' B matrices, scale (lora_alpha / r) folded in.
 
-A bf16 / fp32 layer keeps every slot's A as extra rows under its weight (lora/layers.py), so one
-cuBLAS GEMM gives x W^T and every slot's A x side by side ("folded"): [T, out + num_slots x R].
+A layer of unquantized weights without a bias keeps every slot's A as extra rows under its weight
+(lora/layers.py), so one cuBLAS GEMM gives x W^T and every slot's A x side by side ("folded"):
+[T, out + num_slots x R].
 expand_folded then writes each token's base columns plus B[s] times its slot's columns (at
 Qwen3-0.6B's shapes the extra rows cost the GEMM a few % and save a shrink kernel a layer). An FP8 or
 biased layer runs the shrink kernel instead: it gathers each tile's rows of x into fp32 partials

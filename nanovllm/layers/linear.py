@@ -112,7 +112,8 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         # The bias is added once, after the sum, not on every rank. residual (the same on every
         # rank): added to the output; without a bias it is rank 0's GEMM's C (beta 1), updated in
-        # place, so the sum over ranks holds it once: no add kernel (an FP8 GEMM: added after it).
+        # place, so the sum over ranks holds it once: no add kernel (an FP8 GEMM: added after it;
+        # a folded LoRA layer: added by its expand kernel, in place).
         into = residual if residual is not None and self.bias is None else None
         own = into if self.tp_rank == 0 else None
         if self.lora is not None and self.lora.folds():

@@ -1,11 +1,15 @@
 """LoRA on the decoder's linear layers: each qkv_proj, o_proj, gate_up_proj and down_proj gets a
 LoRALinear (its `lora` attribute), which the layer runs before any all-reduce. A LoRALinear holds
 max_loras slots of zero-padded A and B matrices (kernels/lora.py); the step's LoRABatch (in the
-forward context) says which slot each token uses. A bf16 or fp32 layer without a bias keeps the
-slots' A as rows under its own weight (one buffer [out + max_loras x R, in], the layer's weight a
-view of its first rows): in a step with adapters its GEMM gives x W^T and every slot's A x at once,
+forward context) says which slot each token uses. A layer of unquantized weights without a bias
+keeps the slots' A as rows under its own weight (one buffer [out + max_loras x R, in], the layer's
+weight a view of its first rows): in a step with a LoRABatch (every decode step of a LoRA engine,
+and each prefill step with an adapter's tokens) its GEMM gives x W^T and every slot's A x at once,
 and the expand adds each token's B (A x) ("folded"). An FP8 or biased layer calls the LoRALinear on
-its input and output instead (the shrink kernel, then the expand).
+its input and output instead (the shrink kernel, then the expand). A base-model request in a LoRA
+engine so gets the same sums through a wider GEMM and the expand's copy: its tokens can differ in
+the last bits from an engine without LoRA (the o and down outputs are rounded before the residual
+is added, not with it).
 
 Tensor parallelism splits an adapter with its base layer: a column-parallel layer (qkv, gate_up)
 keeps A whole and takes its rows of each slice's B; a row-parallel one (o, down) takes its columns
@@ -54,6 +58,7 @@ class LoRALinear:
             self.weight = torch.zeros(out_local + max_loras * R, in_local, **kw)
             self.weight[:out_local] = base.weight.data
             base.weight.data = self.weight[:out_local]
+            self.base_weight = base.weight
             self.a = self.weight[out_local:].view(max_loras, R, in_local)
         else:
             self.a = torch.zeros(max_loras, R, in_local, **kw)
@@ -62,6 +67,8 @@ class LoRALinear:
     def set_slot(self, slot: int, weights: dict[str, tuple[torch.Tensor, torch.Tensor]]):
         """Slot `slot` <- this layer's matrices of one adapter (module -> (A, scaled B), whole);
         a module the adapter lacks gets zeros."""
+        # a folded layer's weight must still be the view of the buffer (nothing may replace it)
+        assert not self.folded or self.base_weight.data_ptr() == self.weight.data_ptr()
         self.a[slot].zero_()
         self.b[:, slot].zero_()
         offset = 0
@@ -87,7 +94,8 @@ class LoRALinear:
         return y if batch is None else apply_lora(x, y, self.a, self.b, batch)
 
     def folds(self) -> bool:
-        """Whether the layer runs folded in this step (a folded layer, and adapters in the step)."""
+        """Whether the layer runs folded in this step (a folded layer, and a LoRABatch in the step:
+        every decode step, and a prefill step with an adapter's tokens)."""
         return self.folded and get_context().lora is not None
 
     def folded_linear(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
