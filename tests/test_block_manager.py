@@ -1,5 +1,5 @@
 """BlockManager with no model: ref counts, prefix-hash reuse, eviction order."""
-from nanovllm.engine.block_manager import BlockManager, hash_block
+from nanovllm.engine.block_manager import MIN_PARTIAL_HIT, BlockManager, KVCopy, hash_block
 from nanovllm.engine.sequence import Sequence
 
 BS = 4
@@ -152,3 +152,70 @@ def test_cannot_append_when_no_block_is_free():
     compute_all(bm, seq)
     seq.append_token(4)
     assert not bm.can_append(seq)
+
+
+# ---- partial hits: a prompt's tokens after its shared blocks copied from another block's start ----
+
+PBS = 32   # blocks wide enough for MIN_PARTIAL_HIT (16) tokens
+
+
+def finished(bm: BlockManager, tokens, computed=None) -> Sequence:
+    """A sequence that computed `computed` of its tokens (all but the last, as a finished one has)
+    and let go of its blocks."""
+    seq = seq_of(tokens)
+    bm.allocate(seq)
+    seq.num_computed_tokens = len(tokens) - 1 if computed is None else computed
+    bm.register_computed(seq)
+    table = list(seq.block_table)
+    bm.deallocate(seq)
+    seq.block_table = table   # kept for the test's asserts
+    return seq
+
+
+def test_partial_hit_copies_a_finished_sequences_last_block():
+    bm = BlockManager(16, PBS)
+    a = finished(bm, range(61))                   # block 0 full; block 1 holds 28 computed rows
+    b = seq_of(list(range(50)) + [999] * 10)      # shares 50 tokens: one block and 18 rows of the next
+    bm.allocate(b)
+    assert b.block_table[0] == a.block_table[0]
+    assert b.num_computed_tokens == 50 and b.num_cached_tokens == 50
+    assert bm.take_copies() == [KVCopy(a.block_table[1], b.block_table[1], 18)]
+    assert bm.take_copies() == []                  # handed out once
+
+
+def test_partial_hit_from_a_full_block_and_at_least_one_token_left():
+    bm = BlockManager(16, PBS)
+    a = finished(bm, range(100))                   # blocks 0-2 full and hashed
+    b = seq_of(range(60))                          # a prefix of a: everything cached but its last token
+    bm.allocate(b)
+    assert b.num_computed_tokens == 59
+    assert bm.take_copies() == [KVCopy(a.block_table[1], b.block_table[1], 27)]
+
+
+def test_no_partial_hit_below_the_minimum_under_another_adapter_or_after_overwriting():
+    from nanovllm.lora.request import LoRARequest
+    bm = BlockManager(4, PBS)
+    a = finished(bm, range(61))
+    short = seq_of(list(range(32 + MIN_PARTIAL_HIT - 1)) + [999] * 5)   # 15 rows in common
+    bm.allocate(short)
+    assert short.num_computed_tokens == 32 and bm.take_copies() == []
+    bm.deallocate(short)
+    lora = Sequence(list(range(60)), lora_request=LoRARequest("x", 1, "/nowhere"))
+    bm.allocate(lora)
+    assert lora.num_computed_tokens == 0 and bm.take_copies() == []
+    bm.deallocate(lora)
+    filler = seq_of([7] * (4 * PBS))               # takes every block: a's rows are overwritten
+    bm.allocate(filler)
+    bm.deallocate(filler)
+    assert a.block_table[1] not in {b for s in bm.copy_sources.values() for b in s}
+    b = seq_of(list(range(50)) + [999] * 10)
+    bm.allocate(b)
+    assert b.num_computed_tokens == 0 and bm.take_copies() == []
+
+
+def test_prefix_caching_off_makes_no_copies():
+    bm = BlockManager(16, PBS, enable_prefix_caching=False)
+    finished(bm, range(61))
+    b = seq_of(list(range(50)) + [999] * 10)
+    bm.allocate(b)
+    assert b.num_computed_tokens == 0 and bm.take_copies() == [] and bm.copy_sources == {}

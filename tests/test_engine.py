@@ -166,3 +166,25 @@ def test_vllm_prompt_dicts(qwen3_dir):
     assert single[0].outputs[0].token_ids == plain[1].outputs[0].token_ids
     with pytest.raises(TypeError, match="prompt 1: a prompt dict is"):
         llm.generate([{"prompt": "w5"}, {"text": "w5"}], GREEDY, use_tqdm=False)
+
+
+def test_partial_block_prefix_hits_copy_rows_and_keep_the_tokens(qwen3_dir, oracle):
+    # Blocks of 64: a prompt sharing 90 tokens with an earlier one reuses one whole block and copies
+    # 26 rows of the next (a partial hit); the same prompt again copies all but its last token.
+    llm = LLM(qwen3_dir, kvcache_block_size=64, num_kvcache_blocks=64)
+    base = random_prompts(1, [100], seed=11)[0]
+    llm.generate([base], GREEDY, use_tqdm=False)
+    prompts = [base[:90] + random_prompts(1, [20], seed=12)[0], base]
+    computed, copies, original_run = [], [], llm.model_runner.launch
+
+    def spy(batch, **kwargs):
+        if batch.is_prefill:
+            computed.extend(batch.num_new_tokens)
+            copies.extend(batch.kv_copies)
+        return original_run(batch, **kwargs)
+
+    llm.model_runner.launch = spy
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [c.num_tokens for c in copies] == [26, 35] and computed == [20, 1]
+    assert [o.num_cached_tokens for o in outs] == [90, 99]
+    check(oracle, prompts, outs)

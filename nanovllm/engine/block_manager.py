@@ -1,8 +1,26 @@
-"""Paged KV-cache blocks with reference counts and a prefix cache keyed by chained xxhash64."""
+"""Paged KV-cache blocks with reference counts and a prefix cache keyed by chained xxhash64.
+
+Whole blocks are shared (by reference). A prompt's next tokens after its shared blocks can also match
+the start of a block it cannot share: a block another prompt diverged from, or the last block of a
+finished sequence. Those tokens' K/V rows are copied into the prompt's own fresh block (a "partial
+hit", `KVCopy`), at least MIN_PARTIAL_HIT of them, so prefixes are reused to the token, not only in
+whole blocks of 256."""
 from array import array
 from collections import OrderedDict
+from typing import NamedTuple
 
 import xxhash
+
+
+# The fewest tokens a partial hit copies (vLLM caches prefixes in blocks of 16 tokens).
+MIN_PARTIAL_HIT = 16
+
+
+class KVCopy(NamedTuple):
+    """Copy K/V rows [0, num_tokens) of block src into block dst, in every layer, before the step."""
+    src: int
+    dst: int
+    num_tokens: int
 
 
 def cdiv(a: int, b: int) -> int:
@@ -27,14 +45,24 @@ def hash_block(token_ids: list[int], prefix_hash: int | None) -> int:
     return h.intdigest()
 
 
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 class Block:
-    __slots__ = ("block_id", "ref_count", "hash", "token_ids")
+    __slots__ = ("block_id", "ref_count", "hash", "token_ids", "copy_key")
 
     def __init__(self, block_id: int):
         self.block_id = block_id
         self.ref_count = 0
         self.hash: int | None = None
-        self.token_ids: list[int] | None = None   # kept to confirm a hash hit
+        self.token_ids: list[int] | None = None   # kept to confirm a hash hit; rows with valid K/V
+        self.copy_key: tuple | None = None        # its key in copy_sources, while it is one
 
 
 class BlockManager:
@@ -55,6 +83,11 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.hash_to_block_id: dict[int, int] = {}
+        # Blocks a partial hit may copy from, by (the hash of the block before, or the adapter at a
+        # sequence's start; the block's first token): full hashed blocks, and finished sequences' last
+        # blocks (their computed rows).
+        self.copy_sources: dict[tuple, set[int]] = {}
+        self.pending_copies: list[KVCopy] = []   # made by allocate; the next prefill step runs them
 
     @property
     def num_blocks(self) -> int:
@@ -64,16 +97,20 @@ class BlockManager:
     def num_free_blocks(self) -> int:
         return len(self.free_block_ids)
 
-    def _cached_prefix(self, seq) -> tuple[list[int], list[int]]:
-        """Ids and hashes of the cached blocks that hold seq's leading full blocks. At least one
-        token is always left out, so a fully cached prompt still computes its last token (and its
-        last block): there must be logits to sample from."""
+    @staticmethod
+    def _chain_key(seq, hashes: list[int]) -> tuple:
+        """What the block after `hashes` follows: the last hash, or at the start the adapter (a prefix
+        computed under one adapter, or the base model, None, is never reused under another)."""
+        return ("hash", hashes[-1]) if hashes else ("adapter", seq.lora_int_id)
+
+    def _cached_prefix(self, seq) -> tuple[list[int], list[int], tuple[int, int] | None]:
+        """Ids and hashes of the cached blocks that hold seq's leading full blocks, and the best
+        partial hit after them: (source block, tokens), or None. At least one token is always left
+        out, so a fully cached prompt still computes its last token: there must be logits to sample."""
         bs = self.block_size
-        # The chain starts from the adapter's id: a prefix computed under one adapter (or the base
-        # model, None) is never reused under another.
-        ids, hashes, h = [], [], seq.lora_int_id
+        ids, hashes, h = [], [], seq.lora_int_id   # the hash chain starts from the adapter's id
         if not self.enable_prefix_caching or seq.wants_prompt_logprobs:
-            return ids, hashes
+            return ids, hashes, None
         for i in range((seq.num_tokens - 1) // bs):
             tokens = seq.token_ids[i * bs:(i + 1) * bs]
             h = hash_block(tokens, h)
@@ -82,27 +119,43 @@ class BlockManager:
                 break
             ids.append(block_id)
             hashes.append(h)
-        return ids, hashes
+        start = len(ids) * bs
+        wanted = seq.token_ids[start:min(start + bs, seq.num_tokens - 1)]
+        if len(wanted) < MIN_PARTIAL_HIT:
+            return ids, hashes, None
+        best, best_len = None, MIN_PARTIAL_HIT - 1
+        for block_id in self.copy_sources.get((self._chain_key(seq, hashes), wanted[0]), ()):
+            n = common_prefix(self.blocks[block_id].token_ids, wanted)
+            if n > best_len:
+                best, best_len = block_id, n
+        return ids, hashes, None if best is None else (best, best_len)
 
     def can_allocate(self, seq) -> bool:
-        cached, _ = self._cached_prefix(seq)
+        cached, _, _ = self._cached_prefix(seq)
         in_use = sum(1 for b in cached if self.blocks[b].ref_count > 0)
         return cdiv(seq.num_tokens, self.block_size) - in_use <= self.num_free_blocks
 
     def allocate(self, seq):
         """Give seq blocks for all its tokens, reusing cached prefix blocks."""
         assert not seq.block_table
-        cached, hashes = self._cached_prefix(seq)
+        cached, hashes, partial = self._cached_prefix(seq)
         for block_id in cached:
             self._ref(block_id)
         fresh = [self._take_free_block() for _ in range(cdiv(seq.num_tokens, self.block_size) - len(cached))]
         seq.block_table = cached + fresh
         seq.block_hashes = hashes
         seq.num_computed_tokens = len(cached) * self.block_size
+        if partial is not None:
+            # The source may have been handed out just now (it was free): its rows are overwritten
+            # only by a forward pass, and the copy runs before the step's forward pass.
+            src, n = partial
+            self.pending_copies.append(KVCopy(src, fresh[0], n))
+            seq.num_computed_tokens += n
         if seq.num_cached_tokens is None:   # a preempted sequence's later hits are not prompt-cache hits
             seq.num_cached_tokens = seq.num_computed_tokens
 
     def deallocate(self, seq):
+        self._keep_last_block(seq)
         # Free the tail first: it then is evicted before the (more shareable) head of the prompt.
         for block_id in reversed(seq.block_table):
             block = self.blocks[block_id]
@@ -113,6 +166,37 @@ class BlockManager:
         seq.block_table = []
         seq.block_hashes = []
         seq.num_computed_tokens = 0
+
+    def _keep_last_block(self, seq):
+        """The computed rows of seq's first block without a hash (its last full or partial one)
+        become a partial-hit source when the sequence lets go of it, if it holds enough of them."""
+        if not self.enable_prefix_caching:
+            return
+        i, bs = len(seq.block_hashes), self.block_size
+        tokens = seq.token_ids[i * bs:min(seq.num_computed_tokens, len(seq.token_ids), (i + 1) * bs)]
+        if i < len(seq.block_table) and len(tokens) >= MIN_PARTIAL_HIT:
+            block = self.blocks[seq.block_table[i]]
+            if block.ref_count == 1:   # not shared: nobody else writes it afterwards
+                block.token_ids = tokens
+                self._add_copy_source(block, self._chain_key(seq, seq.block_hashes))
+
+    def _add_copy_source(self, block: Block, chain_key: tuple):
+        self._drop_copy_source(block)
+        block.copy_key = (chain_key, block.token_ids[0])
+        self.copy_sources.setdefault(block.copy_key, set()).add(block.block_id)
+
+    def _drop_copy_source(self, block: Block):
+        if block.copy_key is not None:
+            sources = self.copy_sources[block.copy_key]
+            sources.discard(block.block_id)
+            if not sources:
+                del self.copy_sources[block.copy_key]
+            block.copy_key = None
+
+    def take_copies(self) -> list[KVCopy]:
+        """The partial hits' copies made since the last call (the next step runs them first)."""
+        copies, self.pending_copies = self.pending_copies, []
+        return copies
 
     def can_append(self, seq) -> bool:
         """Can seq's newest token (the one decode computes next) get a slot?"""
@@ -136,6 +220,7 @@ class BlockManager:
             block = self.blocks[seq.block_table[i]]
             block.hash, block.token_ids = h, tokens
             self.hash_to_block_id[h] = block.block_id
+            self._add_copy_source(block, self._chain_key(seq, seq.block_hashes))
             seq.block_hashes.append(h)
 
     def _ref(self, block_id: int):
@@ -150,5 +235,6 @@ class BlockManager:
         assert block.ref_count == 0
         if block.hash is not None and self.hash_to_block_id.get(block.hash) == block_id:
             del self.hash_to_block_id[block.hash]   # its cached content is being overwritten
+        self._drop_copy_source(block)
         block.hash, block.token_ids, block.ref_count = None, None, 1
         return block_id

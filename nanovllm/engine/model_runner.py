@@ -347,18 +347,19 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward_step(self, step: StepInput) -> torch.Tensor | None:
-        """Run the model on one step; every rank runs it (its collectives need them all).
-        Returns the logits of the sampling positions, [num_sampling_seqs, vocab] in the model's
-        dtype (the sampler's torch path converts to fp32; the fused kernel reads bf16) on every
+        """Run the model on one step; every rank runs it (its collectives need them all). Returns the
+        logits of the sampling positions, [num_sampling_seqs, vocab] in the model's dtype, on every
         rank, or None when no sequence samples."""
         with tp_group(self.group):
             if step.lora_loads:   # adapters new to their GPU slots (in stream order after the last step)
                 self.lora.load_all(step.lora_loads, self.config.hf_config)
+            for src, dst, n in step.kv_copies or ():   # prefix-cache partial hits, before any write
+                self.kv_cache[:, :, dst, :n] = self.kv_cache[:, :, src, :n]
             if step.is_prefill:
                 input_ids, positions, ctx, logits_indices = self.prepare_prefill(step)
                 with forward_context(ctx):
                     hidden = self.model(input_ids, positions)
-                if logits_indices.numel() == 0:
+                if logits_indices.numel() == 0:   # only mid-prompt chunks: nothing to sample
                     return None
                 hidden = hidden[logits_indices]
             else:

@@ -2,7 +2,7 @@
 from collections import deque
 from dataclasses import dataclass, field
 
-from nanovllm.engine.block_manager import BlockManager
+from nanovllm.engine.block_manager import BlockManager, KVCopy
 from nanovllm.engine.sequence import Sequence, SequenceStatus
 from nanovllm.engine.stop_checker import LENGTH, Stop, StopChecker
 
@@ -15,6 +15,8 @@ class ScheduledBatch:
     # Sequences ended while scheduling (they outgrew the whole KV cache); not run, but reported
     # by complete with the step's other finished sequences.
     finished: list[Sequence] = field(default_factory=list)
+    # Prefix-cache partial hits: K/V rows copied between blocks before the step (BlockManager).
+    kv_copies: list[KVCopy] = field(default_factory=list)
     # Decode while the batch before is in flight: per sequence, the row of that batch's sampled
     # tokens (on the device) holding its input token, -1 where the host has it. Set at launch by
     # RunAhead (run_ahead.py), which keeps what is in flight.
@@ -113,7 +115,8 @@ class Scheduler:
             del self.waiting[i]
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-        return ScheduledBatch(seqs, counts, is_prefill=True, finished=finished)
+        return ScheduledBatch(seqs, counts, is_prefill=True, finished=finished,
+                              kv_copies=self.block_manager.take_copies())
 
     def _schedule_decode(self) -> ScheduledBatch:
         seqs = []
