@@ -7,7 +7,8 @@ overlap bound no engine can pass. The timed run is cold: its prompts are new to 
 --structured-json also runs the workload with every request constrained by one JSON schema.
 --workload long: 256 prompts of 4,000-8,000 random tokens, 64 output tokens each (prefill-bound);
 --ttft-32k also times the first token of one 32,768-token prompt; --prefill-attention picks the
-prefill attention kernel (auto, flash_attn_4, torch_flash; --attention-backend is its former name).
+prefill attention kernel (auto, flash_attn_4, triton, torch_flash; --attention-backend is its
+deprecated former name, whose "triton" meant torch_flash).
 --lora N then runs the workload again on an engine with LoRA on, N random rank-16 adapters on every
 linear layer spread round-robin over the requests, against the base run (against vLLM with the same
 adapters and requests: benchmarks/vs_vllm.py --lora N)."""
@@ -304,15 +305,18 @@ def main():
                    help="long: 256 prompts of 4,000-8,000 tokens, 64 output tokens each")
     p.add_argument("--ttft-32k", action="store_true",
                    help=f"also time the first token of one {TTFT_PROMPT_LEN:,}-token prompt (median of 3)")
-    p.add_argument("--prefill-attention", "--attention-backend", default="auto",
-                   choices=["auto", "flash_attn_4", "torch_flash", "triton"],
-                   help="FlashAttention-4 over the paged cache, or torch's FlashAttention-2 (torch_flash; "
-                   "triton is its former name)")
+    p.add_argument("--prefill-attention", default="auto",
+                   choices=["auto", "flash_attn_4", "triton", "torch_flash"],
+                   help="FlashAttention-4 or our Triton kernel over the paged cache, or torch's "
+                   "FlashAttention-2")
+    p.add_argument("--attention-backend", choices=["auto", "flash_attn_4", "triton"],
+                   help="deprecated: --prefill-attention (its 'triton' was torch_flash)")
     p.add_argument("--lora", type=int, default=0, metavar="N",
                    help="also run with N random rank-16 LoRA adapters spread over the requests (see above)")
     p.add_argument("--json", help="write the figures to this file")
     args = p.parse_args()
-    args.prefill_attention = {"triton": "torch_flash"}.get(args.prefill_attention, args.prefill_attention)
+    if args.attention_backend:
+        args.prefill_attention = {"triton": "torch_flash"}.get(args.attention_backend, args.attention_backend)
     max_model_len = 4096
     if args.workload == "long":
         max_model_len = 8192

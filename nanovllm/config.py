@@ -20,7 +20,7 @@ _DTYPE_NAMES = {"auto": "auto", "half": "float16", "float16": "float16", "bfloat
                 "float": "float32", "float32": "float32", torch.float16: "float16",
                 torch.bfloat16: "bfloat16", torch.float32: "float32"}
 # Prefill attention kernels (nanovllm.layers.prefill_attention says what each runs).
-PREFILL_ATTENTION = ("auto", "flash_attn_4", "torch_flash")
+PREFILL_ATTENTION = ("auto", "flash_attn_4", "triton", "torch_flash")
 # The deprecated attention_backend option's names -> prefill_attention's.
 _ATTENTION_BACKEND_NAMES = {"auto": "auto", "flash_attn_4": "flash_attn_4", "triton": "torch_flash"}
 
@@ -47,8 +47,9 @@ class Config:
                                                 # or a torch.dtype
     kv_cache_dtype: str = "auto"                # "auto": the model's dtype; "fp8" = "fp8_e4m3" (1 byte)
     calculate_kv_scales: bool = False           # fp8: K/V scales from the first prefill's amax (else 1.0)
-    prefill_attention: str = "auto"             # "auto" (FlashAttention-4 where it runs), or force
-                                                # "flash_attn_4" or "torch_flash" (torch's FlashAttention-2)
+    prefill_attention: str = "auto"             # "auto" (FlashAttention-4 where it runs, else our Triton
+                                                # kernel on Hopper+), or force "flash_attn_4", "triton" or
+                                                # "torch_flash" (torch's FlashAttention-2)
     attention_backend: str | None = None        # deprecated: prefill_attention ("triton": "torch_flash")
     load_format: str = "auto"                   # "auto" (safetensors) or "dummy" (random weights)
     seed: int | None = 0                        # None: a random seed, drawn once

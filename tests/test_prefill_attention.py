@@ -35,11 +35,25 @@ def test_auto_on_cpu_is_torch_flash_and_never_imports_fa4(monkeypatch):
     assert "needs a CUDA device" in backend.description
 
 
-def test_auto_without_the_package_is_torch_flash(hopper, monkeypatch):
+def test_auto_without_the_package_is_the_triton_kernel_on_hopper(hopper, monkeypatch):
+    from nanovllm.kernels.triton_prefill import prefill_attention_triton_or_torch
     monkeypatch.setattr(ab, "import_fa4_prefill", missing_package)
     backend = ab.select_prefill_attention("auto", CUDA, torch.bfloat16, torch.bfloat16)
-    assert backend.name == "torch_flash" and backend.prefill is prefill_attention
+    assert backend.name == "triton" and backend.prefill is prefill_attention_triton_or_torch
     assert "nanovllm[flash]" in backend.description
+
+
+def test_triton_is_triton_even_where_fa4_could_run_and_an_error_off_cuda(hopper, monkeypatch):
+    monkeypatch.setattr(ab, "import_fa4_prefill", lambda: fake_fa4_prefill)
+    for capability in ((8, 0), (9, 0)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
+        backend = ab.select_prefill_attention("triton", CUDA, torch.bfloat16, torch.float8_e4m3fn)
+        assert backend.name == "triton" and backend.hint is None
+    with pytest.raises(ValueError, match="prefill_attention='triton' needs a CUDA device"):
+        ab.select_prefill_attention("triton", CPU, torch.float32, torch.float32)
+    monkeypatch.setattr(ab, "KERNELS", "torch")
+    with pytest.raises(ValueError, match="prefill_attention='triton' is off with the torch reference"):
+        ab.select_prefill_attention("triton", CUDA, torch.bfloat16, torch.bfloat16)
 
 
 def test_auto_on_ampere_is_torch_flash(hopper, monkeypatch):
@@ -122,11 +136,14 @@ def test_start_up_line_says_what_runs_on_a_gpu(hopper, monkeypatch):
         "kernels: triton; prefill attention: FlashAttention-4 over the paged cache" + TRITON_DECODE)
     assert ab.select_prefill_attention("torch_flash", CUDA, torch.bfloat16, torch.bfloat16).startup_line == (
         "kernels: triton; prefill attention: torch FlashAttention-2" + TRITON_DECODE)
-    # float32 models take the torch reference inside either (FA2 and FA4 run fp16/bf16)
-    for name in ("auto", "torch_flash"):
+    assert ab.select_prefill_attention("triton", CUDA, torch.bfloat16, torch.bfloat16).startup_line == (
+        "kernels: triton; prefill attention: the Triton FlashAttention kernel over the paged cache"
+        + TRITON_DECODE)
+    # float32 models take the torch reference inside each (the kernels run fp16/bf16)
+    for name, kernel in (("auto", "FlashAttention-4"), ("torch_flash", "FlashAttention-2"),
+                         ("triton", "the Triton kernel")):
         line = ab.select_prefill_attention(name, CUDA, torch.float32, torch.float32).startup_line
-        assert line.startswith("kernels: triton; prefill attention: the torch reference (float32: "
-                               "FlashAttention-")
+        assert line.startswith(f"kernels: triton; prefill attention: the torch reference (float32: {kernel}")
     monkeypatch.setattr(ab, "KERNELS", "torch")
     assert ab.select_prefill_attention("auto", CUDA, torch.bfloat16, torch.bfloat16).startup_line == (
         "kernels: torch reference (NANOVLLM_KERNELS=torch, or no triton)")
@@ -135,8 +152,9 @@ def test_start_up_line_says_what_runs_on_a_gpu(hopper, monkeypatch):
 def test_auto_on_hopper_without_the_package_says_so_and_hints_at_fa4(hopper, monkeypatch):
     monkeypatch.setattr(ab, "import_fa4_prefill", missing_package)
     choice = ab.select_prefill_attention("auto", CUDA, torch.bfloat16, torch.bfloat16)
-    assert choice.startup_line == ("kernels: triton; prefill attention: torch FlashAttention-2 (flash_attn_4 "
-                                   "is not installed: pip install 'nanovllm[flash]')" + TRITON_DECODE)
+    assert choice.startup_line == ("kernels: triton; prefill attention: the Triton FlashAttention kernel "
+                                   "over the paged cache (flash_attn_4 is not installed: pip install "
+                                   "'nanovllm[flash]')" + TRITON_DECODE)
     assert "faster" in choice.hint and choice.hint.endswith("pip install 'nanovllm[flash]'")
 
 

@@ -3,11 +3,15 @@ line that says which kernels run:
 
   "flash_attn_4": FlashAttention-4 (`pip install 'nanovllm[flash]'`), straight over the paged cache;
                   Hopper (sm90) or sm100/sm110 (kernels/fa4_prefill.py);
+  "triton":       the project's Triton FlashAttention kernel, straight over the paged cache, FP8 pages
+                  included (kernels/triton_prefill.py); fp16/bf16 and head_dim a power of two, else
+                  "torch_flash"'s path;
   "torch_flash":  torch's built-in FlashAttention-2 varlen op, after a gather of the pages when there
                   is a cached prefix (kernels.prefill_attention; the torch reference on CPU, for
                   float32 models and with NANOVLLM_KERNELS=torch);
-  "auto":         "flash_attn_4" where it can run, else "torch_flash".
-Decode runs the project's Triton paged kernel with either. With an FP8 KV cache, FA4 runs the
+  "auto":         "flash_attn_4" where it can run, else "triton" on Hopper or newer (measured faster
+                  than FlashAttention-2 there: docs/attention.md), else "torch_flash".
+Decode runs the project's Triton paged kernel with any of them. With an FP8 KV cache, FA4 runs the
 prefills that have no cached prefix (their new K/V are in the model's dtype); those that read FP8
 pages take "torch_flash"'s path, since FA4 reads FP8 only on sm100.
 Another prefill kernel is a name in config.PREFILL_ATTENTION and a branch of select_prefill_attention.
@@ -22,6 +26,9 @@ from nanovllm.config import PREFILL_ATTENTION
 from nanovllm.kernels import KERNELS, prefill_attention
 
 FA4_ARCHS = (9, 10, 11)   # compute capability majors where FA4's paged prefill runs
+TRITON_AUTO_MIN_MAJOR = 9   # "auto" takes the Triton kernel from Hopper on (where it was measured)
+# Causal prefill attention on one H200, in the start-up hint (docs/attention.md has the figures)
+FA4_TFLOPS, TRITON_TFLOPS = 632, 0
 FA4_INSTALL = "pip install 'nanovllm[flash]'"
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -59,6 +66,15 @@ def fa4_unavailable_reason(device: torch.device) -> str | None:
     return None
 
 
+def triton_unavailable_reason(device: torch.device) -> str | None:
+    """Why the Triton prefill kernel cannot run on this device (None: it can)."""
+    if device.type != "cuda":
+        return f"needs a CUDA device, and this engine runs on {device.type}"
+    if KERNELS == "torch":
+        return "is off with the torch reference kernels (NANOVLLM_KERNELS=torch, or no triton)"
+    return None
+
+
 def select_prefill_attention(name: str, device: torch.device, dtype: torch.dtype,
                              kv_cache_dtype: torch.dtype) -> PrefillAttention:
     """The prefill attention `name` asks for on this device, for a model of `dtype` and a KV cache of
@@ -67,6 +83,10 @@ def select_prefill_attention(name: str, device: torch.device, dtype: torch.dtype
         raise ValueError(f"prefill_attention must be one of {PREFILL_ATTENTION}, got {name!r}")
     if name == "torch_flash":
         return _torch_flash(device, dtype, None)
+    if name == "triton":
+        if (reason := triton_unavailable_reason(device)) is not None:
+            raise ValueError(f"prefill_attention='triton' {reason}; use 'auto' or 'torch_flash'")
+        return _triton(device, dtype, None)
     reason, error = fa4_unavailable_reason(device), None
     if reason is None:
         try:
@@ -80,11 +100,14 @@ def select_prefill_attention(name: str, device: torch.device, dtype: torch.dtype
     if name == "flash_attn_4":
         raise ValueError(f"prefill_attention='flash_attn_4' {reason}; use 'auto' or 'torch_flash'") \
             from error
-    hint = None
-    if error is not None:   # "auto" on a GPU where FA4 runs, without the package
-        hint = ("FlashAttention-4 runs prefill attention about 2x faster than torch's FlashAttention-2 on "
-                f"this GPU (632 against 323 TFLOP/s on an H200); to use it: {FA4_INSTALL}")
-    return _torch_flash(device, dtype, reason, hint)
+    if triton_unavailable_reason(device) is None and \
+            torch.cuda.get_device_capability(device)[0] >= TRITON_AUTO_MIN_MAJOR:
+        hint = None
+        if error is not None:   # "auto" on a GPU where FA4 runs, without the package
+            hint = (f"FlashAttention-4 runs prefill attention faster than the Triton kernel on this GPU "
+                    f"({FA4_TFLOPS} against {TRITON_TFLOPS} TFLOP/s on an H200); to use it: {FA4_INSTALL}")
+        return _triton(device, dtype, reason, hint)
+    return _torch_flash(device, dtype, reason)
 
 
 def _fa4(device: torch.device, prefill: Callable, dtype: torch.dtype,
@@ -97,6 +120,19 @@ def _fa4(device: torch.device, prefill: Callable, dtype: torch.dtype,
             text += (" (FP8 KV cache: prefills that read cached pages take torch's FlashAttention-2 after a "
                      "dequantizing gather, as FA4 reads FP8 only on sm100)")
     return PrefillAttention("flash_attn_4", prefill, text, describe_kernels(device, text))
+
+
+def _triton(device: torch.device, dtype: torch.dtype, fa4_reason: str | None,
+             hint: str | None = None) -> PrefillAttention:
+    from nanovllm.kernels.triton_prefill import prefill_attention_triton_or_torch
+    if dtype not in _HALF:
+        text = f"the torch reference ({str(dtype).removeprefix('torch.')}: the Triton kernel runs fp16/bf16)"
+    else:
+        text = "the Triton FlashAttention kernel over the paged cache"
+    if fa4_reason is not None:
+        text += f" (flash_attn_4 {fa4_reason})"
+    return PrefillAttention("triton", prefill_attention_triton_or_torch, text, describe_kernels(device, text),
+                            hint)
 
 
 def _torch_flash(device: torch.device, dtype: torch.dtype, fa4_reason: str | None,

@@ -1,0 +1,206 @@
+"""Prefill attention in Triton: causal FlashAttention over varlen prompts, GQA native, reading the
+keys straight from the paged cache when a sequence has a cached prefix or earlier chunks (no gather;
+an FP8 cache is dequantized tile by tile).
+
+One program computes BLOCK_M queries of one sequence for one query head:
+
+    for each BLOCK_N tile of keys left of the tile's diagonal    (every query sees every key: no mask)
+    then each tile on the diagonal                               (causal mask, and keys past k_len)
+        s = q k^T * scale * log2(e);  online softmax in base 2;  acc = acc * alpha + p v
+
+The causal mask is bottom-right aligned (query j of a sequence with q_len queries and k_len keys sits
+at position k_len - q_len + j), as kernels.reference.causal_mask is. A tile of keys never crosses a
+cache page (BLOCK_N divides the page), so one block-table read gives its rows. Programs start with
+the last (heaviest) query tiles of every sequence, so the short ones fill the tail of the grid.
+"""
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from nanovllm.kernels.backend import prefill_attention
+
+LOG2E = math.log2(math.e)
+# Under the interpreter (CPU tests) a bf16 tl.dot is not emulated correctly: the tiles go through fp32.
+_DOT_F32 = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def _key_rows(bt_ptr, k_start, start_n, offs_n, PAGED: tl.constexpr, PAGE: tl.constexpr):
+    # The rows of keys start_n .. start_n + BLOCK_N of a sequence: in the paged cache viewed as
+    # [num_blocks * PAGE, num_kv_heads * head_dim] (bt_ptr: its block-table row), or in the varlen
+    # k/v buffers, where the sequence's keys start at row k_start.
+    if PAGED:
+        block = tl.load(bt_ptr + start_n // PAGE).to(tl.int64)
+        return block * PAGE + (start_n % PAGE) + offs_n
+    return (k_start + start_n + offs_n).to(tl.int64)
+
+
+@triton.jit
+def _load_kv(ptr, rows, stride, cols, ok, scale_ptr, DTYPE: tl.constexpr, DEQUANT: tl.constexpr,
+             MASKED: tl.constexpr):
+    # [BLOCK_N, HEAD_DIM] of K or V in DTYPE; an FP8 cache's values times its scale (fp32, rounded
+    # once to DTYPE, as flash_prefill.gather_dequantize_kv does). MASKED: rows past k_len read as 0
+    # (uninitialised cache rows may hold NaN, and 0 * NaN would reach the output through p v).
+    ptrs = ptr + rows[:, None] * stride + cols[None, :]
+    if MASKED:
+        x = tl.load(ptrs, mask=ok[:, None], other=0.0)
+    else:
+        x = tl.load(ptrs)
+    if DEQUANT:
+        x = (x.to(tl.float32) * tl.load(scale_ptr)).to(DTYPE)
+    return x
+
+
+@triton.jit
+def _attend_tiles(acc, m_i, l_i, q, k_ptr, v_ptr, bt_ptr, k_start, k_stride, v_stride, k_scale_ptr,
+                  v_scale_ptr, lo, hi, q_pos, k_len, qk_scale, cols,
+                  MASKED: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr, DEQUANT: tl.constexpr,
+                  BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr):
+    # Keys lo .. hi (lo a multiple of BLOCK_N) into the running (acc, m_i, l_i) of the query tile q.
+    offs_n = tl.arange(0, BLOCK_N)
+    dtype = q.dtype
+    for start_n in range(lo, hi, BLOCK_N):
+        rows = _key_rows(bt_ptr, k_start, start_n, offs_n, PAGED, PAGE)
+        k_pos = start_n + offs_n
+        k_ok = k_pos < k_len
+        k = _load_kv(k_ptr, rows, k_stride, cols, k_ok, k_scale_ptr, dtype, DEQUANT, MASKED)
+        if DOT_F32:
+            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = s * qk_scale
+        if MASKED:
+            visible = (k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :]
+            s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.math.exp2(s - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        v = _load_kv(v_ptr, rows, v_stride, cols, k_ok, v_scale_ptr, dtype, DEQUANT, MASKED)
+        if DOT_F32:
+            acc += tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            acc = tl.dot(p.to(dtype), v, acc)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, cu_q_ptr, cu_k_ptr, bt_ptr, k_scale_ptr, v_scale_ptr,
+                    q_stride_t, q_stride_h, k_stride_t, k_stride_h, v_stride_t, v_stride_h,
+                    o_stride_t, o_stride_h, bt_stride, qk_scale,
+                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    PAGED: tl.constexpr, PAGE: tl.constexpr, DEQUANT: tl.constexpr, DOT_F32: tl.constexpr):
+    # grid: (num_heads, num_seqs, query tiles of the longest sequence), the last tiles first
+    head = tl.program_id(0)
+    seq = tl.program_id(1)
+    m_block = tl.num_programs(2) - 1 - tl.program_id(2)
+    q_start = tl.load(cu_q_ptr + seq)
+    q_len = tl.load(cu_q_ptr + seq + 1) - q_start
+    if m_block * BLOCK_M >= q_len:
+        return
+    k_start = tl.load(cu_k_ptr + seq)
+    k_len = tl.load(cu_k_ptr + seq + 1) - k_start
+    prefix = k_len - q_len   # keys before this step's queries: a cached prefix or earlier chunks
+
+    offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, HEAD_DIM)
+    q_ok = offs_m < q_len
+    q_rows = (q_start + offs_m).to(tl.int64)
+    q = tl.load(q_ptr + q_rows[:, None] * q_stride_t + head * q_stride_h + cols[None, :],
+                mask=q_ok[:, None], other=0.0)
+    q_pos = prefix + offs_m
+
+    kv_head = head // GROUP
+    k_ptr += kv_head * k_stride_h
+    v_ptr += kv_head * v_stride_h
+    bt_ptr += seq.to(tl.int64) * bt_stride
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    # Every key left of the tile's first query is seen by all its queries: no mask there.
+    diag = (prefix + m_block * BLOCK_M) // BLOCK_N * BLOCK_N
+    end = tl.minimum(k_len, prefix + (m_block + 1) * BLOCK_M)
+    acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, k_ptr, v_ptr, bt_ptr, k_start, k_stride_t, v_stride_t,
+                                  k_scale_ptr, v_scale_ptr, 0, diag, q_pos, k_len, qk_scale, cols,
+                                  False, PAGED, PAGE, DEQUANT, BLOCK_N, DOT_F32)
+    acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, k_ptr, v_ptr, bt_ptr, k_start, k_stride_t, v_stride_t,
+                                  k_scale_ptr, v_scale_ptr, diag, end, q_pos, k_len, qk_scale, cols,
+                                  True, PAGED, PAGE, DEQUANT, BLOCK_N, DOT_F32)
+    out = acc / l_i[:, None]
+    tl.store(o_ptr + q_rows[:, None] * o_stride_t + head * o_stride_h + cols[None, :],
+             out.to(o_ptr.dtype.element_ty), mask=q_ok[:, None])
+
+
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) by head_dim: untimed first choices, see docs/attention.md
+TILES = {64: (128, 64, 4, 3), 128: (128, 64, 8, 3), 256: (64, 32, 4, 2)}
+
+
+def tiles_for(head_dim: int, page: int, interpreted: bool) -> tuple[int, int, int, int]:
+    """The kernel's tile for this head_dim, BLOCK_N shrunk until it divides the cache page."""
+    if interpreted:
+        return 16, 16, 4, 1
+    block_m, block_n, warps, stages = TILES.get(head_dim, (64, 32, 4, 2))
+    while page % block_n:
+        block_n //= 2
+    return block_m, block_n, warps, stages
+
+
+def fits(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """What the kernel runs: fp16/bf16 queries, head_dim a power of two from 16 to 256, and a cache
+    page of a multiple of 16 tokens (FP8 caches included)."""
+    head_dim = q.shape[-1]
+    page_ok = k_cache.dim() != 4 or k_cache.shape[1] % 16 == 0
+    return (q.dtype in (torch.float16, torch.bfloat16) and 16 <= head_dim <= 256
+            and head_dim & (head_dim - 1) == 0 and page_ok)
+
+
+def prefill_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                             k_cache: torch.Tensor, v_cache: torch.Tensor,
+                             cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                             max_seqlen_q: int, max_seqlen_k: int,
+                             block_tables: torch.Tensor | None, scale: float,
+                             kv_slots: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
+                             v_scale: torch.Tensor | None = None, tiles: tuple | None = None) -> torch.Tensor:
+    # The interface of kernels.prefill_attention: q: [total_q, num_heads, head_dim]; k, v: [total_q,
+    # num_kv_heads, head_dim], already stored in the cache; k_cache, v_cache: [num_blocks, block_size,
+    # num_kv_heads, head_dim] -> [total_q, num_heads, head_dim]. Only where fits(q, k_cache).
+    # kv_slots is not needed: the pages are read through block_tables.
+    total_q, num_heads, head_dim = q.shape
+    num_seqs = cu_seqlens_q.numel() - 1
+    out = torch.empty_like(q)
+    if total_q == 0 or num_seqs == 0:
+        return out
+    paged = block_tables is not None
+    if paged:
+        page, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+        keys, values = k_cache.view(-1, num_kv_heads, head_dim), v_cache.view(-1, num_kv_heads, head_dim)
+        bt, bt_stride = block_tables, block_tables.stride(0)
+    else:
+        page, num_kv_heads, keys, values, bt, bt_stride = 16, k.shape[1], k, v, cu_seqlens_q, 0
+    dequant = keys.dtype == torch.float8_e4m3fn
+    if dequant and (k_scale is None or v_scale is None):
+        raise ValueError("an FP8 KV cache needs k_scale and v_scale")
+    block_m, block_n, warps, stages = tiles or tiles_for(head_dim, page, q.device.type == "cpu" or _DOT_F32)
+    grid = (num_heads, num_seqs, triton.cdiv(max_seqlen_q, block_m))
+    _prefill_kernel[grid](
+        q, keys, values, out, cu_seqlens_q, cu_seqlens_k, bt,
+        k_scale if dequant else q, v_scale if dequant else q,
+        q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), values.stride(0), values.stride(1),
+        out.stride(0), out.stride(1), bt_stride, scale * LOG2E,
+        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
+        PAGED=paged, PAGE=page, DEQUANT=dequant, DOT_F32=_DOT_F32 or q.device.type == "cpu",
+        num_warps=warps, num_stages=stages)
+    return out
+
+
+def prefill_attention_triton_or_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                      k_cache: torch.Tensor, v_cache: torch.Tensor, *args) -> torch.Tensor:
+    """kernels.prefill_attention's interface: the Triton kernel where it fits (CUDA, fp16/bf16, ...),
+    else kernels.prefill_attention (torch's FlashAttention-2, or the reference)."""
+    fn = prefill_attention_triton if q.is_cuda and fits(q, k_cache) else prefill_attention
+    return fn(q, k, v, k_cache, v_cache, *args)

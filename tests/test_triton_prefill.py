@@ -1,0 +1,114 @@
+"""The Triton prefill attention kernel (kernels/triton_prefill.py) against the torch reference: under
+the Triton interpreter on CPU (the `interp_` tests, re-run in a subprocess), and compiled on a GPU
+(the `gpu_` tests, at the engine's tiles)."""
+import pytest
+import torch
+
+from conftest import interp, run_interpreted_tests
+from nanovllm.kernels.reference import prefill_attention_ref, quantize_fp8
+
+GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def make_case(q_lens, prefixes, num_heads, num_kv_heads, head_dim, page, device, fp8=False, seed=0):
+    """Sequences with prefixes[i] keys already in a paged cache and q_lens[i] new queries; the new
+    tokens' K/V stored in the cache too, as the engine's store kernel leaves them. Returns the
+    prefill_attention arguments (block_tables None when no sequence has a prefix)."""
+    gen = torch.Generator().manual_seed(seed)
+    k_lens = [p + n for p, n in zip(prefixes, q_lens)]
+    blocks_per_seq = [-(-k // page) for k in k_lens]
+    num_blocks = sum(blocks_per_seq) + 3
+    dtype = torch.bfloat16
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen).to(dtype)
+
+    q = randn(sum(q_lens), num_heads, head_dim)
+    k_new, v_new = randn(sum(q_lens), num_kv_heads, head_dim), randn(sum(q_lens), num_kv_heads, head_dim)
+    cache_dtype = torch.float8_e4m3fn if fp8 else dtype
+    # garbage (NaN) everywhere no key was stored: the kernel must never let it reach an output
+    k_cache = torch.full((num_blocks, page, num_kv_heads, head_dim), float("nan")).to(cache_dtype)
+    v_cache = k_cache.clone()
+    k_scale = v_scale = None
+    if fp8:
+        k_scale, v_scale = torch.tensor([0.02]), torch.tensor([0.03])
+    # shuffled physical blocks, padded with -1 as the runner pads its block tables
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    table = torch.full((len(q_lens), max(blocks_per_seq)), -1, dtype=torch.int32)
+    new_at = 0
+    for i, (prefix, k_len) in enumerate(zip(prefixes, k_lens)):
+        ids = [order.pop() for _ in range(blocks_per_seq[i])]
+        table[i, :len(ids)] = torch.tensor(ids, dtype=torch.int32)
+        keys = torch.cat([randn(prefix, num_kv_heads, head_dim), k_new[new_at:new_at + k_len - prefix]])
+        values = torch.cat([randn(prefix, num_kv_heads, head_dim), v_new[new_at:new_at + k_len - prefix]])
+        new_at += k_len - prefix
+        for t in range(k_len):
+            b, off = ids[t // page], t % page
+            k_cache[b, off] = quantize_fp8(keys[t], k_scale) if fp8 else keys[t]
+            v_cache[b, off] = quantize_fp8(values[t], v_scale) if fp8 else values[t]
+    cu_q = torch.tensor([0] + q_lens).cumsum(0).to(torch.int32)
+    cu_k = torch.tensor([0] + k_lens).cumsum(0).to(torch.int32)
+    paged = any(prefixes) or fp8
+    args = [q, k_new, v_new, k_cache, v_cache, cu_q, cu_k, max(q_lens), max(k_lens),
+            table if paged else None, head_dim ** -0.5]
+    args = [a.to(device) if isinstance(a, torch.Tensor) else a for a in args]
+    scales = [s.to(device) if s is not None else None for s in (k_scale, v_scale)]
+    return args, scales
+
+
+def check(q_lens, prefixes, num_heads, num_kv_heads, head_dim, page, device, fp8=False, tiles=None):
+    from nanovllm.kernels.triton_prefill import prefill_attention_triton
+    args, (k_scale, v_scale) = make_case(q_lens, prefixes, num_heads, num_kv_heads, head_dim, page, device,
+                                         fp8)
+    out = prefill_attention_triton(*args, None, k_scale, v_scale, tiles=tiles)
+    ref = prefill_attention_ref(*[a.cpu() if isinstance(a, torch.Tensor) else a for a in args],
+                                *[s.cpu() if s is not None else None for s in (k_scale, v_scale)])
+    # The kernel rounds p to bf16 before p v (as FlashAttention does); the reference keeps fp32.
+    diff = (out.float().cpu() - ref.float()).abs()
+    assert out.dtype == ref.dtype and not out.isnan().any()
+    torch.testing.assert_close(out.float().cpu(), ref.float(), atol=1e-2, rtol=2e-2)
+    assert diff.mean() < 3e-3, diff.mean()
+
+
+def test_triton_prefill_under_interpreter():
+    run_interpreted_tests(__file__)
+
+
+@interp
+@pytest.mark.parametrize("q_lens,prefixes", [
+    ([5], [0]),                 # one short prompt, one partial query tile
+    ([33, 16, 1], [0, 0, 0]),   # several, a one-token prompt, tiles ending exactly on a boundary
+    ([20, 7], [32, 45]),        # cached prefixes: a whole page, and one ending mid-page (chunked prefill)
+    ([3, 40], [61, 0]),         # a prefix and none in one batch: the keys come from the pages for both
+])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 2), (2, 2)])
+def test_interp_triton_prefill_matches_reference(q_lens, prefixes, num_heads, num_kv_heads):
+    check(q_lens, prefixes, num_heads, num_kv_heads, 32, page=32, device="cpu")
+
+
+@interp
+def test_interp_triton_prefill_reads_an_fp8_cache():
+    check([9, 18], [16, 0], 4, 2, 32, page=16, device="cpu", fp8=True)
+
+
+@interp
+def test_interp_triton_prefill_tiles_wider_than_a_page_never_cross_it():
+    from nanovllm.kernels.triton_prefill import tiles_for
+    assert tiles_for(128, 16, interpreted=False)[1] == 16   # BLOCK_N shrinks to the page
+    check([40], [24], 2, 1, 16, page=16, device="cpu", tiles=(32, 16, 4, 1))
+
+
+@GPU
+@pytest.mark.parametrize("q_lens,prefixes", [
+    ([1000, 17, 300], [0, 0, 0]),
+    ([700, 1, 2048], [256, 999, 300]),
+    ([4096], [4096]),
+])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(16, 8, 128), (32, 8, 128), (8, 2, 64)])
+def test_gpu_triton_prefill_matches_reference(q_lens, prefixes, num_heads, num_kv_heads, head_dim):
+    check(q_lens, prefixes, num_heads, num_kv_heads, head_dim, page=256, device="cuda")
+
+
+@GPU
+def test_gpu_triton_prefill_reads_an_fp8_cache():
+    check([500, 64], [300, 0], 16, 8, 128, page=256, device="cuda", fp8=True)
