@@ -14,7 +14,7 @@ from bench_timing import median_ms
 
 from nanovllm.kernels.backend import paged_kv_slots
 from nanovllm.kernels.flash_prefill import prefill_attention_aten
-from nanovllm.kernels.triton_prefill import prefill_attention_triton, tiles_for
+from nanovllm.kernels.triton_prefill import TILES_128, prefill_attention_triton
 
 PAGE = 256
 # name: (num_heads, num_kv_heads, [(prefix, new tokens) per sequence])
@@ -31,7 +31,8 @@ DEFAULT_TILES = ["128:64:8:3", "128:64:4:3", "128:128:8:3", "128:128:8:2", "128:
 
 
 def make_inputs(num_heads, num_kv_heads, seqs, head_dim=128):
-    """Random bf16 queries and a paged cache holding every sequence's keys (prefix and new)."""
+    """Random bf16 queries and a paged cache holding every sequence's keys (prefix and new). Without
+    a prefix the Triton kernel reads the new tokens' k, v; with one, the pages (as in the engine)."""
     dev, dt = "cuda", torch.bfloat16
     q_lens = [n for _, n in seqs]
     k_lens = [p + n for p, n in seqs]
@@ -63,8 +64,7 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--tiles", nargs="+", default=DEFAULT_TILES, help="BLOCK_M:BLOCK_N:num_warps:num_stages")
     args = p.parse_args()
-    print(torch.cuda.get_device_name(), "torch", torch.__version__, "engine tiles (head_dim 128):",
-          tiles_for(128, PAGE, False))
+    print(torch.cuda.get_device_name(), "torch", torch.__version__, "engine tiles (head_dim 128):", TILES_128)
     print(f"{'case':>28s} {'kernel':>18s} {'ms':>8s} {'TFLOP/s':>8s} {'max diff':>9s}")
     for name, (heads, kv_heads, seqs) in CASES.items():
         call_args, kv_slots, flops = make_inputs(heads, kv_heads, seqs)

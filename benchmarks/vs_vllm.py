@@ -6,8 +6,8 @@ dummy weights, no tokenizer, temperature 0.6 with ignore_eos, their default opti
 warm-up generate, then --runs timed generate calls of the same prompts. With --prefix-caching off (the
 default here) every run is a cold run and the ratio is best run over best run. With it on (both engines'
 own default), a run after the first finds the prompts' blocks in the prefix cache (vLLM caches blocks of
-16 tokens, nanovllm of 256: only whole blocks are cached), so the first runs are compared, and the best
-later runs.
+16 tokens; nanovllm shares blocks of 256 and copies the rows of a partly matching block, at least 16),
+so the first runs are compared, and the best later runs.
 
 --profile adds, for each engine, a profiled run in a further child (vLLM with its engine core in-process,
 VLLM_ENABLE_V1_MULTIPROCESSING=0): every model step is labelled by its kind (prefill, mixed, decode by

@@ -94,7 +94,7 @@ def test_interp_triton_prefill_reads_an_fp8_cache():
 @interp
 def test_interp_triton_prefill_tiles_wider_than_a_page_never_cross_it():
     from nanovllm.kernels.triton_prefill import tiles_for
-    assert tiles_for(128, 16, interpreted=False)[1] == 16   # BLOCK_N shrinks to the page
+    assert tiles_for(128, 16, interpreted=False, paged=True)[1] == 16   # BLOCK_N shrinks to the page
     check([40], [24], 2, 1, 16, page=16, device="cpu", tiles=(32, 16, 4, 1))
 
 

@@ -136,15 +136,26 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, cu_q_ptr, cu_k_ptr, bt_ptr, k_sc
              out.to(o_ptr.dtype.element_ty), mask=q_ok[:, None])
 
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages) by head_dim: untimed first choices, see docs/attention.md
-TILES = {64: (128, 64, 4, 3), 128: (128, 64, 8, 3), 256: (64, 32, 4, 2)}
+# (BLOCK_M, BLOCK_N, num_warps, num_stages). head_dim 128, from benchmarks/prefill_attn_probe.py on
+# an H200 (docs/attention.md): steps that read pages (a cached prefix or earlier chunks: the block
+# table is looked up per tile) run best with 128 x 128 tiles and 2 stages; new prompts of a few
+# thousand tokens with 3 stages; short ones (bench.py's 100-1,024) with 64 x 64 tiles and 4 warps.
+# Other head dims: untimed first choices.
+TILES_128 = {"paged": (128, 128, 8, 2), "long": (128, 128, 8, 3), "short": (64, 64, 4, 3)}
+TILES = {64: (128, 64, 4, 3), 256: (64, 32, 4, 2)}
+SHORT_PROMPT = 2048   # the longest query span that takes the "short" tile
 
 
-def tiles_for(head_dim: int, page: int, interpreted: bool) -> tuple[int, int, int, int]:
-    """The kernel's tile for this head_dim, BLOCK_N shrunk until it divides the cache page."""
+def tiles_for(head_dim: int, page: int, interpreted: bool, paged: bool = False,
+              max_seqlen_q: int = 0) -> tuple[int, int, int, int]:
+    """The kernel's tile for this head_dim and step, BLOCK_N shrunk until it divides the cache page."""
     if interpreted:
         return 16, 16, 4, 1
-    block_m, block_n, warps, stages = TILES.get(head_dim, (64, 32, 4, 2))
+    if head_dim == 128:
+        kind = "paged" if paged else "long" if max_seqlen_q > SHORT_PROMPT else "short"
+        block_m, block_n, warps, stages = TILES_128[kind]
+    else:
+        block_m, block_n, warps, stages = TILES.get(head_dim, (64, 32, 4, 2))
     while page % block_n:
         block_n //= 2
     return block_m, block_n, warps, stages
@@ -185,7 +196,8 @@ def prefill_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     dequant = keys.dtype == torch.float8_e4m3fn
     if dequant and (k_scale is None or v_scale is None):
         raise ValueError("an FP8 KV cache needs k_scale and v_scale")
-    block_m, block_n, warps, stages = tiles or tiles_for(head_dim, page, q.device.type == "cpu" or _DOT_F32)
+    block_m, block_n, warps, stages = tiles or tiles_for(head_dim, page, q.device.type == "cpu" or _DOT_F32,
+                                                         paged, max_seqlen_q)
     grid = (num_heads, num_seqs, triton.cdiv(max_seqlen_q, block_m))
     _prefill_kernel[grid](
         q, keys, values, out, cu_seqlens_q, cu_seqlens_k, bt,

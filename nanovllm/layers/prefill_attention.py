@@ -27,8 +27,9 @@ from nanovllm.kernels import KERNELS, prefill_attention
 
 FA4_ARCHS = (9, 10, 11)   # compute capability majors where FA4's paged prefill runs
 TRITON_AUTO_MIN_MAJOR = 9   # "auto" takes the Triton kernel from Hopper on (where it was measured)
-# Causal prefill attention on one H200, in the start-up hint (docs/attention.md has the figures)
-FA4_TFLOPS, TRITON_TFLOPS = 632, 0
+# Causal prefill attention of long prompts on one H200, TFLOP/s, in the start-up hint
+# (docs/attention.md has the figures): FA4, and the Triton kernel over pages / on new prompts
+FA4_TFLOPS, TRITON_TFLOPS = "632", "351-433"
 FA4_INSTALL = "pip install 'nanovllm[flash]'"
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -104,7 +105,7 @@ def select_prefill_attention(name: str, device: torch.device, dtype: torch.dtype
             torch.cuda.get_device_capability(device)[0] >= TRITON_AUTO_MIN_MAJOR:
         hint = None
         if error is not None:   # "auto" on a GPU where FA4 runs, without the package
-            hint = (f"FlashAttention-4 runs prefill attention faster than the Triton kernel on this GPU "
+            hint = (f"FlashAttention-4 runs prefill attention faster than the Triton kernel on Hopper "
                     f"({FA4_TFLOPS} against {TRITON_TFLOPS} TFLOP/s on an H200); to use it: {FA4_INSTALL}")
         return _triton(device, dtype, reason, hint)
     return _torch_flash(device, dtype, reason)
