@@ -17,9 +17,6 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.common import rounded
-from nanovllm.kernels.fp8_reference import Fp8Rows
-
 FP8_MAX = tl.constexpr(448.0)   # a constexpr: the kernels read it
 # The block format's GEMM: "triton" (below), or "cublas": torch._scaled_mm with 1x128 activation and
 # 128x128 weight scales (cuBLASLt 12.9+ on Hopper; bf16 outputs, K / 128 a multiple of 4, 64 rows or
@@ -31,19 +28,6 @@ BLOCK_GEMM = "triton"
 FAST_ACCUM = True
 # Under the interpreter (tests on CPU) tl.dot on FP8 is not emulated: the tiles go through fp32.
 _DOT_F32 = os.environ.get("TRITON_INTERPRET") == "1"
-
-
-@triton.jit
-def fp8_scale(amax):
-    """A row's (group's) dequantization scale from its fp32 amax: amax / 448 rounded to nearest (as
-    the reference's division), at least 1e-12 (an all-zero row quantizes to 0)."""
-    return tl.maximum(tl.div_rn(amax, FP8_MAX), 1e-12)
-
-
-@triton.jit
-def to_fp8(v, scale, FP8_TYPE: tl.constexpr):
-    """fp32 values v / scale (rounded to nearest), saturated to +-448, cast to FP8_TYPE (to nearest)."""
-    return tl.clamp(tl.div_rn(v, scale), -FP8_MAX, FP8_MAX).to(FP8_TYPE)
 
 
 @triton.jit
@@ -60,13 +44,14 @@ def _quantize_kernel(x_ptr, q_ptr, s_ptr, K, x_stride, s_stride_m, s_stride_g,
         ok = (c0 + cols < GROUP) & (idx < K)
         v = tl.load(x_ptr + row * x_stride + idx, mask=ok, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(v))
-    scale = fp8_scale(tl.max(amax, axis=0))
+    scale = tl.maximum(tl.div_rn(tl.max(amax, axis=0), FP8_MAX), 1e-12)
     tl.store(s_ptr + row * s_stride_m + g * s_stride_g, scale)
     for c0 in range(0, GROUP, BLOCK):
         idx = start + c0 + cols
         ok = (c0 + cols < GROUP) & (idx < K)
         v = tl.load(x_ptr + row * x_stride + idx, mask=ok, other=0.0).to(tl.float32)
-        tl.store(q_ptr + row * K + idx, to_fp8(v, scale, q_ptr.dtype.element_ty), mask=ok)
+        q = tl.clamp(tl.div_rn(v, scale), -FP8_MAX, FP8_MAX)
+        tl.store(q_ptr + row * K + idx, q.to(q_ptr.dtype.element_ty), mask=ok)
 
 
 def quantize_activations(x: torch.Tensor, group: int, m_major: bool = False
@@ -85,40 +70,6 @@ def quantize_activations(x: torch.Tensor, group: int, m_major: bool = False
         _quantize_kernel[(m, num_groups)](x, q, s, k, x.stride(0), s.stride(0), s.stride(1), GROUP=group,
                                           BLOCK=block, num_warps=4 if block >= 512 else 1)
     return q, s
-
-
-@triton.jit(do_not_specialize=["num_rows"])
-def _add_quantize_kernel(h_ptr, y_ptr, q_ptr, s_ptr, num_rows, h_stride, y_stride,
-                         K: tl.constexpr, BLOCK: tl.constexpr):
-    # program row: h[row] += y[row] (rounded to h's dtype, written back), then h's new row quantized
-    # to q[row] and s[row] (one scale per row). The whole row in one block: it is read once.
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    ok = cols < K
-    dtype = h_ptr.dtype.element_ty
-    h = tl.load(h_ptr + row * h_stride + cols, mask=ok, other=0.0).to(tl.float32)
-    y = tl.load(y_ptr + row * y_stride + cols, mask=ok, other=0.0).to(tl.float32)
-    h = rounded(h + y, dtype)   # torch's h.add_(y): the fp32 sum rounded once
-    tl.store(h_ptr + row * h_stride + cols, h.to(dtype), mask=ok)
-    scale = fp8_scale(tl.max(tl.abs(h), axis=0))
-    tl.store(s_ptr + row, scale)
-    tl.store(q_ptr + row * K + cols, to_fp8(h, scale, q_ptr.dtype.element_ty), mask=ok)
-
-
-def add_quantize(h: torch.Tensor, y: torch.Tensor) -> Fp8Rows:
-    """h += y in place (h: [M, K], the residual stream; y: [M, K] a GEMM's output), and h's new rows
-    quantized per token, as quantize_activations(h, K) would: one kernel, which reads h and y once.
-    -> Fp8Rows(q [M, K], scale [M, 1], h.dtype). CUDA-graph safe."""
-    m, k = h.shape
-    assert y.shape == h.shape and h.stride(1) == 1 and y.stride(1) == 1
-    q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=h.device)
-    s = torch.empty(m, 1, dtype=torch.float32, device=h.device)
-    if m:
-        block = triton.next_power_of_2(k)
-        # ~16 values a thread, as the RMSNorm kernel (hidden 4096: 8 warps)
-        _add_quantize_kernel[(m,)](h, y, q, s, m, h.stride(0), y.stride(0), K=k, BLOCK=block,
-                                   num_warps=min(16, max(1, block // 512)))
-    return Fp8Rows(q, s, h.dtype)
 
 
 @triton.jit
@@ -192,27 +143,10 @@ def fp8_gemm(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, w_scale: torch
     return out
 
 
-def _per_channel_gemm(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
-                       out_dtype: torch.dtype, bias: torch.Tensor | None) -> torch.Tensor:
-    """xq [M, K] FP8 with per-token scales xs [M, 1], times W [N, K] with per-channel w_scale [N, 1]
-    -> [M, N] in out_dtype (+ bias)."""
-    if out_dtype == torch.bfloat16 and xq.shape[0] and not _DOT_F32:
-        # cuBLASLt's FP8 GEMM with row-wise scales: scale_a [M, 1], scale_b [1, N]
-        y = torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=w_scale.view(1, -1), out_dtype=out_dtype,
-                             use_fast_accum=FAST_ACCUM)
-    else:
-        y = fp8_gemm(xq, xs, w, w_scale, None, out_dtype)
-    return y if bias is None else y + bias
-
-
-def fp8_linear(x: torch.Tensor | Fp8Rows, w: torch.Tensor, w_scale: torch.Tensor,
-               block: tuple[int, int] | None, bias: torch.Tensor | None = None) -> torch.Tensor:
+def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block: tuple[int, int] | None,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
     """x: [..., K] -> [..., N] in x's dtype: the activations quantized (per token group of bk, or per
-    token), then the FP8 GEMM. x an Fp8Rows (per-channel weights only): rows [M, K] the kernel that
-    made them already quantized per token (add_quantize, norm_act.silu_and_mul_fp8_triton) -> [M, N]."""
-    if isinstance(x, Fp8Rows):
-        assert block is None, "Fp8Rows are per-token scales: per-channel weights only"
-        return _per_channel_gemm(x.q, x.scale, w, w_scale, x.dtype, bias)
+    token), then the FP8 GEMM."""
     shape, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
     # cuBLASLt has no block-scaled algorithm for one row (CUBLAS_STATUS_NOT_SUPPORTED on the H200; 64
@@ -224,9 +158,12 @@ def fp8_linear(x: torch.Tensor | Fp8Rows, w: torch.Tensor, w_scale: torch.Tensor
         y = torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=w_scale.t(), out_dtype=x.dtype)
         return (y if bias is None else y + bias).view(*shape, w.shape[0])
     xq, xs = quantize_activations(x2, k if block is None else block[1])
-    if block is None:
-        y = _per_channel_gemm(xq, xs, w, w_scale, x.dtype, bias)
+    if block is None and x.dtype == torch.bfloat16 and x2.shape[0] and not _DOT_F32:
+        # cuBLASLt's FP8 GEMM with row-wise scales: scale_a [M, 1], scale_b [1, N]
+        y = torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=w_scale.view(1, -1), out_dtype=x.dtype,
+                             use_fast_accum=FAST_ACCUM)
     else:
         y = fp8_gemm(xq, xs, w, w_scale, block, x.dtype)
-        y = y if bias is None else y + bias
+    if bias is not None:
+        y = y + bias
     return y.view(*shape, w.shape[0])

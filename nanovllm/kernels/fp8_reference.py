@@ -7,8 +7,6 @@ Scales are dequantization factors (w = w_fp8 * scale; HF names them weight_scale
   block (bn, bk):  scale [ceil(N / bn), ceil(K / bk)], one per block of W [N, K]
   per channel:     scale [N, 1]
 """
-from typing import NamedTuple
-
 import torch
 import torch.nn.functional as F
 
@@ -63,21 +61,6 @@ def quantize_activations(x: torch.Tensor, group: int) -> tuple[torch.Tensor, tor
     scale = _over_fp8_max(xg.abs().amax(dim=2))
     q = quantize_fp8(xg, scale[:, :, None])
     return q.view(m, -1)[:, :k].contiguous(), scale
-
-
-class Fp8Rows(NamedTuple):
-    """Activations x [M, K] already quantized per token for a per-channel FP8 GEMM, by the kernel
-    that made them (so x itself need not be written): quantize_activations(x, K) and x's dtype,
-    which the GEMM's output takes."""
-    q: torch.Tensor        # [M, K] float8_e4m3fn
-    scale: torch.Tensor    # [M, 1] float32
-    dtype: torch.dtype
-
-
-def add_quantize_ref(h: torch.Tensor, y: torch.Tensor) -> Fp8Rows:
-    """h += y in place, in h's dtype, then h's rows quantized per token: fp8_gemm.add_quantize's oracle."""
-    h.add_(y)
-    return Fp8Rows(*quantize_activations(h, h.shape[1]), h.dtype)
 
 
 def dequantize_activations(q: torch.Tensor, scale: torch.Tensor, group: int) -> torch.Tensor:

@@ -1,6 +1,5 @@
 """Triton kernels for the model's elementwise ops: RMSNorm, RMSNorm fused with the residual add
-before it, and SiLU-and-mul (also with FP8 outputs, quantized per row for a per-channel FP8 down
-projection). Each reads its input once and writes its outputs once (but the FP8 SiLU-and-mul: twice).
+before it, and SiLU-and-mul. Each reads its input once and writes its outputs once.
 
 Numerics follow eager torch (kernels/reference.py, transformers' code) rounding for rounding:
   rms_norm:      fp32 sum of squares / hidden (exact division, as torch's CPU mean), rsqrt(+ eps),
@@ -19,17 +18,12 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from nanovllm.kernels.common import rounded, row_rstd
-from nanovllm.kernels.fp8_gemm import fp8_scale, to_fp8
-from nanovllm.kernels.fp8_reference import Fp8Rows
 
 # SiLU-and-mul's column block (output values a program computes), at least. Scaled (norm_of given)
 # each program first reads its whole row of norm_of for rstd, so its block is widened to that row's
 # width: the row is then read at most once per output value (Qwen3-8B: 4096, not 12 reads a row of
 # 1024 outputs each; benchmarks/RESULTS.md has the sweep).
 SILU_BLOCK = 1024
-# The FP8-output SiLU-and-mul's column block: one program a row loops over the row in blocks of this
-# many values (twice: see _silu_and_mul_fp8_kernel). An untimed first choice.
-SILU_FP8_BLOCK = 4096
 
 
 @triton.jit(do_not_specialize=["num_rows"])   # one compiled variant whatever the step's token count
@@ -97,24 +91,6 @@ def add_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor, weight: torch.T
 
 
 @triton.jit
-def _silu_mul(x_row, cols, mask, rstd, D: tl.constexpr, SCALED: tl.constexpr, LIBDEVICE_EXP: tl.constexpr):
-    """silu(gate) * up at columns cols of the row at x_row (gate | up, D each), in fp32, each step
-    rounded to the row's dtype as eager torch rounds it. SCALED: gate and up first times rstd."""
-    dtype = x_row.dtype.element_ty
-    gate = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(x_row + D + cols, mask=mask, other=0.0).to(tl.float32)
-    if SCALED:
-        gate = rounded(gate * rstd, dtype)
-        up = rounded(up * rstd, dtype)
-    if LIBDEVICE_EXP:   # CUDA's expf, as torch's silu calls it; tl.exp is a faster approximation
-        e = libdevice.exp(-gate)
-    else:               # the interpreter has no libdevice
-        e = tl.exp(-gate)
-    silu = rounded(tl.math.div_rn(gate, 1.0 + e), dtype)
-    return rounded(silu * up, dtype)
-
-
-@triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, norm_ptr, x_stride, norm_stride, eps, D: tl.constexpr,
                          BLOCK: tl.constexpr, LIBDEVICE_EXP: tl.constexpr, HIDDEN: tl.constexpr,
                          BLOCK_HIDDEN: tl.constexpr, SCALED: tl.constexpr):
@@ -123,37 +99,19 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, norm_ptr, x_stride, norm_stride, eps, D
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < D
-    rstd = 1.0
+    dtype = x_ptr.dtype.element_ty
+    gate = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * x_stride + D + cols, mask=mask, other=0.0).to(tl.float32)
     if SCALED:
         rstd = row_rstd(norm_ptr + row * norm_stride, eps, HIDDEN, BLOCK_HIDDEN)
-    out = _silu_mul(x_ptr + row * x_stride, cols, mask, rstd, D, SCALED, LIBDEVICE_EXP)
-    tl.store(out_ptr + row * D + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _silu_and_mul_fp8_kernel(x_ptr, q_ptr, s_ptr, norm_ptr, x_stride, norm_stride, eps, D: tl.constexpr,
-                             BLOCK: tl.constexpr, LIBDEVICE_EXP: tl.constexpr, HIDDEN: tl.constexpr,
-                             BLOCK_HIDDEN: tl.constexpr, SCALED: tl.constexpr):
-    # Program t: row t's D products, quantized with one scale for the row. The scale needs the whole
-    # row's amax first, and the row (Qwen3-8B: 12288 values) is too wide to keep in registers: a
-    # first pass over the columns takes the amax, a second computes the products again (gate and up
-    # now from L2) and stores them in FP8. The products in the model's dtype are never written.
-    row = tl.program_id(0).to(tl.int64)
-    x_row = x_ptr + row * x_stride
-    rstd = 1.0
-    if SCALED:
-        rstd = row_rstd(norm_ptr + row * norm_stride, eps, HIDDEN, BLOCK_HIDDEN)
-    amax = tl.zeros([BLOCK], dtype=tl.float32)
-    for c0 in range(0, D, BLOCK):
-        cols = c0 + tl.arange(0, BLOCK)
-        out = _silu_mul(x_row, cols, cols < D, rstd, D, SCALED, LIBDEVICE_EXP)   # 0 past D
-        amax = tl.maximum(amax, tl.abs(out))
-    scale = fp8_scale(tl.max(amax, axis=0))
-    tl.store(s_ptr + row, scale)
-    for c0 in range(0, D, BLOCK):
-        cols = c0 + tl.arange(0, BLOCK)
-        out = _silu_mul(x_row, cols, cols < D, rstd, D, SCALED, LIBDEVICE_EXP)
-        tl.store(q_ptr + row * D + cols, to_fp8(out, scale, q_ptr.dtype.element_ty), mask=cols < D)
+        gate = rounded(gate * rstd, dtype)
+        up = rounded(up * rstd, dtype)
+    if LIBDEVICE_EXP:   # CUDA's expf, as torch's silu calls it; tl.exp is a faster approximation
+        e = libdevice.exp(-gate)
+    else:               # the interpreter has no libdevice
+        e = tl.exp(-gate)
+    silu = rounded(tl.math.div_rn(gate, 1.0 + e), dtype)
+    tl.store(out_ptr + row * D + cols, rounded(silu * up, dtype).to(dtype), mask=mask)
 
 
 def silu_and_mul_triton(x: torch.Tensor, norm_of: torch.Tensor | None = None,
@@ -175,26 +133,3 @@ def silu_and_mul_triton(x: torch.Tensor, norm_of: torch.Tensor | None = None,
             # 8 values a thread (16 above a block of 4096)
             num_warps=min(16, max(1, block // 256)), enable_fp_fusion=False)
     return out
-
-
-def silu_and_mul_fp8_triton(x: torch.Tensor, norm_of: torch.Tensor | None = None,
-                            eps: float = 0.0) -> Fp8Rows:
-    """silu_and_mul_triton(x, norm_of, eps) quantized per row for a per-channel FP8 GEMM by one
-    kernel, which never writes the products in x's dtype: fp8_gemm.quantize_activations of that
-    output bit for bit. x: [M, 2 * d] -> Fp8Rows(q [M, d], scale [M, 1], x.dtype). CUDA-graph safe."""
-    d = x.shape[-1] // 2
-    assert x.dim() == 2 and x.shape[-1] == 2 * d
-    x2 = _rows(x)
-    h2 = _rows(norm_of) if norm_of is not None else x2
-    assert norm_of is None or h2.shape[0] == x2.shape[0]
-    m = x2.shape[0]
-    q = torch.empty(m, d, dtype=torch.float8_e4m3fn, device=x.device)
-    s = torch.empty(m, 1, dtype=torch.float32, device=x.device)
-    if m and d:
-        hidden = h2.shape[-1] if norm_of is not None else 1
-        block = min(SILU_FP8_BLOCK, triton.next_power_of_2(d))
-        _silu_and_mul_fp8_kernel[(m,)](
-            x2, q, s, h2, x2.stride(0), h2.stride(0), eps, D=d, BLOCK=block, LIBDEVICE_EXP=x.is_cuda,
-            HIDDEN=hidden, BLOCK_HIDDEN=triton.next_power_of_2(hidden), SCALED=norm_of is not None,
-            num_warps=min(16, max(1, block // 256)), enable_fp_fusion=False)
-    return Fp8Rows(q, s, x.dtype)

@@ -12,19 +12,13 @@ block; anything else is a ValueError naming the sizes. Per-channel scales follow
 (row-parallel layers keep them whole).
 
 Which layers: every sharded linear layer and every FusedMoE, except those the checkpoint's ignore
-list names; replicated layers (the MoE router), embeddings and lm_head stay unquantized.
-
-Per-channel weights on CUDA quantize their input per token right before the GEMM. Where the kernel
-that makes that input can write it quantized, the GEMM takes those Fp8Rows instead (models/llama.py
-asks takes_fp8_rows): SiLU-and-mul before down_proj, and (folded norms, one rank) the residual add
-after o_proj / down_proj before gate_up_proj / the next layer's qkv_proj (add_into_residual). The
-FP8 values and scales are the separate kernels' bit for bit: only launches and bytes differ."""
+list names; replicated layers (the MoE router), embeddings and lm_head stay unquantized."""
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.kernels import KERNELS
-from nanovllm.kernels.fp8_reference import Fp8Rows, dequantize_weight, quantize_weight
+from nanovllm.kernels.fp8_reference import dequantize_weight, quantize_weight
 from nanovllm.kernels.reference import FP8_DTYPE as FP8
 from nanovllm.kernels.moe_reference import fused_moe_ref
 from nanovllm.layers.fused_moe import FusedMoE
@@ -34,13 +28,8 @@ from nanovllm.utils.loader import default_weight_loader
 from nanovllm.utils.quant_config import Fp8Scheme
 
 if KERNELS != "torch":
-    from nanovllm.kernels.fp8_gemm import add_quantize, fp8_linear
+    from nanovllm.kernels.fp8_gemm import fp8_linear
     from nanovllm.kernels.fused_moe import fused_moe_triton
-    from nanovllm.kernels.norm_act import silu_and_mul_fp8_triton
-
-# Quantize a per-channel FP8 GEMM's input in the kernel that makes it (module notes). A module
-# constant, so benchmarks/bench_with.py and the GPU tests can compare both.
-FUSE_QUANTIZATION = True
 
 
 def _on_gpu_kernels(x: torch.Tensor) -> bool:
@@ -53,39 +42,10 @@ class Fp8Linear:
     def __init__(self, block: tuple[int, int] | None):
         self.block = block
 
-    def apply(self, layer: LinearBase, x: torch.Tensor | Fp8Rows, bias: torch.Tensor | None) -> torch.Tensor:
-        # x: [..., K], or Fp8Rows (takes_fp8_rows: per channel, on CUDA)
-        if isinstance(x, Fp8Rows) or _on_gpu_kernels(x):
+    def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if _on_gpu_kernels(x):
             return fp8_linear(x, layer.weight, layer.weight_scale, self.block, bias)
         return F.linear(x, dequantize_weight(layer.weight, layer.weight_scale, self.block, x.dtype), bias)
-
-
-def takes_fp8_rows(layer: LinearBase, x: torch.Tensor) -> bool:
-    """Whether layer can be handed its input x [M, K] as Fp8Rows (the rows quantized per token by the
-    kernel that makes x): a per-channel FP8 weight on the CUDA kernels (its GEMM would quantize x
-    per token anyway) and no LoRA (which reads x itself)."""
-    return (FUSE_QUANTIZATION and isinstance(layer.quant, Fp8Linear) and layer.quant.block is None
-            and layer.lora is None and _on_gpu_kernels(x))
-
-
-def silu_and_mul_fp8(x: torch.Tensor, norm_of: torch.Tensor | None, eps: float) -> Fp8Rows:
-    """SiLU-and-mul (layers/activation.py) with its output [M, d] quantized per token by the same
-    kernel, for a layer that takes_fp8_rows."""
-    return silu_and_mul_fp8_triton(x, norm_of, eps)
-
-
-def add_into_residual(layer: LinearBase, x: torch.Tensor, h: torch.Tensor,
-                      next_gemm: LinearBase | None) -> tuple[torch.Tensor, Fp8Rows | None]:
-    """layer(x, residual=h) (a RowParallelLinear: h plus its output, in place where it can), and,
-    where one kernel can do the add and quantize h's new rows for next_gemm (the GEMM that reads h
-    next) with the numbers of the separate add and quantization, those rows: (h, Fp8Rows or None).
-    That is: next_gemm takes them, layer's weight is FP8 (its output rounded before the add; a bf16
-    GEMM adds h inside, beta 1), no bias, no LoRA, one rank (under TP rank 0 adds h to its partial
-    sum before the all-reduce)."""
-    if (next_gemm is None or not takes_fp8_rows(next_gemm, h) or layer.quant is None
-            or layer.bias is not None or layer.lora is not None or layer.tp_size > 1):
-        return layer(x, residual=h), None
-    return h, add_quantize(h, layer.matmul(x))   # [M, hidden]: h updated in place
 
 
 class Fp8MoE:

@@ -7,10 +7,8 @@ from transformers import PretrainedConfig
 from nanovllm.layers.activation import SiluAndMul
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
-from nanovllm.layers.fp8 import Fp8Rows, add_into_residual, silu_and_mul_fp8, takes_fp8_rows
 from nanovllm.layers.layernorm import RMSNorm
-from nanovllm.layers.linear import (LinearBase, MergedColumnParallelLinear, QKVParallelLinear,
-                                    RowParallelLinear)
+from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from nanovllm.layers.rotary_embedding import get_rope
 
 
@@ -52,20 +50,18 @@ class LlamaAttention(nn.Module):
         self.q_norm = RMSNorm(head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, config.rms_norm_eps) if qk_norm else None
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, norm_eps: float | None = None,
-                x_fp8: Fp8Rows | None = None, next_gemm: LinearBase | None = None):
+    def forward(self, positions: torch.Tensor, x: torch.Tensor,
+                norm_eps: float | None = None) -> torch.Tensor:
         # x: [num_tokens, hidden] -> [num_tokens, hidden]
         # The attention layer applies q_norm / k_norm (Qwen3) and rotary itself: on CUDA they are
         # fused with its KV-cache write into one kernel.
         # norm_eps given: x is the residual stream h, the RMSNorm before this block folded into
         # qkv_proj (LlamaDecoderLayer.fold_norms): q, k, v are scaled by rstd(h) and the output is
-        # added into h (in place); returns (h, h's rows quantized for next_gemm or None:
-        # layers/fp8.add_into_residual). x_fp8: x's rows already quantized for qkv_proj, or None.
+        # added into h (in place) and returned.
         h = None if norm_eps is None else x
-        qkv = self.qkv_proj(x if x_fp8 is None else x_fp8)
-        out = self.attn(positions, qkv, self.rotary_emb, self.q_norm, self.k_norm,
-                        norm_of=h, norm_eps=norm_eps or 0.0).flatten(1)
-        return self.o_proj(out) if h is None else add_into_residual(self.o_proj, out, h, next_gemm)
+        out = self.attn(positions, self.qkv_proj(x), self.rotary_emb, self.q_norm, self.k_norm,
+                        norm_of=h, norm_eps=norm_eps or 0.0)
+        return self.o_proj(out.flatten(1), residual=h)
 
 
 class LlamaMLP(nn.Module):
@@ -79,18 +75,11 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=bias)
         self.act_fn = SiluAndMul()
 
-    def forward(self, x: torch.Tensor, norm_eps: float | None = None, x_fp8: Fp8Rows | None = None,
-                next_gemm: LinearBase | None = None):
+    def forward(self, x: torch.Tensor, norm_eps: float | None = None) -> torch.Tensor:
         # norm_eps given: as in LlamaAttention.forward (x the residual stream, the RMSNorm before
-        # folded into gate_up_proj; the output added into x; returns (x, x's rows quantized for
-        # next_gemm or None))
+        # folded into gate_up_proj; the output added into x and returned)
         h = None if norm_eps is None else x
-        gate_up = self.gate_up_proj(x if x_fp8 is None else x_fp8)
-        if takes_fp8_rows(self.down_proj, gate_up):   # SiLU-and-mul quantizes its [tokens, inter] itself
-            act = silu_and_mul_fp8(gate_up, norm_of=h, eps=norm_eps or 0.0)
-        else:
-            act = self.act_fn(gate_up, norm_of=h, eps=norm_eps or 0.0)
-        return self.down_proj(act) if h is None else add_into_residual(self.down_proj, act, h, next_gemm)
+        return self.down_proj(self.act_fn(self.gate_up_proj(x), norm_of=h, eps=norm_eps or 0.0), residual=h)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -125,23 +114,17 @@ class LlamaDecoderLayer(nn.Module):
         self.folded = True
         return True
 
-    def forward(self, positions, x, residual, x_fp8: Fp8Rows | None = None,
-                next_gemm: LinearBase | None = None):
-        """-> (x, residual, x_fp8), for the next layer. Folded: x + residual is the residual stream h,
-        each block adds into it in place, and each add also quantizes h for the GEMM that reads it
-        next where one kernel can (per-channel FP8; layers/fp8.add_into_residual): gate_up_proj,
-        then next_gemm (the next layer's qkv_proj when that layer is folded, else None). x_fp8: h's
-        rows quantized for qkv_proj by the previous layer, or None."""
+    def forward(self, positions, x, residual):
         if self.folded:
+            # x + residual is the residual stream h; each block adds into it in place.
             h = x if residual is None else x + residual
-            h, h_fp8 = self.self_attn(positions, h, self.input_layernorm.eps, x_fp8, self.mlp.gate_up_proj)
-            h, h_fp8 = self.mlp(h, self.post_attention_layernorm.eps, h_fp8, next_gemm)
-            return h, None, h_fp8
+            h = self.self_attn(positions, h, norm_eps=self.input_layernorm.eps)
+            return self.mlp(h, norm_eps=self.post_attention_layernorm.eps), None
         # The residual stream is carried separately so each RMSNorm fuses the preceding add.
         x, residual = (self.input_layernorm(x), x) if residual is None else self.input_layernorm(x, residual)
         x = self.self_attn(positions, x)
         x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual, None
+        return self.mlp(x), residual
 
 
 class LlamaModel(nn.Module):
@@ -154,11 +137,9 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x, residual, x_fp8 = self.embed_tokens(input_ids), None, None
-        for layer, after in zip(self.layers, [*self.layers[1:], None]):
-            # a folded layer after this one reads h with its qkv_proj; else a norm reads it
-            next_gemm = after.self_attn.qkv_proj if after is not None and after.folded else None
-            x, residual, x_fp8 = layer(positions, x, residual, x_fp8, next_gemm)
+        x, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual)
         return self.norm(x) if residual is None else self.norm(x, residual)[0]
 
 
