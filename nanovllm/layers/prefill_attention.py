@@ -124,29 +124,31 @@ def _fa4(device: torch.device, prefill: Callable, dtype: torch.dtype,
 
 
 def _triton(device: torch.device, dtype: torch.dtype, fa4_reason: str | None,
-             hint: str | None = None) -> PrefillAttention:
+            hint: str | None = None) -> PrefillAttention:
     from nanovllm.kernels.triton_prefill import prefill_attention_triton_or_torch
-    if dtype not in _HALF:
-        text = f"the torch reference ({str(dtype).removeprefix('torch.')}: the Triton kernel runs fp16/bf16)"
-    else:
-        text = "the Triton FlashAttention kernel over the paged cache"
-    if fa4_reason is not None:
-        text += f" (flash_attn_4 {fa4_reason})"
-    return PrefillAttention("triton", prefill_attention_triton_or_torch, text, describe_kernels(device, text),
-                            hint)
+    return _choice("triton", prefill_attention_triton_or_torch, device, dtype, fa4_reason, hint,
+                   "the Triton FlashAttention kernel over the paged cache", "the Triton kernel")
 
 
 def _torch_flash(device: torch.device, dtype: torch.dtype, fa4_reason: str | None,
                  hint: str | None = None) -> PrefillAttention:
+    return _choice("torch_flash", prefill_attention, device, dtype, fa4_reason, hint,
+                   "torch FlashAttention-2", "FlashAttention-2")
+
+
+def _choice(name: str, prefill: Callable, device: torch.device, dtype: torch.dtype, fa4_reason: str | None,
+            hint: str | None, kernel: str, short: str) -> PrefillAttention:
+    """A fp16/bf16 kernel: what runs (the torch reference off CUDA and for other dtypes), and why FA4
+    does not, when it was asked for under "auto"."""
     if device.type != "cuda" or KERNELS == "torch":
         text = "the torch reference"
     elif dtype not in _HALF:
-        text = f"the torch reference ({str(dtype).removeprefix('torch.')}: FlashAttention-2 runs fp16/bf16)"
+        text = f"the torch reference ({str(dtype).removeprefix('torch.')}: {short} runs fp16/bf16)"
     else:
-        text = "torch FlashAttention-2"
+        text = kernel
     if fa4_reason is not None:
         text += f" (flash_attn_4 {fa4_reason})"
-    return PrefillAttention("torch_flash", prefill_attention, text, describe_kernels(device, text), hint)
+    return PrefillAttention(name, prefill, text, describe_kernels(device, text), hint)
 
 
 def describe_kernels(device: torch.device, prefill: str) -> str:
