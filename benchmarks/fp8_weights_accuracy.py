@@ -8,6 +8,7 @@ under 0.5. "same as bf16 run" compares the two free runs position by position (o
 the rest of a sequence differ, so it says little alone).
 
     PYTHONPATH=. python benchmarks/fp8_weights_accuracy.py [--model FOLDER] [--json PATH]
+                                                          [--online-scales tensor]
 
 The default model is the demo's SmolLM2-135M-Instruct (see benchmarks/fp8_accuracy.py for how it is
 made); --num-prompts 64 --max-tokens 128 are the defaults.
@@ -20,6 +21,7 @@ from fp8_accuracy import DEVICE, chat_prompts, greedy_outputs, model_folder
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from nanovllm import SamplingParams
+from nanovllm.layers import fp8 as fp8_layers
 
 CONFIGS = {"bf16": dict(dtype="bfloat16"), "fp8 weights": dict(dtype="bfloat16", quantization="fp8")}
 
@@ -41,7 +43,10 @@ def main():
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--json", help="write the figures here")
+    p.add_argument("--online-scales", choices=["channel", "tensor"], default="channel",
+                   help="layers.fp8.ONLINE_SCALES: per channel and token, or one scale per matrix and call")
     args = p.parse_args()
+    fp8_layers.ONLINE_SCALES = args.online_scales
     args.model = model_folder(args)
     prompts = chat_prompts(AutoTokenizer.from_pretrained(args.model))[:args.num_prompts]
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
