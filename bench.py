@@ -316,6 +316,8 @@ def main():
     p.add_argument("--json", help="write the figures to this file")
     args = p.parse_args()
     if args.attention_backend:
+        if args.prefill_attention != "auto":
+            p.error("give --prefill-attention only (--attention-backend is its deprecated name)")
         args.prefill_attention = {"triton": "torch_flash"}.get(args.attention_backend, args.attention_backend)
     max_model_len = 4096
     if args.workload == "long":

@@ -48,7 +48,7 @@ class Config:
     kv_cache_dtype: str = "auto"                # "auto": the model's dtype; "fp8" = "fp8_e4m3" (1 byte)
     calculate_kv_scales: bool = False           # fp8: K/V scales from the first prefill's amax (else 1.0)
     prefill_attention: str = "auto"             # "auto" (FlashAttention-4 where it runs, else our Triton
-                                                # kernel on Hopper+), or force "flash_attn_4", "triton" or
+                                                # kernel on sm90/sm100), or force "flash_attn_4", "triton" or
                                                 # "torch_flash" (torch's FlashAttention-2)
     attention_backend: str | None = None        # deprecated: prefill_attention ("triton": "torch_flash")
     load_format: str = "auto"                   # "auto" (safetensors) or "dummy" (random weights)

@@ -219,3 +219,17 @@ def test_prefix_caching_off_makes_no_copies():
     b = seq_of(list(range(50)) + [999] * 10)
     bm.allocate(b)
     assert b.num_computed_tokens == 0 and bm.take_copies() == [] and bm.copy_sources == {}
+
+
+def test_copy_sources_per_key_are_capped_newest_first():
+    from nanovllm.engine.block_manager import MAX_SOURCES_PER_KEY
+    n = MAX_SOURCES_PER_KEY + 3
+    bm = BlockManager(2 * n + 4, PBS)
+    # n sequences whose second blocks share their first 20 tokens, then differ
+    seqs = [finished(bm, list(range(PBS)) + list(range(100, 120)) + [1000 + i] * 10) for i in range(n)]
+    (key, sources), = [(k, v) for k, v in bm.copy_sources.items() if k[1] == 100]
+    assert list(sources) == [s.block_table[1] for s in seqs[-MAX_SOURCES_PER_KEY:]]
+    bm.take_copies()   # the sequences' own partial hits on each other
+    b = seq_of(list(range(PBS)) + list(range(100, 120)) + [1000 + n - 1] * 10)
+    bm.allocate(b)   # the newest source matches all but the last token
+    assert bm.take_copies() == [KVCopy(seqs[-1].block_table[1], b.block_table[1], 29)]

@@ -56,6 +56,14 @@ def test_triton_is_triton_even_where_fa4_could_run_and_an_error_off_cuda(hopper,
         ab.select_prefill_attention("triton", CUDA, torch.bfloat16, torch.bfloat16)
 
 
+@pytest.mark.parametrize("capability,name", [((9, 0), "triton"), ((10, 0), "triton"),
+                                             ((12, 0), "torch_flash"), ((8, 9), "torch_flash")])
+def test_auto_without_fa4_takes_triton_only_where_its_tiles_fit(hopper, monkeypatch, capability, name):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(ab, "import_fa4_prefill", missing_package)
+    assert ab.select_prefill_attention("auto", CUDA, torch.bfloat16, torch.bfloat16).name == name
+
+
 def test_auto_on_ampere_is_torch_flash(hopper, monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     monkeypatch.setattr(ab, "import_fa4_prefill", lambda: fake_fa4_prefill)

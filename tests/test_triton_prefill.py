@@ -94,8 +94,20 @@ def test_interp_triton_prefill_reads_an_fp8_cache():
 @interp
 def test_interp_triton_prefill_tiles_wider_than_a_page_never_cross_it():
     from nanovllm.kernels.triton_prefill import tiles_for
-    assert tiles_for(128, 16, interpreted=False, paged=True)[1] == 16   # BLOCK_N shrinks to the page
+    assert tiles_for(128, 16, interpreted=False)[1] == 16   # BLOCK_N shrinks to the page
+    assert tiles_for(128, None, interpreted=False, max_seqlen_q=4096)[1] == 128   # no page: as tuned
     check([40], [24], 2, 1, 16, page=16, device="cpu", tiles=(32, 16, 4, 1))
+
+
+@interp
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_interp_compile_variants_runs_every_variant(kv_dtype, monkeypatch):
+    from nanovllm.kernels import triton_prefill
+    calls, real = [], triton_prefill.prefill_attention_triton
+    monkeypatch.setattr(triton_prefill, "prefill_attention_triton",
+                        lambda *a, **kw: calls.append((a[7], a[9] is not None)) or real(*a, **kw))
+    triton_prefill.compile_variants(4, 2, 32, 16, torch.bfloat16, kv_dtype, torch.device("cpu"))
+    assert calls == [(2, False), (triton_prefill.SHORT_PROMPT + 1, False), (2, True)]
 
 
 @GPU
@@ -112,3 +124,10 @@ def test_gpu_triton_prefill_matches_reference(q_lens, prefixes, num_heads, num_k
 @GPU
 def test_gpu_triton_prefill_reads_an_fp8_cache():
     check([500, 64], [300, 0], 16, 8, 128, page=256, device="cuda", fp8=True)
+
+
+def test_a_tile_wider_than_the_page_is_refused():
+    from nanovllm.kernels.triton_prefill import prefill_attention_triton
+    args, scales = make_case([4], [16], 2, 1, 16, page=16, device="cpu")
+    with pytest.raises(ValueError, match="must divide the cache page"):
+        prefill_attention_triton(*args, None, *scales, tiles=(16, 32, 4, 1))

@@ -14,6 +14,9 @@ import xxhash
 
 # The fewest tokens a partial hit copies (vLLM caches prefixes in blocks of 16 tokens).
 MIN_PARTIAL_HIT = 16
+# Copy sources kept per (chain key, first token), the newest: blocks after one shared system prompt
+# all share a key, and a prompt's admission compares each (a bound on that host time).
+MAX_SOURCES_PER_KEY = 32
 
 
 class KVCopy(NamedTuple):
@@ -46,12 +49,15 @@ def hash_block(token_ids: list[int], prefix_hash: int | None) -> int:
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
+    """The length of a's and b's common prefix (a binary search over slice comparisons, which run in C)."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 class Block:
@@ -86,7 +92,7 @@ class BlockManager:
         # Blocks a partial hit may copy from, by (the hash of the block before, or the adapter at a
         # sequence's start; the block's first token): full hashed blocks, and finished sequences' last
         # blocks (their computed rows).
-        self.copy_sources: dict[tuple, set[int]] = {}
+        self.copy_sources: dict[tuple, OrderedDict[int, None]] = {}
         self.pending_copies: list[KVCopy] = []   # made by allocate; the next prefill step runs them
 
     @property
@@ -103,9 +109,9 @@ class BlockManager:
         computed under one adapter, or the base model, None, is never reused under another)."""
         return ("hash", hashes[-1]) if hashes else ("adapter", seq.lora_int_id)
 
-    def _cached_prefix(self, seq) -> tuple[list[int], list[int], tuple[int, int] | None]:
-        """Ids and hashes of the cached blocks that hold seq's leading full blocks, and the best
-        partial hit after them: (source block, tokens), or None. At least one token is always left
+    def _cached_prefix(self, seq, partial: bool = True) -> tuple[list[int], list[int], tuple | None]:
+        """Ids and hashes of the cached blocks that hold seq's leading full blocks, and (partial) the
+        best partial hit after them: (source block, tokens), or None. At least one token is always left
         out, so a fully cached prompt still computes its last token: there must be logits to sample."""
         bs = self.block_size
         ids, hashes, h = [], [], seq.lora_int_id   # the hash chain starts from the adapter's id
@@ -121,17 +127,20 @@ class BlockManager:
             hashes.append(h)
         start = len(ids) * bs
         wanted = seq.token_ids[start:min(start + bs, seq.num_tokens - 1)]
-        if len(wanted) < MIN_PARTIAL_HIT:
+        if not partial or len(wanted) < MIN_PARTIAL_HIT:
             return ids, hashes, None
-        best, best_len = None, MIN_PARTIAL_HIT - 1
-        for block_id in self.copy_sources.get((self._chain_key(seq, hashes), wanted[0]), ()):
+        best, best_len = None, 0
+        for block_id in reversed(self.copy_sources.get((self._chain_key(seq, hashes), wanted[0]), ())):
             n = common_prefix(self.blocks[block_id].token_ids, wanted)
             if n > best_len:
                 best, best_len = block_id, n
-        return ids, hashes, None if best is None else (best, best_len)
+                if n == len(wanted):
+                    break
+        return ids, hashes, (best, best_len) if best_len >= MIN_PARTIAL_HIT else None
 
     def can_allocate(self, seq) -> bool:
-        cached, _, _ = self._cached_prefix(seq)
+        # a partial hit's block is a fresh one all the same: no need to look for it here
+        cached, _, _ = self._cached_prefix(seq, partial=False)
         in_use = sum(1 for b in cached if self.blocks[b].ref_count > 0)
         return cdiv(seq.num_tokens, self.block_size) - in_use <= self.num_free_blocks
 
@@ -147,7 +156,8 @@ class BlockManager:
         seq.num_computed_tokens = len(cached) * self.block_size
         if partial is not None:
             # The source may have been handed out just now (it was free): its rows are overwritten
-            # only by a forward pass, and the copy runs before the step's forward pass.
+            # only by a forward pass, and the copy runs before the step's forward pass. A later copy's
+            # source may be an earlier one's destination: the copies run in this order.
             src, n = partial
             self.pending_copies.append(KVCopy(src, fresh[0], n))
             seq.num_computed_tokens += n
@@ -155,8 +165,9 @@ class BlockManager:
             seq.num_cached_tokens = seq.num_computed_tokens
 
     def deallocate(self, seq):
-        self._keep_last_block(seq)
-        # Free the tail first: it then is evicted before the (more shareable) head of the prompt.
+        self._keep_tail_as_copy_source(seq)
+        # Free the tail first: it then is evicted before the (more shareable) head of the prompt (a
+        # partial-hit source, the tail, goes first too).
         for block_id in reversed(seq.block_table):
             block = self.blocks[block_id]
             block.ref_count -= 1
@@ -167,7 +178,7 @@ class BlockManager:
         seq.block_hashes = []
         seq.num_computed_tokens = 0
 
-    def _keep_last_block(self, seq):
+    def _keep_tail_as_copy_source(self, seq):
         """The computed rows of seq's first block without a hash (its last full or partial one)
         become a partial-hit source when the sequence lets go of it, if it holds enough of them."""
         if not self.enable_prefix_caching:
@@ -183,12 +194,16 @@ class BlockManager:
     def _add_copy_source(self, block: Block, chain_key: tuple):
         self._drop_copy_source(block)
         block.copy_key = (chain_key, block.token_ids[0])
-        self.copy_sources.setdefault(block.copy_key, set()).add(block.block_id)
+        sources = self.copy_sources.setdefault(block.copy_key, OrderedDict())
+        sources[block.block_id] = None
+        if len(sources) > MAX_SOURCES_PER_KEY:   # forget the oldest (the block itself stays cached)
+            self.blocks[next(iter(sources))].copy_key = None
+            sources.popitem(last=False)
 
     def _drop_copy_source(self, block: Block):
         if block.copy_key is not None:
             sources = self.copy_sources[block.copy_key]
-            sources.discard(block.block_id)
+            sources.pop(block.block_id, None)
             if not sources:
                 del self.copy_sources[block.copy_key]
             block.copy_key = None

@@ -110,9 +110,8 @@ class ModelRunner:
             self.model.eval()
             self.sampling_prep = SamplingPrep(config.hf_config.vocab_size, self.device, config.seed)
             self.sampler = Sampler()
-            # The last step's sampled token ids on the device, row i for its i-th sampling sequence: a
-            # step launched before they reach the host reads its input tokens here (run_ahead.py). At
-            # most min(max_num_seqs, max_num_batched_tokens) rows: a huge max_num_seqs costs nothing.
+            # The last step's sampled token ids on the device (row i: its i-th sampling sequence), read by a
+            # step launched before they reach the host (run_ahead.py); a huge max_num_seqs costs nothing.
             rows = min(config.max_num_seqs, config.max_num_batched_tokens)
             self.sampled_tokens = torch.zeros(rows, dtype=torch.int64, device=self.device)
             self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
@@ -157,6 +156,8 @@ class ModelRunner:
         with forward_context(ctx):
             hidden = self.model(input_ids, positions)
         self.sampler.sample(self.model.compute_logits(hidden[cu[1:] - 1]).float(), None)
+        self.prefill_attention.warm_up(self.attention_layers[0], self.block_size, self.dtype,
+                                       self.kv_cache_dtype)
         wait_for_device(self.device)
 
     def kv_bytes_per_block(self) -> int:
@@ -204,9 +205,8 @@ class ModelRunner:
             layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
         if self.kv_cache_dtype == torch.float8_e4m3fn:
             # kv_scales: [2 (k, v), num_layers, 1] fp32, read by the kernels on the device: the first
-            # column of 16-byte rows, so every layer's scale is 16-byte aligned. Triton specialises
-            # pointers on that; packed scales gave each FP8 kernel two variants to compile at
-            # start-up (layers 0, 4, 8, ... aligned, the others not).
+            # column of 16-byte rows, so every layer's scale is 16-byte aligned (Triton specialises
+            # pointers on that: packed scales gave each FP8 kernel two variants to compile).
             rows = torch.ones(2, len(self.attention_layers), 4, device=self.device)
             self.kv_scales = rows[:, :, :1]
             for i, layer in enumerate(self.attention_layers):

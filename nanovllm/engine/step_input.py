@@ -24,7 +24,7 @@ class StepInput:
                                           # also computed (for prompt_logprobs); None when no sequence asks
     lora_slots: list[int] | None = None   # LoRA on: each sequence's adapter slot (-1: the base model)
     lora_loads: list | None = None        # (slot, LoRARequest): adapters every rank loads before the step
-    kv_copies: list | None = None         # (src, dst, tokens): K/V rows every rank copies before the step
+    kv_copies: list | None = None         # KVCopy (src, dst, tokens): rows every rank copies, in order
 
     @classmethod
     def of(cls, batch: ScheduledBatch, lora_slots=None) -> "StepInput":
@@ -40,7 +40,7 @@ class StepInput:
         return cls(batch.is_prefill, [seq.seq_id for seq in seqs], starts, token_ids,
                    [seq.block_table for seq in seqs], batch.samples, batch.token_rows,
                    prompt_logprob_counts(batch, starts), slots, loads,
-                   [tuple(c) for c in batch.kv_copies] or None)
+                   batch.kv_copies or None)
 
     @property
     def num_seqs(self) -> int:

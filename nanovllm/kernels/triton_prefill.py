@@ -89,7 +89,7 @@ def _attend_tiles(acc, m_i, l_i, q, k_ptr, v_ptr, bt_ptr, k_start, k_stride, v_s
     return acc, m_i, l_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["bt_stride"])   # the block tables' width changes from step to step
 def _prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, cu_q_ptr, cu_k_ptr, bt_ptr, k_scale_ptr, v_scale_ptr,
                     q_stride_t, q_stride_h, k_stride_t, k_stride_h, v_stride_t, v_stride_h,
                     o_stride_t, o_stride_h, bt_stride, qk_scale,
@@ -146,17 +146,18 @@ TILES = {64: (128, 64, 4, 3), 256: (64, 32, 4, 2)}
 SHORT_PROMPT = 2048   # the longest query span that takes the "short" tile
 
 
-def tiles_for(head_dim: int, page: int, interpreted: bool, paged: bool = False,
+def tiles_for(head_dim: int, page: int | None, interpreted: bool,
               max_seqlen_q: int = 0) -> tuple[int, int, int, int]:
-    """The kernel's tile for this head_dim and step, BLOCK_N shrunk until it divides the cache page."""
+    """The kernel's tile for this head_dim and step; page: the cache page when the step reads the pages
+    (BLOCK_N then shrinks until it divides it), None when it reads the new tokens' k, v."""
     if interpreted:
         return 16, 16, 4, 1
     if head_dim == 128:
-        kind = "paged" if paged else "long" if max_seqlen_q > SHORT_PROMPT else "short"
+        kind = "paged" if page else "long" if max_seqlen_q > SHORT_PROMPT else "short"
         block_m, block_n, warps, stages = TILES_128[kind]
     else:
         block_m, block_n, warps, stages = TILES.get(head_dim, (64, 32, 4, 2))
-    while page % block_n:
+    while page and page % block_n:
         block_n //= 2
     return block_m, block_n, warps, stages
 
@@ -192,12 +193,15 @@ def prefill_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         keys, values = k_cache.view(-1, num_kv_heads, head_dim), v_cache.view(-1, num_kv_heads, head_dim)
         bt, bt_stride = block_tables, block_tables.stride(0)
     else:
-        page, num_kv_heads, keys, values, bt, bt_stride = 16, k.shape[1], k, v, cu_seqlens_q, 0
+        page, num_kv_heads, keys, values, bt, bt_stride = None, k.shape[1], k, v, cu_seqlens_q, 0
     dequant = keys.dtype == torch.float8_e4m3fn
     if dequant and (k_scale is None or v_scale is None):
         raise ValueError("an FP8 KV cache needs k_scale and v_scale")
-    block_m, block_n, warps, stages = tiles or tiles_for(head_dim, page, q.device.type == "cpu" or _DOT_F32,
-                                                         paged, max_seqlen_q)
+    interpreted = q.device.type == "cpu" or _DOT_F32
+    block_m, block_n, warps, stages = tiles or tiles_for(head_dim, page, interpreted, max_seqlen_q)
+    if paged and page % block_n:
+        raise ValueError(f"BLOCK_N {block_n} must divide the cache page ({page} tokens): a tile of keys "
+                         "may not cross a page")
     grid = (num_heads, num_seqs, triton.cdiv(max_seqlen_q, block_m))
     _prefill_kernel[grid](
         q, keys, values, out, cu_seqlens_q, cu_seqlens_k, bt,
@@ -205,7 +209,7 @@ def prefill_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), values.stride(0), values.stride(1),
         out.stride(0), out.stride(1), bt_stride, scale * LOG2E,
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
-        PAGED=paged, PAGE=page, DEQUANT=dequant, DOT_F32=_DOT_F32 or q.device.type == "cpu",
+        PAGED=paged, PAGE=page or 1, DEQUANT=dequant, DOT_F32=interpreted,
         num_warps=warps, num_stages=stages)
     return out
 
@@ -216,3 +220,19 @@ def prefill_attention_triton_or_torch(q: torch.Tensor, k: torch.Tensor, v: torch
     else kernels.prefill_attention (torch's FlashAttention-2, or the reference)."""
     fn = prefill_attention_triton if q.is_cuda and fits(q, k_cache) else prefill_attention
     return fn(q, k, v, k_cache, v_cache, *args)
+
+
+def compile_variants(num_heads: int, num_kv_heads: int, head_dim: int, page: int, dtype: torch.dtype,
+                     kv_dtype: torch.dtype, device: torch.device):
+    """Run each tile variant a step may take once, on tiny inputs with the engine's strides (new short
+    and long prompts, and a step that reads the pages in kv_dtype), so that none compiles mid-run."""
+    if not fits(torch.empty(0, num_heads, head_dim, dtype=dtype), torch.empty(1, page, 1, 1)):
+        return
+    q = torch.zeros(2, num_heads, head_dim, dtype=dtype, device=device)
+    k = torch.zeros(2, num_kv_heads, head_dim, dtype=dtype, device=device)
+    cache = torch.zeros(1, page, num_kv_heads, head_dim, dtype=kv_dtype, device=device)
+    cu, table, one = (torch.tensor(x, dtype=dt, device=device) for x, dt in
+                      (([0, 2], torch.int32), ([[0]], torch.int32), ([1.0], torch.float32)))
+    for max_q, paged in ((2, False), (SHORT_PROMPT + 1, False), (2, True)):
+        prefill_attention_triton(q, k, k, cache, cache, cu, cu, max_q, max_q, table if paged else None,
+                                 1.0, None, one, one)

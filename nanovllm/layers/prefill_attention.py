@@ -9,13 +9,15 @@ line that says which kernels run:
   "torch_flash":  torch's built-in FlashAttention-2 varlen op, after a gather of the pages when there
                   is a cached prefix (kernels.prefill_attention; the torch reference on CPU, for
                   float32 models and with NANOVLLM_KERNELS=torch);
-  "auto":         "flash_attn_4" where it can run, else "triton" on Hopper or newer (measured faster
-                  than FlashAttention-2 there: docs/attention.md), else "torch_flash".
+  "auto":         "flash_attn_4" where it can run, else "triton" on Hopper and datacenter Blackwell
+                  (measured faster than FlashAttention-2 on Hopper: docs/attention.md), else
+                  "torch_flash".
 Decode runs the project's Triton paged kernel with any of them. With an FP8 KV cache, FA4 runs the
 prefills that have no cached prefix (their new K/V are in the model's dtype); those that read FP8
 pages take "torch_flash"'s path, since FA4 reads FP8 only on sm100.
 Another prefill kernel is a name in config.PREFILL_ATTENTION and a branch of select_prefill_attention.
 """
+import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,7 +28,9 @@ from nanovllm.config import PREFILL_ATTENTION
 from nanovllm.kernels import KERNELS, prefill_attention
 
 FA4_ARCHS = (9, 10, 11)   # compute capability majors where FA4's paged prefill runs
-TRITON_AUTO_MIN_MAJOR = 9   # "auto" takes the Triton kernel from Hopper on (where it was measured)
+# "auto" takes the Triton kernel on Hopper (where it was measured) and datacenter Blackwell (sm100):
+# its 128 x 128 tiles need about 160-224 KB of shared memory, more than consumer GPUs' (sm120) 99 KB
+TRITON_AUTO_ARCHS = (9, 10)
 # Causal prefill attention of long prompts on one H200, TFLOP/s, in the start-up hint
 # (docs/attention.md has the figures): FA4, and the Triton kernel over pages / on new prompts
 FA4_TFLOPS, TRITON_TFLOPS = "632", "351-433"
@@ -41,6 +45,15 @@ class PrefillAttention:
     description: str     # what runs for prefill
     startup_line: str    # which kernels run (describe_kernels): logged by every rank at start-up
     hint: str | None = None   # a faster choice this machine could have: logged by the first rank
+    compile_variants: Callable | None = None   # kernels/triton_prefill.compile_variants' interface
+
+    def warm_up(self, attn, page: int, dtype: torch.dtype, kv_dtype: torch.dtype):
+        """Compile the prefill kernel's variants at start-up (attn: an Attention layer, for its shapes
+        and device)."""
+        device = attn.k_cache.device
+        if self.compile_variants is not None and device.type == "cuda":
+            self.compile_variants(attn.num_heads, attn.num_kv_heads, attn.head_dim, page, dtype, kv_dtype,
+                                  device)
 
     def log(self, logger: logging.Logger, first_rank: bool):
         logger.info("%s", self.startup_line)
@@ -102,7 +115,7 @@ def select_prefill_attention(name: str, device: torch.device, dtype: torch.dtype
         raise ValueError(f"prefill_attention='flash_attn_4' {reason}; use 'auto' or 'torch_flash'") \
             from error
     if triton_unavailable_reason(device) is None and \
-            torch.cuda.get_device_capability(device)[0] >= TRITON_AUTO_MIN_MAJOR:
+            torch.cuda.get_device_capability(device)[0] in TRITON_AUTO_ARCHS:
         hint = None
         if error is not None:   # "auto" on a GPU where FA4 runs, without the package
             hint = (f"FlashAttention-4 runs prefill attention faster than the Triton kernel on Hopper "
@@ -125,9 +138,10 @@ def _fa4(device: torch.device, prefill: Callable, dtype: torch.dtype,
 
 def _triton(device: torch.device, dtype: torch.dtype, fa4_reason: str | None,
             hint: str | None = None) -> PrefillAttention:
-    from nanovllm.kernels.triton_prefill import prefill_attention_triton_or_torch
-    return _choice("triton", prefill_attention_triton_or_torch, device, dtype, fa4_reason, hint,
-                   "the Triton FlashAttention kernel over the paged cache", "the Triton kernel")
+    from nanovllm.kernels.triton_prefill import compile_variants, prefill_attention_triton_or_torch
+    choice = _choice("triton", prefill_attention_triton_or_torch, device, dtype, fa4_reason, hint,
+                     "the Triton FlashAttention kernel over the paged cache", "the Triton kernel")
+    return dataclasses.replace(choice, compile_variants=compile_variants)
 
 
 def _torch_flash(device: torch.device, dtype: torch.dtype, fa4_reason: str | None,
