@@ -14,17 +14,15 @@ cache page (BLOCK_N divides the page), so one block-table read gives its rows. P
 the last (heaviest) query tiles of every sequence, so the short ones fill the tail of the grid.
 """
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 
 from nanovllm.kernels.backend import prefill_attention
+from nanovllm.kernels.common import interpreted as runs_interpreted
 
 LOG2E = math.log2(math.e)
-# Under the interpreter (CPU tests) a bf16 tl.dot is not emulated correctly: the tiles go through fp32.
-_DOT_F32 = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
@@ -197,7 +195,8 @@ def prefill_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     dequant = keys.dtype == torch.float8_e4m3fn
     if dequant and (k_scale is None or v_scale is None):
         raise ValueError("an FP8 KV cache needs k_scale and v_scale")
-    interpreted = q.device.type == "cpu" or _DOT_F32
+    # Under the interpreter (CPU tests) a bf16 tl.dot is not emulated correctly: the tiles go through fp32.
+    interpreted = runs_interpreted(q.device)
     block_m, block_n, warps, stages = tiles or tiles_for(head_dim, page, interpreted, max_seqlen_q)
     if paged and page % block_n:
         raise ValueError(f"BLOCK_N {block_n} must divide the cache page ({page} tokens): a tile of keys "
@@ -226,11 +225,11 @@ def compile_variants(num_heads: int, num_kv_heads: int, head_dim: int, page: int
                      kv_dtype: torch.dtype, device: torch.device):
     """Run each tile variant a step may take once, on tiny inputs with the engine's strides (new short
     and long prompts, and a step that reads the pages in kv_dtype), so that none compiles mid-run."""
-    if not fits(torch.empty(0, num_heads, head_dim, dtype=dtype), torch.empty(1, page, 1, 1)):
-        return
     q = torch.zeros(2, num_heads, head_dim, dtype=dtype, device=device)
     k = torch.zeros(2, num_kv_heads, head_dim, dtype=dtype, device=device)
     cache = torch.zeros(1, page, num_kv_heads, head_dim, dtype=kv_dtype, device=device)
+    if not fits(q, cache):
+        return
     cu, table, one = (torch.tensor(x, dtype=dt, device=device) for x, dt in
                       (([0, 2], torch.int32), ([[0]], torch.int32), ([1.0], torch.float32)))
     for max_q, paged in ((2, False), (SHORT_PROMPT + 1, False), (2, True)):
