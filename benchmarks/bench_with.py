@@ -12,10 +12,8 @@ import runpy
 import sys
 
 
-def main():
-    argv = sys.argv[1:]
-    cut = argv.index("--") if "--" in argv else len(argv)
-    knobs, bench_args = argv[:cut], argv[cut + 1:]
+def set_knobs(knobs: list[str]):
+    """Set each module.NAME=VALUE (VALUE a Python literal) in its imported module."""
     for knob in knobs:
         target, sep, literal = knob.partition("=")
         module_name, _, name = target.rpartition(".")
@@ -27,6 +25,13 @@ def main():
             raise SystemExit(f"{module_name} has no {name}")
         setattr(module, name, value)
         print(f"set {module_name}.{name} = {getattr(module, name)!r}", flush=True)
+
+
+def main():
+    argv = sys.argv[1:]
+    cut = argv.index("--") if "--" in argv else len(argv)
+    knobs, bench_args = argv[:cut], argv[cut + 1:]
+    set_knobs(knobs)
     bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench.py")
     sys.argv = [bench, *bench_args]
     runpy.run_path(bench, run_name="__main__")

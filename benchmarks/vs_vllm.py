@@ -40,8 +40,8 @@ sys.path.insert(0, ROOT)
 # Kernel categories, by name (first match wins); everything else is "other" (norms, rotary, activation,
 # sampling, torch.compile's fused elementwise kernels).
 CATEGORIES = [
-    ("attention", re.compile(r"flash|fmha|attn|attention|_decode_|paged|_fwd_kernel|split_merge|reduce_segm",
-                             re.I)),
+    ("attention", re.compile(r"flash|fmha|attn|attention|_decode_|_prefill_kernel|paged|_fwd_kernel"
+                             r"|split_merge|reduce_segm", re.I)),
     ("gemm", re.compile(r"nvjet|gemm|cutlass|xmma|cublas|splitKreduce|sm90_|wgmma|_mm_|matmul", re.I)),
     ("comm", re.compile(r"nccl|all_reduce|allreduce|cross_device", re.I)),
     ("copy", re.compile(r"^Memcpy|^Memset|copy_kernel|CatArrayBatched|gather|index_", re.I)),
@@ -99,7 +99,9 @@ class NanoEngine(Engine):
     name = "nanovllm"
 
     def __init__(self, args, adapters: list[str]):
+        from bench_with import set_knobs
         from nanovllm import LLM, LoRARequest
+        set_knobs(args.nano_set)
         options = dict(kv_cache_dtype=args.kv_cache_dtype, max_model_len=max_model_len(args.workload),
                        enable_prefix_caching=args.prefix_caching == "on", **lora_options(adapters))
         options.update(parse_options(args.nano_option))
@@ -355,6 +357,9 @@ def tag(args) -> str:
     lora = f"_lora{args.lora}" if args.lora else ""
     # each distinct --nano-option / --vllm-option, e.g. _quantization-fp8
     options = "".join(f"_{o.replace('=', '-')}" for o in dict.fromkeys(args.nano_option + args.vllm_option))
+    for knob in args.nano_set:   # e.g. _ONLINE_SCALES-tensor
+        target, _, value = knob.partition("=")
+        options += "_" + re.sub(r"[^\w.-]", "", f"{target.rpartition('.')[2]}-{value}")
     return f"{name}_{args.workload}_{args.kv_cache_dtype}{lora}{options}_cache-{args.prefix_caching}"
 
 
@@ -392,6 +397,7 @@ def run_child(args, engine: str, profile: bool) -> dict | None:
     cmd += ["--profile-child"] if profile else []
     cmd += [x for o in args.nano_option for x in ("--nano-option", o)]
     cmd += [x for o in args.vllm_option for x in ("--vllm-option", o)]
+    cmd += [x for o in args.nano_set for x in ("--nano-set", o)]
     if args.out:
         cmd += ["--out", args.out]
     proc = subprocess.Popen(cmd, env=env, start_new_session=True)
@@ -441,6 +447,8 @@ def main():
     p.add_argument("--vllm-path", help="a folder to put first on the vLLM child's PYTHONPATH")
     p.add_argument("--nano-option", action="append", default=[], help="KEY=VALUE for nanovllm's LLM()")
     p.add_argument("--vllm-option", action="append", default=[], help="KEY=VALUE for vLLM's LLM()")
+    p.add_argument("--nano-set", action="append", default=[], metavar="MODULE.NAME=VALUE",
+                   help="a nanovllm module constant set before its engine starts (as bench_with.py does)")
     p.add_argument("--timeout", type=float, default=480, help="seconds per child")
     p.add_argument("--out", help="folder for the JSON records and profiles")
     p.add_argument("--child", choices=["vllm", "nanovllm"], help=argparse.SUPPRESS)
@@ -469,7 +477,8 @@ def main():
                         f.write(text + "\n")
                 records[f"{engine}_profile"] = prof
     if args.out:
-        records["options"] = {"nanovllm": args.nano_option, "vllm": args.vllm_option}
+        records["options"] = {"nanovllm": args.nano_option, "vllm": args.vllm_option,
+                              "nanovllm_set": args.nano_set}
         with open(os.path.join(args.out, f"vs_vllm_{tag(args)}.json"), "w") as f:
             json.dump(records, f, indent=1)
     for engine in args.engines:

@@ -350,11 +350,13 @@ def test_interp_qk_norm_rope_store_scales_rows_by_the_folded_norms_rstd(dtype, n
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("scaled", [False, True])
 @pytest.mark.parametrize("min_block", [1024, 16])   # 16: several column blocks a row (32 scaled)
-def test_interp_silu_and_mul_matches_reference(dtype, scaled, min_block, monkeypatch):
+@pytest.mark.parametrize("whole_rows", [False, True])   # True: a program walks its row's blocks
+def test_interp_silu_and_mul_matches_reference(dtype, scaled, min_block, whole_rows, monkeypatch):
     from nanovllm.kernels import norm_act
     from nanovllm.kernels.norm_act import silu_and_mul_triton
     from nanovllm.kernels.reference import silu_and_mul_ref
     monkeypatch.setattr(norm_act, "SILU_BLOCK", min_block)
+    monkeypatch.setattr(norm_act, "SILU_WHOLE_ROWS", 0 if whole_rows else 1 << 30)
     g = torch.Generator().manual_seed(4)
     x = (torch.randn(5, 2 * 40, generator=g) * 3).to(dtype)
     scale_rows = dict(norm_of=(torch.randn(5, 24, generator=g) * 20).to(dtype), eps=1e-6) if scaled else {}

@@ -293,13 +293,14 @@ def test_norm_and_silu_kernels_match_eager_torch(num_tokens, dtype):
     assert_nearly_equal(scaled, silu_and_mul_ref(gate_up, norm_of=x, eps=1e-6), max_fraction=1e-3)
 
 
-def test_scaled_silu_and_mul_at_qwen3_8b_widths():
-    """Hidden 4096, intermediate 12288: the scaled kernel's block widens to 4096 (16 warps), three
-    programs a row."""
+@pytest.mark.parametrize("rows", [64, 4096])
+def test_scaled_silu_and_mul_at_qwen3_8b_widths(rows):
+    """Hidden 4096, intermediate 12288: at 64 rows the scaled kernel's block widens to 4096 (16 warps),
+    three programs a row; at 4096 (>= SILU_WHOLE_ROWS) one program walks a row in blocks of 1024."""
     from nanovllm.kernels.norm_act import silu_and_mul_triton
     gen = torch.Generator(device="cuda").manual_seed(8)
-    h = (torch.randn(64, 4096, device="cuda", generator=gen) * 4).bfloat16()
-    gate_up = (torch.randn(64, 2 * 12288, device="cuda", generator=gen) * 3).bfloat16()
+    h = (torch.randn(rows, 4096, device="cuda", generator=gen) * 4).bfloat16()
+    gate_up = (torch.randn(rows, 2 * 12288, device="cuda", generator=gen) * 3).bfloat16()
     scaled = silu_and_mul_triton(gate_up, norm_of=h, eps=1e-6)
     assert_nearly_equal(scaled, silu_and_mul_ref(gate_up, norm_of=h, eps=1e-6), max_fraction=1e-3)
 

@@ -19,11 +19,14 @@ from triton.language.extra import libdevice
 
 from nanovllm.kernels.common import rounded, row_rstd
 
-# SiLU-and-mul's column block (output values a program computes), at least. Scaled (norm_of given)
-# each program first reads its whole row of norm_of for rstd, so its block is widened to that row's
-# width: the row is then read at most once per output value (Qwen3-8B: 4096, not 12 reads a row of
+# SiLU-and-mul's column block (output values a program computes at a time). Scaled (norm_of given),
+# every program first reads its row of norm_of for rstd. From SILU_WHOLE_ROWS rows on (prefill steps)
+# a program takes a whole row, rstd computed once, walking its columns a block at a time; below it
+# (decode, where more programs in flight pay) each program takes one block, widened to norm_of's
+# width, so the row is read at most once per output value (Qwen3-8B: 4096, not 12 reads a row of
 # 1024 outputs each; benchmarks/RESULTS.md has the sweep).
 SILU_BLOCK = 1024
+SILU_WHOLE_ROWS = 2048
 
 
 @triton.jit(do_not_specialize=["num_rows"])   # one compiled variant whatever the step's token count
@@ -92,26 +95,29 @@ def add_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor, weight: torch.T
 
 @triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, norm_ptr, x_stride, norm_stride, eps, D: tl.constexpr,
-                         BLOCK: tl.constexpr, LIBDEVICE_EXP: tl.constexpr, HIDDEN: tl.constexpr,
-                         BLOCK_HIDDEN: tl.constexpr, SCALED: tl.constexpr):
-    # Grid (rows, column blocks): program (t, j) computes out[t, j * BLOCK:(j + 1) * BLOCK].
-    # SCALED: gate and up first times rstd of row t of norm_ptr (HIDDEN wide), rounded to the dtype.
+                         BLOCK: tl.constexpr, CHUNKS: tl.constexpr, LIBDEVICE_EXP: tl.constexpr,
+                         HIDDEN: tl.constexpr, BLOCK_HIDDEN: tl.constexpr, SCALED: tl.constexpr):
+    # Grid (rows, column spans): program (t, j) computes out[t, j * CHUNKS * BLOCK:(j + 1) * CHUNKS * BLOCK],
+    # BLOCK columns at a time. SCALED: gate and up first times rstd of row t of norm_ptr (HIDDEN wide),
+    # rounded to the dtype.
     row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < D
     dtype = x_ptr.dtype.element_ty
-    gate = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(x_ptr + row * x_stride + D + cols, mask=mask, other=0.0).to(tl.float32)
     if SCALED:
         rstd = row_rstd(norm_ptr + row * norm_stride, eps, HIDDEN, BLOCK_HIDDEN)
-        gate = rounded(gate * rstd, dtype)
-        up = rounded(up * rstd, dtype)
-    if LIBDEVICE_EXP:   # CUDA's expf, as torch's silu calls it; tl.exp is a faster approximation
-        e = libdevice.exp(-gate)
-    else:               # the interpreter has no libdevice
-        e = tl.exp(-gate)
-    silu = rounded(tl.math.div_rn(gate, 1.0 + e), dtype)
-    tl.store(out_ptr + row * D + cols, rounded(silu * up, dtype).to(dtype), mask=mask)
+    for c in range(CHUNKS):
+        cols = (tl.program_id(1) * CHUNKS + c) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < D
+        gate = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(x_ptr + row * x_stride + D + cols, mask=mask, other=0.0).to(tl.float32)
+        if SCALED:
+            gate = rounded(gate * rstd, dtype)
+            up = rounded(up * rstd, dtype)
+        if LIBDEVICE_EXP:   # CUDA's expf, as torch's silu calls it; tl.exp is a faster approximation
+            e = libdevice.exp(-gate)
+        else:               # the interpreter has no libdevice
+            e = tl.exp(-gate)
+        silu = rounded(tl.math.div_rn(gate, 1.0 + e), dtype)
+        tl.store(out_ptr + row * D + cols, rounded(silu * up, dtype).to(dtype), mask=mask)
 
 
 def silu_and_mul_triton(x: torch.Tensor, norm_of: torch.Tensor | None = None,
@@ -126,10 +132,17 @@ def silu_and_mul_triton(x: torch.Tensor, norm_of: torch.Tensor | None = None,
     out = torch.empty(*x.shape[:-1], d, dtype=x.dtype, device=x.device)
     if x2.shape[0] and d:
         hidden = h2.shape[-1] if norm_of is not None else 1
-        block = min(max(SILU_BLOCK, triton.next_power_of_2(hidden)), triton.next_power_of_2(d))
-        _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(d, block))](
-            x2, out, h2, x2.stride(0), h2.stride(0), eps, D=d, BLOCK=block, LIBDEVICE_EXP=x.is_cuda,
-            HIDDEN=hidden, BLOCK_HIDDEN=triton.next_power_of_2(hidden), SCALED=norm_of is not None,
+        rows = x2.shape[0]
+        if norm_of is not None and rows >= SILU_WHOLE_ROWS:   # one program a row, rstd computed once
+            block = min(SILU_BLOCK, triton.next_power_of_2(d))
+            chunks, spans = triton.cdiv(d, block), 1
+        else:
+            block = min(max(SILU_BLOCK, triton.next_power_of_2(hidden)), triton.next_power_of_2(d))
+            chunks, spans = 1, triton.cdiv(d, block)
+        _silu_and_mul_kernel[(rows, spans)](
+            x2, out, h2, x2.stride(0), h2.stride(0), eps, D=d, BLOCK=block, CHUNKS=chunks,
+            LIBDEVICE_EXP=x.is_cuda, HIDDEN=hidden, BLOCK_HIDDEN=triton.next_power_of_2(hidden),
+            SCALED=norm_of is not None,
             # 8 values a thread (16 above a block of 4096)
             num_warps=min(16, max(1, block // 256)), enable_fp_fusion=False)
     return out

@@ -1,12 +1,15 @@
-"""Prefill attention in Triton: causal FlashAttention over varlen prompts, GQA native, reading the
-keys straight from the paged cache when a sequence has a cached prefix or earlier chunks (no gather;
-an FP8 cache is dequantized tile by tile).
+"""Prefill attention in Triton: causal FlashAttention over varlen prompts, GQA native. A sequence's
+earlier keys (a cached prefix, or the chunks of its prompt that earlier steps ran) are read straight
+from the paged cache through its block-table row (no gather), its new keys from this step's k/v; with
+an FP8 cache every key is read from the pages, dequantized tile by tile.
 
 One program computes BLOCK_M queries of one sequence for one query head:
 
-    for each BLOCK_N tile of keys left of the tile's diagonal    (every query sees every key: no mask)
-    then each tile on the diagonal                               (causal mask, and keys past k_len)
-        s = q k^T * scale * log2(e);  online softmax in base 2;  acc = acc * alpha + p v
+    for each BLOCK_N tile of earlier keys, from the pages       (every query sees them: no mask but
+                                                                 the last tile's end)
+    for each tile of new keys left of the query tile's diagonal (no mask)
+    then each tile of new keys on the diagonal                  (causal mask, and keys past the end)
+        s = q k^T;  online softmax of s * scale * log2(e) in base 2;  acc = acc * alpha + p v
 
 The causal mask is bottom-right aligned (query j of a sequence with q_len queries and k_len keys sits
 at position k_len - q_len + j), as kernels.reference.causal_mask is. A tile of keys never crosses a
@@ -69,12 +72,12 @@ def _attend_tiles(acc, m_i, l_i, q, k_ptr, v_ptr, bt_ptr, k_start, k_stride, v_s
             s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
             s = tl.dot(q, tl.trans(k))
-        s = s * qk_scale
         if MASKED:
             visible = (k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :]
             s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.math.exp2(s - m_new[:, None])
+        # the scale applied inside exp2's argument (one FMA an element), as max(s) * scale = max(s * scale)
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+        p = tl.math.exp2(s * qk_scale - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
@@ -88,12 +91,16 @@ def _attend_tiles(acc, m_i, l_i, q, k_ptr, v_ptr, bt_ptr, k_start, k_stride, v_s
 
 
 @triton.jit(do_not_specialize=["bt_stride"])   # the block tables' width changes from step to step
-def _prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, cu_q_ptr, cu_k_ptr, bt_ptr, k_scale_ptr, v_scale_ptr,
-                    q_stride_t, q_stride_h, k_stride_t, k_stride_h, v_stride_t, v_stride_h,
-                    o_stride_t, o_stride_h, bt_stride, qk_scale,
-                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    PAGED: tl.constexpr, PAGE: tl.constexpr, DEQUANT: tl.constexpr, DOT_F32: tl.constexpr):
-    # grid: (num_heads, num_seqs, query tiles of the longest sequence), the last tiles first
+def _prefill_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, o_ptr, cu_q_ptr, cu_k_ptr, bt_ptr, k_scale_ptr,
+                    v_scale_ptr, q_stride_t, q_stride_h, k_stride_t, k_stride_h, v_stride_t, v_stride_h,
+                    kc_stride_t, kc_stride_h, vc_stride_t, vc_stride_h, o_stride_t, o_stride_h, bt_stride,
+                    qk_scale, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr, DEQUANT: tl.constexpr,
+                    FROM_PAGES: tl.constexpr, DOT_F32: tl.constexpr):
+    # grid: (num_heads, num_seqs, query tiles of the longest sequence), the last tiles first.
+    # k/v: this step's new keys, in the rows of q; kc/vc: the paged cache (PAGED). A paged step reads
+    # each sequence's earlier keys from the pages and its new ones from k/v, unless FROM_PAGES (an FP8
+    # cache: the new keys too are read back from the pages, rounded through e4m3 as decode sees them).
     head = tl.program_id(0)
     seq = tl.program_id(1)
     m_block = tl.num_programs(2) - 1 - tl.program_id(2)
@@ -101,8 +108,7 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, cu_q_ptr, cu_k_ptr, bt_ptr, k_sc
     q_len = tl.load(cu_q_ptr + seq + 1) - q_start
     if m_block * BLOCK_M >= q_len:
         return
-    k_start = tl.load(cu_k_ptr + seq)
-    k_len = tl.load(cu_k_ptr + seq + 1) - k_start
+    k_len = tl.load(cu_k_ptr + seq + 1) - tl.load(cu_k_ptr + seq)
     prefix = k_len - q_len   # keys before this step's queries: a cached prefix or earlier chunks
 
     offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -111,24 +117,42 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, cu_q_ptr, cu_k_ptr, bt_ptr, k_sc
     q_rows = (q_start + offs_m).to(tl.int64)
     q = tl.load(q_ptr + q_rows[:, None] * q_stride_t + head * q_stride_h + cols[None, :],
                 mask=q_ok[:, None], other=0.0)
-    q_pos = prefix + offs_m
 
     kv_head = head // GROUP
-    k_ptr += kv_head * k_stride_h
-    v_ptr += kv_head * v_stride_h
     bt_ptr += seq.to(tl.int64) * bt_stride
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    # Every key left of the tile's first query is seen by all its queries: no mask there.
-    diag = (prefix + m_block * BLOCK_M) // BLOCK_N * BLOCK_N
-    end = tl.minimum(k_len, prefix + (m_block + 1) * BLOCK_M)
-    acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, k_ptr, v_ptr, bt_ptr, k_start, k_stride_t, v_stride_t,
-                                  k_scale_ptr, v_scale_ptr, 0, diag, q_pos, k_len, qk_scale, cols,
-                                  False, PAGED, PAGE, DEQUANT, BLOCK_N, DOT_F32)
-    acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, k_ptr, v_ptr, bt_ptr, k_start, k_stride_t, v_stride_t,
-                                  k_scale_ptr, v_scale_ptr, diag, end, q_pos, k_len, qk_scale, cols,
-                                  True, PAGED, PAGE, DEQUANT, BLOCK_N, DOT_F32)
+    kc_ptr += kv_head * kc_stride_h
+    vc_ptr += kv_head * vc_stride_h
+    if PAGED:
+        if not FROM_PAGES:   # the earlier keys, from the pages: every query sees all of them
+            full = prefix // BLOCK_N * BLOCK_N
+            acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, kc_ptr, vc_ptr, bt_ptr, 0, kc_stride_t,
+                                          vc_stride_t, k_scale_ptr, v_scale_ptr, 0, full, offs_m, prefix,
+                                          qk_scale, cols, False, True, PAGE, DEQUANT, BLOCK_N, DOT_F32)
+            acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, kc_ptr, vc_ptr, bt_ptr, 0, kc_stride_t,
+                                          vc_stride_t, k_scale_ptr, v_scale_ptr, full, prefix,
+                                          prefix + offs_m, prefix, qk_scale, cols, True, True, PAGE,
+                                          DEQUANT, BLOCK_N, DOT_F32)
+    # Then the new keys, counted from base: from k/v (base 0), or with an FP8 cache all keys from the
+    # pages (base = prefix: the loops below cover the earlier keys too). Every key left of the tile's
+    # first query is seen by all its queries (no mask); the tiles on the diagonal are masked.
+    if FROM_PAGES:
+        base, k_ptr, v_ptr, k_stride_t, v_stride_t = prefix, kc_ptr, vc_ptr, kc_stride_t, vc_stride_t
+    else:
+        base = 0
+        k_ptr += kv_head * k_stride_h
+        v_ptr += kv_head * v_stride_h
+    q_pos = base + offs_m
+    diag = (base + m_block * BLOCK_M) // BLOCK_N * BLOCK_N
+    end = tl.minimum(base + q_len, base + (m_block + 1) * BLOCK_M)
+    acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, k_ptr, v_ptr, bt_ptr, q_start, k_stride_t, v_stride_t,
+                                  k_scale_ptr, v_scale_ptr, 0, diag, q_pos, base + q_len, qk_scale, cols,
+                                  False, FROM_PAGES, PAGE, DEQUANT, BLOCK_N, DOT_F32)
+    acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, k_ptr, v_ptr, bt_ptr, q_start, k_stride_t, v_stride_t,
+                                  k_scale_ptr, v_scale_ptr, diag, end, q_pos, base + q_len, qk_scale, cols,
+                                  True, FROM_PAGES, PAGE, DEQUANT, BLOCK_N, DOT_F32)
     out = acc / l_i[:, None]
     tl.store(o_ptr + q_rows[:, None] * o_stride_t + head * o_stride_h + cols[None, :],
              out.to(o_ptr.dtype.element_ty), mask=q_ok[:, None])
@@ -186,13 +210,14 @@ def prefill_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if total_q == 0 or num_seqs == 0:
         return out
     paged = block_tables is not None
+    num_kv_heads = k.shape[1]
     if paged:
-        page, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-        keys, values = k_cache.view(-1, num_kv_heads, head_dim), v_cache.view(-1, num_kv_heads, head_dim)
+        page = k_cache.shape[1]
+        k_pages, v_pages = k_cache.view(-1, num_kv_heads, head_dim), v_cache.view(-1, num_kv_heads, head_dim)
         bt, bt_stride = block_tables, block_tables.stride(0)
     else:
-        page, num_kv_heads, keys, values, bt, bt_stride = None, k.shape[1], k, v, cu_seqlens_q, 0
-    dequant = keys.dtype == torch.float8_e4m3fn
+        page, k_pages, v_pages, bt, bt_stride = None, k, v, cu_seqlens_q, 0
+    dequant = k_pages.dtype == torch.float8_e4m3fn
     if dequant and (k_scale is None or v_scale is None):
         raise ValueError("an FP8 KV cache needs k_scale and v_scale")
     # Under the interpreter (CPU tests) a bf16 tl.dot is not emulated correctly: the tiles go through fp32.
@@ -203,12 +228,13 @@ def prefill_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          "may not cross a page")
     grid = (num_heads, num_seqs, triton.cdiv(max_seqlen_q, block_m))
     _prefill_kernel[grid](
-        q, keys, values, out, cu_seqlens_q, cu_seqlens_k, bt,
+        q, k, v, k_pages, v_pages, out, cu_seqlens_q, cu_seqlens_k, bt,
         k_scale if dequant else q, v_scale if dequant else q,
-        q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), values.stride(0), values.stride(1),
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_pages.stride(0), k_pages.stride(1), v_pages.stride(0), v_pages.stride(1),
         out.stride(0), out.stride(1), bt_stride, scale * LOG2E,
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
-        PAGED=paged, PAGE=page or 1, DEQUANT=dequant, DOT_F32=interpreted,
+        PAGED=paged, PAGE=page or 1, DEQUANT=dequant, FROM_PAGES=paged and dequant, DOT_F32=interpreted,
         num_warps=warps, num_stages=stages)
     return out
 
