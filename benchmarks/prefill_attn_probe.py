@@ -31,8 +31,9 @@ DEFAULT_TILES = ["128:64:8:3", "128:64:4:3", "128:128:8:3", "128:128:8:2", "128:
 
 
 def make_inputs(num_heads, num_kv_heads, seqs, head_dim=128):
-    """Random bf16 queries and a paged cache holding every sequence's keys (prefix and new). Without
-    a prefix the Triton kernel reads the new tokens' k, v; with one, the pages (as in the engine)."""
+    """Random bf16 queries, a paged cache holding every sequence's keys (prefix and new), and the new
+    tokens' k, v beside it (as in the engine: the Triton kernel reads earlier keys from the pages,
+    new ones from k, v)."""
     dev, dt = "cuda", torch.bfloat16
     q_lens = [n for _, n in seqs]
     k_lens = [p + n for p, n in seqs]
@@ -50,10 +51,12 @@ def make_inputs(num_heads, num_kv_heads, seqs, head_dim=128):
     q = torch.randn(sum(q_lens), num_heads, head_dim, device=dev, dtype=dt)
     paged = any(p for p, _ in seqs)
     kv_slots = paged_kv_slots(table, cu_k, sum(k_lens), PAGE) if paged else None
-    # without a prefix the new K/V are the cache rows of the new tokens, gathered once here
+    # the new tokens' K/V (what the engine's store kernel hands over beside the cache): their cache rows
     slots = paged_kv_slots(table, cu_k, sum(k_lens), PAGE)
-    k = k_cache.view(-1, num_kv_heads, head_dim)[slots]
-    v = v_cache.view(-1, num_kv_heads, head_dim)[slots]
+    starts = cu_k[:-1].tolist()
+    new = slots[torch.cat([torch.arange(at + p, at + p + n) for (p, n), at in zip(seqs, starts)]).to(dev)]
+    k = k_cache.view(-1, num_kv_heads, head_dim)[new]
+    v = v_cache.view(-1, num_kv_heads, head_dim)[new]
     args = (q, k, v, k_cache, v_cache, cu_q, cu_k, max(q_lens), max(k_lens), table if paged else None,
             head_dim ** -0.5)
     flops = sum(4 * head_dim * num_heads * (n * p + n * (n + 1) / 2) for p, n in seqs)

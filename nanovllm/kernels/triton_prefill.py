@@ -158,12 +158,12 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, o_ptr, cu_q_ptr, cu_k_p
              out.to(o_ptr.dtype.element_ty), mask=q_ok[:, None])
 
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages). head_dim 128, from benchmarks/prefill_attn_probe.py on
-# an H200 (docs/attention.md): steps that read pages (a cached prefix or earlier chunks: the block
-# table is looked up per tile) run best with 128 x 128 tiles and 2 stages; new prompts of a few
-# thousand tokens with 3 stages; short ones (bench.py's 100-1,024) with 64 x 64 tiles and 4 warps.
-# Other head dims: untimed first choices.
-TILES_128 = {"paged": (128, 128, 8, 2), "long": (128, 128, 8, 3), "short": (64, 64, 4, 3)}
+# (BLOCK_M, BLOCK_N, num_warps, num_stages). head_dim 128, from benchmarks/prefill_attn_probe.py
+# (docs/attention.md): steps that read pages (a cached prefix or earlier chunks) and new prompts of a
+# few thousand tokens run best with 128 x 128 tiles, 8 warps, 3 stages (H100, 2026-12-06: chunks after
+# prefixes 377 TFLOP/s against 354 with 2 stages); short ones (bench.py's 100-1,024) with 64 x 64 tiles
+# and 4 warps. Other head dims: untimed first choices.
+TILES_128 = {"paged": (128, 128, 8, 3), "long": (128, 128, 8, 3), "short": (64, 64, 4, 3)}
 TILES = {64: (128, 64, 4, 3), 256: (64, 32, 4, 2)}
 SHORT_PROMPT = 2048   # the longest query span that takes the "short" tile
 
