@@ -1,19 +1,18 @@
 """What FP8 weights cost in accuracy on a real model (on a GPU): the model quantized at load
-(quantization='fp8'; layers.fp8.ONLINE_SCALES "channel": per-channel weight scales, activations
-quantized per token at run time; "tensor": one scale per weight matrix and per GEMM call) against the
-same model in bf16. Both generate greedily from the same chat prompts; each FP8 token is then
+(quantization='fp8': per-channel weight scales, activations quantized per token at run time) against
+the same model in bf16. Both generate greedily from the same chat prompts; each FP8 token is then
 scored under transformers' bf16 model on the FP8 run's own sequence (teacher-forced): it "differs"
 when it is not bf16's argmax there, and then its gap (bf16 max logit minus its logit) says whether
 the two were near ties. The bar: at most 2% of tokens differ, or every differing token's gap is
 under 0.5. "same as bf16 run" compares the two free runs position by position (one early flip makes
 the rest of a sequence differ, so it says little alone).
 
-    PYTHONPATH=. python benchmarks/fp8_weights_accuracy.py [--model FOLDER] [--json PATH]
-                                                          [--online-scales channel tensor]
+    PYTHONPATH=. python benchmarks/fp8_weights_accuracy.py [--model FOLDER | --gguf FILE] [--json PATH]
 
 The default model is the demo's SmolLM2-135M-Instruct (see benchmarks/fp8_accuracy.py for how it is
-made); --num-prompts 64 --max-tokens 128 are the defaults. Without a GPU it runs on the CPU (about
-N minutes), the FP8 layers rounding their activations as the GPU kernels do.
+made); --num-prompts 64 --max-tokens 128 are the defaults. Without a GPU it runs on the CPU (SmolLM2:
+about 2 minutes for 16 prompts x 64 tokens on 2 cores), the FP8 layers rounding their activations per
+token as the GPU kernels do.
 """
 import argparse
 import json
@@ -25,23 +24,18 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from nanovllm import SamplingParams
 from nanovllm.layers import fp8 as fp8_layers
 
-BF16, FP8 = dict(dtype="bfloat16"), dict(dtype="bfloat16", quantization="fp8")
+CONFIGS = {"bf16": dict(dtype="bfloat16"), "fp8 weights": dict(dtype="bfloat16", quantization="fp8")}
 
 
 def emulate_activation_rounding():
     """On the CPU, FP8 layers dequantize the weights and leave activations unrounded (the tests' oracle).
-    Here they also round the activations through e4m3 as the GPU kernels do (per token, or with one scale
-    for the tensor), so a CPU run measures what the GPU path computes, up to the GEMM's sum order."""
-    from nanovllm.kernels.fp8_reference import dequantize_weight, quantize_activations_per_tensor, \
-        round_trip_activations
+    Here they also round the activations through e4m3 per token (per group with a block format) as the
+    GPU kernels do, so a CPU run measures what the GPU path computes, up to the GEMM's sum order."""
+    from nanovllm.kernels.fp8_reference import dequantize_weight, round_trip_activations
 
     def apply(self, layer, x, bias):
         x2 = x.reshape(-1, x.shape[-1]).float()
-        if self.per_tensor:
-            q, s = quantize_activations_per_tensor(x2)
-            xr = q.float() * s
-        else:
-            xr = round_trip_activations(x2, x2.shape[-1] if self.block is None else self.block[1])
+        xr = round_trip_activations(x2, x2.shape[-1] if self.block is None else self.block[1])
         w = dequantize_weight(layer.weight, layer.weight_scale, self.block, torch.float32)
         y = torch.nn.functional.linear(xr, w).to(x.dtype)
         return (y if bias is None else y + bias).view(*x.shape[:-1], -1)
@@ -65,23 +59,17 @@ def main():
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--json", help="write the figures here")
-    p.add_argument("--online-scales", nargs="+", choices=["channel", "tensor"], default=["channel", "tensor"],
-                   help="layers.fp8.ONLINE_SCALES to run: per channel and token, one scale per matrix and "
-                        "call, or both (the default)")
     args = p.parse_args()
     if DEVICE == "cpu":
         emulate_activation_rounding()
     args.model = model_folder(args)
     prompts = chat_prompts(AutoTokenizer.from_pretrained(args.model))[:args.num_prompts]
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
-    outputs = greedy_outputs(args.model, prompts, params, {"bf16": BF16})
-    for scales in args.online_scales:
-        fp8_layers.ONLINE_SCALES = scales
-        outputs.update(greedy_outputs(args.model, prompts, params, {f"fp8 {scales}": FP8}))
+    outputs = greedy_outputs(args.model, prompts, params, CONFIGS)
     dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
     hf = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(DEVICE).eval()
     print(f"{args.model}: {len(prompts)} chat prompts, greedy, {args.max_tokens} tokens each")
-    print(f"{'weights':13s} {'tokens':>7s} {'differ':>7s} {'differ, gap >= 0.5':>19s} {'max gap':>8s} "
+    print(f"{'weights':12s} {'tokens':>7s} {'differ':>7s} {'differ, gap >= 0.5':>19s} {'max gap':>8s} "
           f"{'same as bf16 run':>17s}")
     rows = []
     for name, outs in outputs.items():
@@ -94,7 +82,7 @@ def main():
                    max_gap=float(gaps.max()), same_as_bf16_run=same / sum(map(len, outs)))
         row["passes"] = row["differ"] <= 0.02 or row["differ_far"] == 0.0
         rows.append(row)
-        print(f"{name:13s} {row['tokens']:7d} {row['differ']:7.2%} {row['differ_far']:19.2%} "
+        print(f"{name:12s} {row['tokens']:7d} {row['differ']:7.2%} {row['differ_far']:19.2%} "
               f"{row['max_gap']:8.2f} {row['same_as_bf16_run']:17.1%}" + ("" if row["passes"] else "  FAILS"))
     if args.json:
         with open(args.json, "w") as f:

@@ -357,7 +357,7 @@ def tag(args) -> str:
     lora = f"_lora{args.lora}" if args.lora else ""
     # each distinct --nano-option / --vllm-option, e.g. _quantization-fp8
     options = "".join(f"_{o.replace('=', '-')}" for o in dict.fromkeys(args.nano_option + args.vllm_option))
-    for knob in args.nano_set:   # e.g. _ONLINE_SCALES-tensor
+    for knob in args.nano_set:   # e.g. _FAST_ACCUM-False
         target, _, value = knob.partition("=")
         options += "_" + re.sub(r"[^\w.-]", "", f"{target.rpartition('.')[2]}-{value}")
     return f"{name}_{args.workload}_{args.kv_cache_dtype}{lora}{options}_cache-{args.prefix_caching}"

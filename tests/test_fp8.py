@@ -259,38 +259,3 @@ def test_quantization_at_load_under_tensor_parallelism(bf16_dirs, tmp_path):
             oracle.assert_greedy(prompt, out.outputs[0].token_ids, atol=0.25)
     finally:
         llm.shutdown()
-
-
-def per_tensor_dequantized_copy(src: str, dst: str) -> str:
-    """src's model as quantization at load leaves it with ONLINE_SCALES = "tensor": each packed matrix
-    (q|k|v, gate|up) and each other projection quantized with one scale, then dequantized (fp32)."""
-    shutil.copytree(src, dst)
-
-    def dequantize(tensors):
-        groups = {}
-        for name in [n for n in tensors if _is_projection(n)]:
-            prefix, proj = name.rsplit(".", 2)[0], name.split(".")[-2]
-            packed = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up",
-                      "up_proj": "gate_up"}.get(proj, proj)
-            groups.setdefault((prefix, packed), []).append(name)
-        for names in groups.values():
-            w, s = quantize_weight(torch.cat([tensors[n].float() for n in names]), None, per_tensor=True)
-            assert (s == s[0]).all()
-            parts = _dequantize(w, s, None).split([tensors[n].shape[0] for n in names])
-            tensors.update({n: p.contiguous() for n, p in zip(names, parts)})
-    edit_checkpoint(dst, dequantize)
-    return dst
-
-
-def test_per_tensor_quantization_at_load_matches_transformers(bf16_dirs, tmp_path, monkeypatch):
-    from nanovllm.layers import fp8
-    monkeypatch.setattr(fp8, "ONLINE_SCALES", "tensor")
-    path = bf16_dirs["qwen3"]
-    llm = LLM(path, quantization="fp8", **OPTIONS)
-    qkv = llm.model_runner.model.model.layers[0].self_attn.qkv_proj
-    assert qkv.quant.per_tensor and (qkv.weight_scale == qkv.weight_scale[0, 0]).all()
-    # CPU runs the dequantized weights (the activations unquantized), as transformers does on them
-    oracle = HFOracle(per_tensor_dequantized_copy(path, str(tmp_path / "dequantized")))
-    prompts = random_prompts(3, [3, 17, 40], seed=6)
-    for prompt, out in zip(prompts, llm.generate(prompts, GREEDY, use_tqdm=False)):
-        oracle.assert_greedy(prompt, out.outputs[0].token_ids)

@@ -7,9 +7,6 @@
                       BLOCK_K = bk slice g (FP8 tensor cores, fp32 accumulation); one rounding at the end
     per channel       torch._scaled_mm with row-wise scales (cuBLASLt) for a bf16 output; else the
                       same Triton GEMM with one group spanning K
-    per tensor        one scale for W and one for all of x (an amax kernel, then the quantize
-                      kernel reads it): torch._scaled_mm with scalar scales for a bf16 output, which
-                      is faster than the row-wise one at decode sizes (docs/fp8.md); else per channel
 
 Divisions are round-to-nearest (div_rn) and the FP8 cast rounds to nearest, so the quantized
 activations are the reference's bit for bit. Nothing reads a value on the host: CUDA-graph safe.
@@ -34,42 +31,21 @@ _DOT_F32 = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
-def _group_amax(x_ptr, row, start, K, x_stride, GROUP: tl.constexpr, BLOCK: tl.constexpr):
-    # max |x[row, start:start + GROUP]| (columns below K), in fp32
+def _quantize_kernel(x_ptr, q_ptr, s_ptr, K, x_stride, s_stride_m, s_stride_g,
+                     GROUP: tl.constexpr, BLOCK: tl.constexpr):
+    # program (row, group g): x[row, g*GROUP:(g+1)*GROUP] -> q, s[row, g]
+    row = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1)
     cols = tl.arange(0, BLOCK)
+    start = g * GROUP
     amax = tl.zeros([BLOCK], dtype=tl.float32)
     for c0 in range(0, GROUP, BLOCK):
         idx = start + c0 + cols
         ok = (c0 + cols < GROUP) & (idx < K)
         v = tl.load(x_ptr + row * x_stride + idx, mask=ok, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(v))
-    return tl.max(amax, axis=0)
-
-
-@triton.jit
-def _amax_kernel(x_ptr, amax_ptr, K, x_stride, GROUP: tl.constexpr, BLOCK: tl.constexpr):
-    # program row: amax_ptr[0] = max(amax_ptr[0], max |x[row]|) (amax_ptr starts at 0)
-    row = tl.program_id(0).to(tl.int64)
-    tl.atomic_max(amax_ptr, _group_amax(x_ptr, row, 0, K, x_stride, GROUP, BLOCK))
-
-
-@triton.jit
-def _quantize_kernel(x_ptr, q_ptr, s_ptr, amax_ptr, K, x_stride, s_stride_m, s_stride_g,
-                     GROUP: tl.constexpr, BLOCK: tl.constexpr, PER_TENSOR: tl.constexpr):
-    # program (row, group g): x[row, g*GROUP:(g+1)*GROUP] -> q, s[row, g]; PER_TENSOR: the scale from
-    # amax_ptr[0] (all of x's amax), stored once in s_ptr[0]
-    row = tl.program_id(0).to(tl.int64)
-    g = tl.program_id(1)
-    cols = tl.arange(0, BLOCK)
-    start = g * GROUP
-    if PER_TENSOR:
-        scale = tl.maximum(tl.div_rn(tl.load(amax_ptr), FP8_MAX), 1e-12)
-        if row == 0:
-            tl.store(s_ptr, scale)
-    else:
-        scale = tl.maximum(tl.div_rn(_group_amax(x_ptr, row, start, K, x_stride, GROUP, BLOCK), FP8_MAX),
-                           1e-12)
-        tl.store(s_ptr + row * s_stride_m + g * s_stride_g, scale)
+    scale = tl.maximum(tl.div_rn(tl.max(amax, axis=0), FP8_MAX), 1e-12)
+    tl.store(s_ptr + row * s_stride_m + g * s_stride_g, scale)
     for c0 in range(0, GROUP, BLOCK):
         idx = start + c0 + cols
         ok = (c0 + cols < GROUP) & (idx < K)
@@ -91,24 +67,8 @@ def quantize_activations(x: torch.Tensor, group: int, m_major: bool = False
         s = torch.empty(m, num_groups, dtype=torch.float32, device=x.device)
     if m:
         block = min(triton.next_power_of_2(group), 1024)
-        _quantize_kernel[(m, num_groups)](x, q, s, s, k, x.stride(0), s.stride(0), s.stride(1), GROUP=group,
-                                          BLOCK=block, PER_TENSOR=False, num_warps=4 if block >= 512 else 1)
-    return q, s
-
-
-def quantize_activations_per_tensor(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x: [M, K] (last dim contiguous) -> (x_fp8 [M, K], scale float32 [1]): one scale for all of x,
-    its amax / 448 (fp8_reference's), from two launches: the amax, then the quantization."""
-    m, k = x.shape
-    q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
-    amax = torch.zeros(1, dtype=torch.float32, device=x.device)
-    s = torch.empty(1, dtype=torch.float32, device=x.device)
-    if m:
-        block = min(triton.next_power_of_2(k), 1024)
-        warps = 4 if block >= 512 else 1
-        _amax_kernel[(m,)](x, amax, k, x.stride(0), GROUP=k, BLOCK=block, num_warps=warps)
-        _quantize_kernel[(m, 1)](x, q, s, amax, k, x.stride(0), 1, 1, GROUP=k, BLOCK=block, PER_TENSOR=True,
-                                 num_warps=warps)
+        _quantize_kernel[(m, num_groups)](x, q, s, k, x.stride(0), s.stride(0), s.stride(1), GROUP=group,
+                                          BLOCK=block, num_warps=4 if block >= 512 else 1)
     return q, s
 
 
@@ -184,17 +144,11 @@ def fp8_gemm(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, w_scale: torch
 
 
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block: tuple[int, int] | None,
-               bias: torch.Tensor | None = None, per_tensor: bool = False) -> torch.Tensor:
-    """x: [..., K] -> [..., N] in x's dtype: the activations quantized (per token group of bk, per
-    token, or with per_tensor, whose w_scale rows all hold W's one scale, as a whole), then the FP8
-    GEMM."""
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x: [..., K] -> [..., N] in x's dtype: the activations quantized (per token group of bk, or per
+    token), then the FP8 GEMM."""
     shape, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
-    if per_tensor and x.dtype == torch.bfloat16 and x2.shape[0] and not _DOT_F32:
-        xq, xs = quantize_activations_per_tensor(x2)
-        y = torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=w_scale.view(-1)[:1], out_dtype=x.dtype,
-                             use_fast_accum=FAST_ACCUM)
-        return (y if bias is None else y + bias).view(*shape, w.shape[0])
     # cuBLASLt has no block-scaled algorithm for one row (CUBLAS_STATUS_NOT_SUPPORTED on the H200; 64
     # rows and more ran): fewer than 64 take the Triton GEMM
     if (BLOCK_GEMM == "cublas" and block == (128, 128) and x.dtype == torch.bfloat16 and x2.shape[0] >= 64

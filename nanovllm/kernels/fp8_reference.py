@@ -6,8 +6,6 @@ the activation rounding of the GPU kernels and is their oracle.
 Scales are dequantization factors (w = w_fp8 * scale; HF names them weight_scale_inv). Shapes:
   block (bn, bk):  scale [ceil(N / bn), ceil(K / bk)], one per block of W [N, K]
   per channel:     scale [N, 1]
-  per tensor:      scale [N, 1], every row the matrix's one scale (vLLM's online FP8; activations
-                   then get one dynamic scale per GEMM call too)
 """
 import torch
 import torch.nn.functional as F
@@ -38,19 +36,14 @@ def _over_fp8_max(amax: torch.Tensor) -> torch.Tensor:
     return (amax / torch.full_like(amax, FP8_MAX)).clamp(min=MIN_SCALE)
 
 
-def quantize_weight(w: torch.Tensor, block: tuple[int, int] | None,
-                    per_tensor: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """w: [..., N, K] -> (w_fp8, scale float32): the scale of each block (or row, or with per_tensor
-    the whole matrix, repeated for every row) is its amax / 448."""
+def quantize_weight(w: torch.Tensor, block: tuple[int, int] | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """w: [..., N, K] -> (w_fp8, scale float32): the scale of each block (or row) is its amax / 448."""
     if w.dim() == 3:
-        pairs = [quantize_weight(we, block, per_tensor) for we in w]
+        pairs = [quantize_weight(we, block) for we in w]
         return torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
     w = w.float()
     if block is None:
-        amax = w.abs().amax(dim=1, keepdim=True)
-        if per_tensor:
-            amax = amax.amax().expand_as(amax).contiguous()
-        scale = _over_fp8_max(amax)
+        scale = _over_fp8_max(w.abs().amax(dim=1, keepdim=True))
         return quantize_fp8(w, scale), scale
     n, k = w.shape
     bn, bk = block
@@ -70,12 +63,6 @@ def quantize_activations(x: torch.Tensor, group: int) -> tuple[torch.Tensor, tor
     return q.view(m, -1)[:, :k].contiguous(), scale
 
 
-def quantize_activations_per_tensor(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x: [M, K] -> (x_fp8 [M, K], scale float32 [1]): one scale for all of x, its amax / 448."""
-    scale = _over_fp8_max(x.float().abs().amax().view(1))
-    return quantize_fp8(x.float(), scale), scale
-
-
 def dequantize_activations(q: torch.Tensor, scale: torch.Tensor, group: int) -> torch.Tensor:
     """quantize_activations' output back to float32 [M, K]."""
     m, k = q.shape
@@ -88,15 +75,10 @@ def round_trip_activations(x: torch.Tensor, group: int) -> torch.Tensor:
 
 
 def fp8_linear_ref(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
-                   bias: torch.Tensor | None = None, per_tensor: bool = False) -> torch.Tensor:
-    """The GPU kernels' arithmetic: x quantized per token group (block), per token (per channel) or as
-    a whole (per_tensor), the products of the FP8 values summed in fp32 and scaled, the output rounded
-    once to x's dtype."""
-    if per_tensor:
-        q, s = quantize_activations_per_tensor(x)
-        x_deq = q.float() * s
-    else:
-        x_deq = round_trip_activations(x, block[1] if block is not None else x.shape[1])
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The GPU kernels' arithmetic: x quantized per token group (block) or per token (per channel), the
+    products of the FP8 values summed in fp32 and scaled, the output rounded once to x's dtype."""
+    x_deq = round_trip_activations(x, block[1] if block is not None else x.shape[1])
     y = x_deq @ dequantize_weight(w, scale, block, torch.float32).t()
     if bias is not None:
         y = y + bias.float()

@@ -31,28 +31,20 @@ if KERNELS != "torch":
     from nanovllm.kernels.fp8_gemm import fp8_linear
     from nanovllm.kernels.fused_moe import fused_moe_triton
 
-# Weights quantized at load (quantization="fp8" on an unquantized checkpoint): "channel", a scale per
-# output channel and per token (the default), or "tensor", vLLM's online scheme: one scale per weight
-# matrix and one dynamic scale per GEMM call's activations, through the per-tensor FP8 GEMM (faster
-# at decode sizes: docs/fp8.md; its engine speed and accuracy are not measured yet). The experts stay
-# per channel. A module constant, so benchmarks/bench_with.py can compare both.
-ONLINE_SCALES = "channel"
-
 
 def _on_gpu_kernels(x: torch.Tensor) -> bool:
     return x.is_cuda and KERNELS != "torch"
 
 
 class Fp8Linear:
-    """The GEMM of a linear layer whose weight is FP8 (per_tensor: weight_scale's rows all hold one scale,
-    and the activations get one too)."""
+    """The GEMM of a linear layer whose weight is FP8."""
 
-    def __init__(self, block: tuple[int, int] | None, per_tensor: bool = False):
-        self.block, self.per_tensor = block, per_tensor
+    def __init__(self, block: tuple[int, int] | None):
+        self.block = block
 
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if _on_gpu_kernels(x):
-            return fp8_linear(x, layer.weight, layer.weight_scale, self.block, bias, self.per_tensor)
+            return fp8_linear(x, layer.weight, layer.weight_scale, self.block, bias)
         return F.linear(x, dequantize_weight(layer.weight, layer.weight_scale, self.block, x.dtype), bias)
 
 
@@ -115,8 +107,6 @@ def finish_loading(model: nn.Module, scheme: Fp8Scheme | None, prepared: bool):
         model.fold_norms()
     if scheme is None or prepared:
         return
-    if ONLINE_SCALES not in ("channel", "tensor"):
-        raise ValueError(f"layers.fp8.ONLINE_SCALES must be 'channel' or 'tensor', got {ONLINE_SCALES!r}")
     with torch.no_grad():
         for _, module in quantized_modules(model, scheme):
             if isinstance(module, FusedMoE):
@@ -127,11 +117,10 @@ def finish_loading(model: nn.Module, scheme: Fp8Scheme | None, prepared: bool):
                 _check_moe_blocks(module, scheme.block)
                 module.quant = Fp8MoE(scheme.block)
             else:
-                per_tensor = scheme.online and ONLINE_SCALES == "tensor"
-                w, s = quantize_weight(module.weight.data, scheme.block, per_tensor)
+                w, s = quantize_weight(module.weight.data, scheme.block)
                 module.weight = nn.Parameter(w, requires_grad=False)
                 module.weight_scale = nn.Parameter(s, requires_grad=False)
-                module.quant = Fp8Linear(scheme.block, per_tensor)
+                module.quant = Fp8Linear(scheme.block)
 
 
 def _cdiv(a: int, b: int) -> int:
