@@ -94,6 +94,35 @@ def test_chunked_prefill_below_prompt_length(qwen3_dir, oracle):
     check(oracle, prompts, outs)
 
 
+@pytest.mark.parametrize("async_scheduling", [True, False])
+@pytest.mark.parametrize("num_blocks", [64, 14])   # 14 blocks of 16: preemptions too
+def test_mixed_steps_decode_beside_prompt_chunks(qwen3_dir, oracle, monkeypatch, async_scheduling,
+                                                 num_blocks):
+    """scheduler.MIXED_STEPS: running sequences decode in the steps of the waiting prompts' chunks
+    (within the token budget), run ahead or not, with preemptions; every token still an argmax."""
+    from nanovllm.engine import scheduler
+    monkeypatch.setattr(scheduler, "MIXED_STEPS", True)
+    prompts = random_prompts(5, [150, 90, 45, 120, 30], seed=7)
+    llm = LLM(qwen3_dir, kvcache_block_size=16, num_kvcache_blocks=num_blocks, max_num_batched_tokens=64,
+              async_scheduling=async_scheduling)
+    preempted = []
+    original_preempt = llm.scheduler._preempt
+    llm.scheduler._preempt = lambda seq: (preempted.append(seq.seq_id), original_preempt(seq))
+    steps = []   # per step: (tokens, decode rows beside prompt tokens)
+    original_run = llm.model_runner.launch
+
+    def spy(b, **kwargs):
+        decoding = [s.num_computed_tokens >= s.num_prompt_tokens for s in b.seqs]
+        steps.append((b.num_tokens, b.is_prefill and any(decoding) and not all(decoding)))
+        return original_run(b, **kwargs)
+    llm.model_runner.launch = spy
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert any(mixed for _, mixed in steps) and max(n for n, _ in steps) <= 64
+    assert bool(preempted) == (num_blocks == 14)
+    check(oracle, prompts, outs)
+
+
 def test_output_shapes_and_stop_on_eos(qwen3_dir):
     llm = LLM(qwen3_dir, kvcache_block_size=16, num_kvcache_blocks=32)
     outs = llm.generate(["w5 w6 w7", [9, 10]], SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from nanovllm.engine.executor import Executor
 from nanovllm.engine.output_builder import add_prompt_logprobs
 from nanovllm.engine.sampled_tokens import PendingSample
+from nanovllm.engine import scheduler as scheduler_module
 from nanovllm.engine.scheduler import ScheduledBatch, Scheduler
 from nanovllm.engine.sequence import Sequence
 
@@ -43,8 +44,9 @@ class RunAhead:
         """Schedule one batch and launch it; then apply the batch launched before it. Returns the
         sequences that finished, and the batch launched."""
         finished = []
-        if self.in_flight and not self.can_run_ahead(self.in_flight.batch):
-            finished += self.apply_in_flight()
+        if self.in_flight and (not self.can_run_ahead(self.in_flight.batch)
+                               or (scheduler_module.MIXED_STEPS and self.scheduler.waiting)):
+            finished += self.apply_in_flight()   # (a mixed step takes its decode inputs from the host)
         batch = self.scheduler.schedule()
         launched = None
         if batch.seqs:
