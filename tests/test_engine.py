@@ -99,7 +99,8 @@ def test_chunked_prefill_below_prompt_length(qwen3_dir, oracle):
 def test_mixed_steps_decode_beside_prompt_chunks(qwen3_dir, oracle, monkeypatch, async_scheduling,
                                                  num_blocks):
     """scheduler.MIXED_STEPS: running sequences decode in the steps of the waiting prompts' chunks
-    (within the token budget), run ahead or not, with preemptions; every token still an argmax."""
+    (within the token budget), run ahead (a decode row's input read from the device) or not, with
+    preemptions; every token still an argmax."""
     from nanovllm.engine import scheduler
     monkeypatch.setattr(scheduler, "MIXED_STEPS", True)
     prompts = random_prompts(5, [150, 90, 45, 120, 30], seed=7)
@@ -108,17 +109,19 @@ def test_mixed_steps_decode_beside_prompt_chunks(qwen3_dir, oracle, monkeypatch,
     preempted = []
     original_preempt = llm.scheduler._preempt
     llm.scheduler._preempt = lambda seq: (preempted.append(seq.seq_id), original_preempt(seq))
-    steps = []   # per step: (tokens, decode rows beside prompt tokens)
+    steps = []   # per step: (tokens, decode rows beside prompt tokens, an input token still on the device)
     original_run = llm.model_runner.launch
 
     def spy(b, **kwargs):
         decoding = [s.num_computed_tokens >= s.num_prompt_tokens for s in b.seqs]
-        steps.append((b.num_tokens, b.is_prefill and any(decoding) and not all(decoding)))
+        mixed = b.is_prefill and any(decoding) and not all(decoding)
+        steps.append((b.num_tokens, mixed, mixed and b.token_rows is not None))
         return original_run(b, **kwargs)
     llm.model_runner.launch = spy
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     outs = llm.generate(prompts, params, use_tqdm=False)
-    assert any(mixed for _, mixed in steps) and max(n for n, _ in steps) <= 64
+    assert any(mixed for _, mixed, _ in steps) and max(n for n, _, _ in steps) <= 64
+    assert any(ahead for _, _, ahead in steps) == async_scheduling   # run ahead: inputs from the device
     assert bool(preempted) == (num_blocks == 14)
     check(oracle, prompts, outs)
 

@@ -237,10 +237,6 @@ class ModelRunner:
         t = torch.tensor(data, dtype=dtype, pin_memory=self.use_cuda)
         return t.to(self.device, non_blocking=True)
 
-    def _block_tables(self, tables: list[list[int]]) -> torch.Tensor:
-        width = max(len(t) for t in tables)
-        return self._tensor([t + [-1] * (width - len(t)) for t in tables], torch.int32)
-
     def prepare_prefill(self, step: StepInput):
         input_ids, positions, slots, cu_q, cu_k, logits_indices = [], [], [], [0], [0], []
         for start, ids, table, samples in zip(step.starts, step.token_ids, step.block_tables, step.samples):
@@ -258,7 +254,8 @@ class ModelRunner:
         cu_seqlens_k = self._tensor(cu_k, torch.int32)
         block_tables = kv_slots = None
         if any(step.starts):   # some sequence has a cached prefix: keys are read from the pages
-            block_tables = self._block_tables(step.block_tables)
+            width = max(map(len, step.block_tables))
+            block_tables = self._tensor([t + [-1] * (width - len(t)) for t in step.block_tables], torch.int32)
             kv_slots = paged_kv_slots(block_tables, cu_seqlens_k, cu_k[-1], self.block_size)
         ctx = Context(is_prefill=True, cu_seqlens_q=self._tensor(cu_q, torch.int32),
                       cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max(map(len, step.token_ids)),
@@ -266,8 +263,11 @@ class ModelRunner:
                       slot_mapping=self._tensor(slots, torch.int32),
                       block_tables=block_tables, kv_slots=kv_slots,
                       lora=self.lora and self.lora.prefill_batch(step, self.device))
-        return (self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64), ctx,
-                self._tensor(logits_indices, torch.int64))
+        input_ids = self._tensor(input_ids, torch.int64)
+        if step.token_rows is not None:   # decode rows of a mixed step whose input is still pending
+            at, rows = zip(*[(cu_q[i], r) for i, r in enumerate(step.token_rows) if r >= 0])
+            input_ids[self._tensor(at, torch.int64)] = self.sampled_tokens[self._tensor(rows, torch.int64)]
+        return input_ids, self._tensor(positions, torch.int64), ctx, self._tensor(logits_indices, torch.int64)
 
     def decode_forward(self, inputs: DecodeInputs) -> torch.Tensor:
         """The model on one decode step's inputs (on the device): eager, or recorded into a graph,

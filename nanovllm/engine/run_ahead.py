@@ -9,7 +9,7 @@ Scheduler.complete when applied): it counts in num_tokens, so the next step comp
 is not in token_ids. Its id is row rows[seq_id] of the sampled tokens kept on the device
 (ModelRunner.sampled_tokens, on every rank), which the next decode step reads as its input: the
 rows travel as ScheduledBatch.token_rows -> StepInput.token_rows -> DecodeInputs.token_rows, read
-inside the CUDA graph too.
+inside the CUDA graph too (a mixed step's decode rows: ModelRunner.prepare_prefill).
 
 The next batch may not run ahead where the host must know the tokens first: penalties and bad_words
 are built from the known tokens (can_run_ahead). A grammar's bitmask needs its sequence's newest
@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from nanovllm.engine.executor import Executor
 from nanovllm.engine.output_builder import add_prompt_logprobs
 from nanovllm.engine.sampled_tokens import PendingSample
-from nanovllm.engine import scheduler as scheduler_module
 from nanovllm.engine.scheduler import ScheduledBatch, Scheduler
 from nanovllm.engine.sequence import Sequence
 
@@ -44,9 +43,8 @@ class RunAhead:
         """Schedule one batch and launch it; then apply the batch launched before it. Returns the
         sequences that finished, and the batch launched."""
         finished = []
-        if self.in_flight and (not self.can_run_ahead(self.in_flight.batch)
-                               or (scheduler_module.MIXED_STEPS and self.scheduler.waiting)):
-            finished += self.apply_in_flight()   # (a mixed step takes its decode inputs from the host)
+        if self.in_flight and not self.can_run_ahead(self.in_flight.batch):
+            finished += self.apply_in_flight()
         batch = self.scheduler.schedule()
         launched = None
         if batch.seqs:
@@ -79,7 +77,9 @@ class RunAhead:
         that holds its input token, -1 where the host has it; None when the host has them all."""
         if not any(seq.num_pending for seq in batch.seqs):
             return None
-        assert not batch.is_prefill and self.in_flight is not None   # a prompt is all known tokens
+        # a prompt is all known tokens: only decodes (in a mixed step too) take a pending input
+        assert self.in_flight is not None and all(n == 1 for seq, n in zip(batch.seqs, batch.num_new_tokens)
+                                                  if seq.num_pending)
         rows = self.in_flight.rows
         return [rows[seq.seq_id] if seq.num_pending else -1 for seq in batch.seqs]
 

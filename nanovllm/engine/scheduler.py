@@ -99,11 +99,8 @@ class Scheduler:
         return batch
 
     def mixes(self) -> bool:
-        """Will the next step mix decodes and prompts? Only with every running sequence's input token
-        on the host (a step of prompts takes its tokens from there: RunAhead applies the batch in
-        flight first)."""
-        return (MIXED_STEPS and bool(self.waiting) and bool(self.running)
-                and not any(seq.num_pending for seq in self.running))
+        """May the next step mix decodes and prompts?"""
+        return MIXED_STEPS and bool(self.waiting) and bool(self.running)
 
     def _schedule_prefill(self, budget: int | None = None) -> ScheduledBatch:
         seqs, counts, finished = [], [], []
@@ -115,6 +112,8 @@ class Scheduler:
         # Every sequence already in `seqs` is in `running` too, except a chunk, which ends the loop.
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[i]
+            if seq.num_pending:   # preempted by this step's decodes, its last token still in flight
+                break
             lora = seq.lora_int_id
             if lora is not None and lora not in adapters:
                 if len(adapters) >= self.max_loras:
