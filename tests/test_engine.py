@@ -126,6 +126,24 @@ def test_mixed_steps_decode_beside_prompt_chunks(qwen3_dir, oracle, monkeypatch,
     check(oracle, prompts, outs)
 
 
+@pytest.mark.parametrize("mixed", [False, True])
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_decode_that_needs_a_block_takes_it_from_a_chunked_prompt(qwen3_dir, oracle, monkeypatch, mixed,
+                                                                    async_scheduling):
+    # A (2 blocks) decodes while B (10 of the 12 blocks) is part-way through its chunks: A's next block
+    # comes from B, which starts again later, rather than A being preempted behind B (and ended as if
+    # it could never fit)
+    from nanovllm.engine import scheduler
+    monkeypatch.setattr(scheduler, "MIXED_STEPS", mixed)
+    prompts = random_prompts(2, [30, 150], seed=7)
+    llm = LLM(qwen3_dir, kvcache_block_size=16, num_kvcache_blocks=12, max_num_batched_tokens=32,
+              async_scheduling=async_scheduling)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [20, 20]
+    check(oracle, prompts, outs)
+
+
 def test_output_shapes_and_stop_on_eos(qwen3_dir):
     llm = LLM(qwen3_dir, kvcache_block_size=16, num_kvcache_blocks=32)
     outs = llm.generate(["w5 w6 w7", [9, 10]], SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)
