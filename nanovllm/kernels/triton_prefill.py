@@ -140,14 +140,17 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, o_ptr, cu_q_ptr, cu_k_p
     q_start = tl.load(cu_q_ptr + seq)
     q_len = tl.load(cu_q_ptr + seq + 1) - q_start
     k_len = tl.load(cu_k_ptr + seq + 1) - tl.load(cu_k_ptr + seq)
+    kv_head = head // GROUP
+    bt_ptr += seq.to(tl.int64) * bt_stride
+    kc_ptr += kv_head * kc_stride_h
+    vc_ptr += kv_head * vc_stride_h
     if DECODE_ROWS:
         if q_len == 1:
             if (tl.program_id(2) == 0) & (head % GROUP == 0):
-                _decode_rows(q_ptr, o_ptr, kc_ptr + (head // GROUP) * kc_stride_h,
-                             vc_ptr + (head // GROUP) * vc_stride_h, bt_ptr + seq.to(tl.int64) * bt_stride,
-                             k_scale_ptr, v_scale_ptr, q_start, k_len, head // GROUP, q_stride_t, q_stride_h,
-                             kc_stride_t, vc_stride_t, o_stride_t, o_stride_h, qk_scale, GROUP, HEAD_DIM,
-                             DECODE_ROWS, BLOCK_N, PAGE, DEQUANT, DOT_F32)
+                _decode_rows(q_ptr, o_ptr, kc_ptr, vc_ptr, bt_ptr, k_scale_ptr, v_scale_ptr, q_start, k_len,
+                             kv_head, q_stride_t, q_stride_h, kc_stride_t, vc_stride_t, o_stride_t,
+                             o_stride_h, qk_scale, GROUP, HEAD_DIM, DECODE_ROWS, BLOCK_N, PAGE, DEQUANT,
+                             DOT_F32)
             return
     if m_block * BLOCK_M >= q_len:
         return
@@ -160,13 +163,9 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, o_ptr, cu_q_ptr, cu_k_p
     q = tl.load(q_ptr + q_rows[:, None] * q_stride_t + head * q_stride_h + cols[None, :],
                 mask=q_ok[:, None], other=0.0)
 
-    kv_head = head // GROUP
-    bt_ptr += seq.to(tl.int64) * bt_stride
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    kc_ptr += kv_head * kc_stride_h
-    vc_ptr += kv_head * vc_stride_h
     if PAGED:
         if not FROM_PAGES:   # the earlier keys, from the pages: every query sees all of them
             full = prefix // BLOCK_N * BLOCK_N
