@@ -4,7 +4,10 @@ calls it (kernels/flash_prefill.py, the gather of the pages included when there 
 Prints ms and TFLOP/s of the causal attention's FLOPs, and each output's largest difference from
 FlashAttention-2's.
 
-    PYTHONPATH=. python benchmarks/prefill_attn_probe.py [--tiles 128:64:8:3 ...]
+    PYTHONPATH=. python benchmarks/prefill_attn_probe.py [--tiles 128:64:8:3 128:64:8:3:ld ...]
+
+A tile ending in :ld loads keys and values with plain loads, :tma through tensor descriptors; without
+either suffix the kernel chooses (descriptors on Hopper).
 """
 import argparse
 import random
@@ -26,8 +29,8 @@ CASES = {
     "bench: 8B, 100-1024": (32, 8, [(0, random.randint(100, 1024)) for _ in range(30)]),
     "32k: second chunk": (16, 8, [(16384, 16384)]),
 }
-DEFAULT_TILES = ["128:64:8:3", "128:64:4:3", "128:128:8:3", "128:128:8:2", "128:64:8:4",
-                 "64:64:4:3", "64:128:4:3", "128:32:4:3", "128:32:8:3"]
+DEFAULT_TILES = ["128:128:8:3:ld", "128:128:8:3:tma", "128:128:8:2:tma", "128:64:8:3:tma", "128:64:4:3:tma",
+                 "64:64:4:3:ld", "64:64:4:3:tma", "64:128:4:3:tma"]
 
 
 def make_inputs(num_heads, num_kv_heads, seqs, head_dim=128):
@@ -68,14 +71,17 @@ def main():
     p.add_argument("--tiles", nargs="+", default=DEFAULT_TILES, help="BLOCK_M:BLOCK_N:num_warps:num_stages")
     args = p.parse_args()
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "engine tiles (head_dim 128):", TILES_128)
-    print(f"{'case':>28s} {'kernel':>18s} {'ms':>8s} {'TFLOP/s':>8s} {'max diff':>9s}")
+    print(f"{'case':>28s} {'kernel':>22s} {'ms':>8s} {'TFLOP/s':>8s} {'max diff':>9s}")
     for name, (heads, kv_heads, seqs) in CASES.items():
         call_args, kv_slots, flops = make_inputs(heads, kv_heads, seqs)
         ref = prefill_attention_aten(*call_args, kv_slots)
         variants = {"fa2 (+gather)": lambda a=call_args, s=kv_slots: prefill_attention_aten(*a, s)}
         for t in args.tiles:
-            tiles = tuple(int(x) for x in t.split(":"))
-            variants[f"triton {t}"] = lambda a=call_args, t=tiles: prefill_attention_triton(*a, tiles=t)
+            parts = t.split(":")
+            tma = {"tma": True, "ld": False}.get(parts[-1]) if len(parts) == 5 else None
+            tiles = tuple(int(x) for x in parts[:4])
+            variants[f"triton {t}"] = lambda a=call_args, t=tiles, m=tma: prefill_attention_triton(*a, tiles=t,
+                                                                                                  tma=m)
         for label, fn in variants.items():
             try:
                 out = fn()
@@ -83,9 +89,9 @@ def main():
                 diff = (out.float() - ref.float()).abs().max().item()
                 ms = median_ms(fn, calls=3, timings=7, warmup=2)
             except Exception as e:   # noqa: BLE001 - a tile this GPU cannot run is reported, not fatal
-                print(f"{name:>28s} {label:>18s} failed: {type(e).__name__}: {str(e)[:120]}")
+                print(f"{name:>28s} {label:>22s} failed: {type(e).__name__}: {str(e)[:120]}")
                 continue
-            print(f"{name:>28s} {label:>18s} {ms:8.3f} {flops / ms / 1e9:8.1f} {diff:9.4f}")
+            print(f"{name:>28s} {label:>22s} {ms:8.3f} {flops / ms / 1e9:8.1f} {diff:9.4f}")
 
 
 if __name__ == "__main__":

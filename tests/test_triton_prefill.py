@@ -56,11 +56,11 @@ def make_case(q_lens, prefixes, num_heads, num_kv_heads, head_dim, page, device,
     return args, scales
 
 
-def check(q_lens, prefixes, num_heads, num_kv_heads, head_dim, page, device, fp8=False, tiles=None):
+def check(q_lens, prefixes, num_heads, num_kv_heads, head_dim, page, device, fp8=False, tiles=None, tma=None):
     from nanovllm.kernels.triton_prefill import prefill_attention_triton
     args, (k_scale, v_scale) = make_case(q_lens, prefixes, num_heads, num_kv_heads, head_dim, page, device,
                                          fp8)
-    out = prefill_attention_triton(*args, None, k_scale, v_scale, tiles=tiles)
+    out = prefill_attention_triton(*args, None, k_scale, v_scale, tiles=tiles, tma=tma)
     ref = prefill_attention_ref(*[a.cpu() if isinstance(a, torch.Tensor) else a for a in args],
                                 *[s.cpu() if s is not None else None for s in (k_scale, v_scale)])
     # The kernel rounds p to bf16 before p v (as FlashAttention does); the reference keeps fp32.
@@ -89,6 +89,14 @@ def test_interp_triton_prefill_matches_reference(q_lens, prefixes, num_heads, nu
 @interp
 def test_interp_triton_prefill_reads_an_fp8_cache():
     check([9, 18], [16, 0], 4, 2, 32, page=16, device="cpu", fp8=True)
+
+
+@interp
+@pytest.mark.parametrize("fp8", [False, True])
+def test_interp_keys_through_tensor_descriptors(fp8):
+    # the TMA path (Hopper's default): keys and values loaded through descriptors, rows past a
+    # sequence's end (the next sequence's, or a page's NaN garbage) masked
+    check([20, 7, 33], [32, 45, 0], 4, 2, 32, page=16, device="cpu", fp8=fp8, tma=True)
 
 
 @interp
@@ -128,8 +136,9 @@ def test_interp_compile_variants_runs_every_variant(kv_dtype, monkeypatch):
     ([4096], [4096]),
 ])
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(16, 8, 128), (32, 8, 128), (8, 2, 64)])
-def test_gpu_triton_prefill_matches_reference(q_lens, prefixes, num_heads, num_kv_heads, head_dim):
-    check(q_lens, prefixes, num_heads, num_kv_heads, head_dim, page=256, device="cuda")
+@pytest.mark.parametrize("tma", [None, False])   # None: the default (descriptors on Hopper)
+def test_gpu_triton_prefill_matches_reference(q_lens, prefixes, num_heads, num_kv_heads, head_dim, tma):
+    check(q_lens, prefixes, num_heads, num_kv_heads, head_dim, page=256, device="cuda", tma=tma)
 
 
 @GPU
@@ -141,8 +150,9 @@ def test_gpu_decode_rows_in_a_step_of_prompts(num_heads, num_kv_heads, monkeypat
 
 
 @GPU
-def test_gpu_triton_prefill_reads_an_fp8_cache():
-    check([500, 64], [300, 0], 16, 8, 128, page=256, device="cuda", fp8=True)
+@pytest.mark.parametrize("tma", [None, False])
+def test_gpu_triton_prefill_reads_an_fp8_cache(tma):
+    check([500, 64], [300, 0], 16, 8, 128, page=256, device="cuda", fp8=True, tma=tma)
 
 
 def test_a_tile_wider_than_the_page_is_refused():

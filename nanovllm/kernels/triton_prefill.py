@@ -29,45 +29,52 @@ LOG2E = math.log2(math.e)
 
 
 @triton.jit
-def _key_rows(bt_ptr, k_start, start_n, offs_n, PAGED: tl.constexpr, PAGE: tl.constexpr):
-    # The rows of keys start_n .. start_n + BLOCK_N of a sequence: in the paged cache viewed as
-    # [num_blocks * PAGE, num_kv_heads * head_dim] (bt_ptr: its block-table row), or in the varlen
-    # k/v buffers, where the sequence's keys start at row k_start.
+def _first_key_row(bt_ptr, k_start, start_n, PAGED: tl.constexpr, PAGE: tl.constexpr):
+    # The row of key start_n of a sequence (the tile's BLOCK_N rows follow it): in the paged cache
+    # viewed as [num_blocks * PAGE, num_kv_heads * head_dim] (bt_ptr: its block-table row), or in the
+    # varlen k/v buffers, where the sequence's keys start at row k_start.
     if PAGED:
         block = tl.load(bt_ptr + start_n // PAGE).to(tl.int64)
-        return block * PAGE + (start_n % PAGE) + offs_n
-    return (k_start + start_n + offs_n).to(tl.int64)
+        return block * PAGE + (start_n % PAGE)
+    return (k_start + start_n).to(tl.int64)
 
 
 @triton.jit
-def _load_kv(ptr, rows, stride, cols, ok, scale_ptr, DTYPE: tl.constexpr, DEQUANT: tl.constexpr,
-             MASKED: tl.constexpr):
-    # [BLOCK_N, HEAD_DIM] of K or V in DTYPE; an FP8 cache's values times its scale (fp32, rounded
-    # once to DTYPE, as flash_prefill.gather_dequantize_kv does). MASKED: rows past k_len read as 0
-    # (uninitialised cache rows may hold NaN, and 0 * NaN would reach the output through p v).
-    ptrs = ptr + rows[:, None] * stride + cols[None, :]
-    if MASKED:
-        x = tl.load(ptrs, mask=ok[:, None], other=0.0)
+def _load_kv(src, row, offs_n, stride, col, cols, ok, scale_ptr, DTYPE: tl.constexpr, DEQUANT: tl.constexpr,
+             MASKED: tl.constexpr, TMA: tl.constexpr):
+    # [BLOCK_N, HEAD_DIM] of K or V (rows row .. row + BLOCK_N) in DTYPE; an FP8 cache's values times its
+    # scale (fp32, rounded once to DTYPE, as flash_prefill.gather_dequantize_kv does). MASKED: rows past
+    # k_len read as 0 (uninitialised cache rows may hold NaN, and 0 * NaN would reach the output through
+    # p v). TMA: src is a tensor descriptor of [rows, num_kv_heads * head_dim] (the KV head's columns
+    # start at col); else a pointer already at the KV head.
+    if TMA:
+        x = src.load([row.to(tl.int32), col])   # descriptor coordinates are 32-bit
+        if MASKED:
+            x = tl.where(ok[:, None], x, 0.0)
     else:
-        x = tl.load(ptrs)
+        ptrs = src + (row + offs_n)[:, None] * stride + cols[None, :]
+        if MASKED:
+            x = tl.load(ptrs, mask=ok[:, None], other=0.0)
+        else:
+            x = tl.load(ptrs)
     if DEQUANT:
         x = (x.to(tl.float32) * tl.load(scale_ptr)).to(DTYPE)
     return x
 
 
 @triton.jit
-def _attend_tiles(acc, m_i, l_i, q, k_ptr, v_ptr, bt_ptr, k_start, k_stride, v_stride, k_scale_ptr,
+def _attend_tiles(acc, m_i, l_i, q, k_src, v_src, bt_ptr, k_start, k_stride, v_stride, col, k_scale_ptr,
                   v_scale_ptr, lo, hi, q_pos, k_len, qk_scale, cols,
                   MASKED: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr, DEQUANT: tl.constexpr,
-                  BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr):
+                  BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr, TMA: tl.constexpr):
     # Keys lo .. hi (lo a multiple of BLOCK_N) into the running (acc, m_i, l_i) of the query tile q.
     offs_n = tl.arange(0, BLOCK_N)
     dtype = q.dtype
     for start_n in range(lo, hi, BLOCK_N):
-        rows = _key_rows(bt_ptr, k_start, start_n, offs_n, PAGED, PAGE)
+        row = _first_key_row(bt_ptr, k_start, start_n, PAGED, PAGE)
         k_pos = start_n + offs_n
         k_ok = k_pos < k_len
-        k = _load_kv(k_ptr, rows, k_stride, cols, k_ok, k_scale_ptr, dtype, DEQUANT, MASKED)
+        k = _load_kv(k_src, row, offs_n, k_stride, col, cols, k_ok, k_scale_ptr, dtype, DEQUANT, MASKED, TMA)
         if DOT_F32:
             s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
@@ -81,7 +88,7 @@ def _attend_tiles(acc, m_i, l_i, q, k_ptr, v_ptr, bt_ptr, k_start, k_stride, v_s
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
-        v = _load_kv(v_ptr, rows, v_stride, cols, k_ok, v_scale_ptr, dtype, DEQUANT, MASKED)
+        v = _load_kv(v_src, row, offs_n, v_stride, col, cols, k_ok, v_scale_ptr, dtype, DEQUANT, MASKED, TMA)
         if DOT_F32:
             acc += tl.dot(p, v.to(tl.float32), input_precision="ieee")
         else:
@@ -94,7 +101,7 @@ def _attend_tiles(acc, m_i, l_i, q, k_ptr, v_ptr, bt_ptr, k_start, k_stride, v_s
 def _decode_rows(q_ptr, o_ptr, kc_ptr, vc_ptr, bt_ptr, k_scale_ptr, v_scale_ptr, q_row, k_len, kv_head,
                  q_stride_t, q_stride_h, kc_stride_t, vc_stride_t, o_stride_t, o_stride_h, qk_scale,
                  GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-                 PAGE: tl.constexpr, DEQUANT: tl.constexpr, DOT_F32: tl.constexpr):
+                 PAGE: tl.constexpr, DEQUANT: tl.constexpr, DOT_F32: tl.constexpr, TMA: tl.constexpr):
     # A sequence with one query this step (a decode row): its GROUP query heads of KV head kv_head are
     # the rows of one small tile, over all k_len keys from the pages (its new key is there already).
     r = tl.arange(0, ROWS)
@@ -109,12 +116,13 @@ def _decode_rows(q_ptr, o_ptr, kc_ptr, vc_ptr, bt_ptr, k_scale_ptr, v_scale_ptr,
     l_i = tl.zeros([ROWS], dtype=tl.float32)
     q_pos = tl.zeros([ROWS], dtype=tl.int32) + (k_len - 1)
     full = k_len // BLOCK_N * BLOCK_N
-    acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, kc_ptr, vc_ptr, bt_ptr, 0, kc_stride_t, vc_stride_t,
+    col = kv_head * HEAD_DIM
+    acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, kc_ptr, vc_ptr, bt_ptr, 0, kc_stride_t, vc_stride_t, col,
                                   k_scale_ptr, v_scale_ptr, 0, full, q_pos, k_len, qk_scale, cols,
-                                  False, True, PAGE, DEQUANT, BLOCK_N, DOT_F32)
-    acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, kc_ptr, vc_ptr, bt_ptr, 0, kc_stride_t, vc_stride_t,
+                                  False, True, PAGE, DEQUANT, BLOCK_N, DOT_F32, TMA)
+    acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, kc_ptr, vc_ptr, bt_ptr, 0, kc_stride_t, vc_stride_t, col,
                                   k_scale_ptr, v_scale_ptr, full, k_len, q_pos, k_len, qk_scale, cols,
-                                  True, True, PAGE, DEQUANT, BLOCK_N, DOT_F32)
+                                  True, True, PAGE, DEQUANT, BLOCK_N, DOT_F32, TMA)
     out = acc / l_i[:, None]
     tl.store(o_ptr + q_row * o_stride_t + heads[:, None] * o_stride_h + cols[None, :],
              out.to(o_ptr.dtype.element_ty), mask=ok[:, None])
@@ -126,7 +134,8 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, o_ptr, cu_q_ptr, cu_k_p
                     kc_stride_t, kc_stride_h, vc_stride_t, vc_stride_h, o_stride_t, o_stride_h, bt_stride,
                     qk_scale, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr, DEQUANT: tl.constexpr,
-                    FROM_PAGES: tl.constexpr, DECODE_ROWS: tl.constexpr, DOT_F32: tl.constexpr):
+                    FROM_PAGES: tl.constexpr, DECODE_ROWS: tl.constexpr, DOT_F32: tl.constexpr,
+                    TMA: tl.constexpr):
     # grid: (num_heads, num_seqs, query tiles of the longest sequence), the last tiles first.
     # DECODE_ROWS > 0 (a paged step): a sequence with one query is one program per KV head, in the first
     # wave, its query heads the first rows of a DECODE_ROWS-row tile (_decode_rows), so its memory-bound
@@ -134,6 +143,8 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, o_ptr, cu_q_ptr, cu_k_p
     # k/v: this step's new keys, in the rows of q; kc/vc: the paged cache (PAGED). A paged step reads
     # each sequence's earlier keys from the pages and its new ones from k/v, unless FROM_PAGES (an FP8
     # cache: the new keys too are read back from the pages, rounded through e4m3 as decode sees them).
+    # TMA: k, v, kc, vc are tensor descriptors of [rows, num_kv_heads * head_dim] (Hopper's bulk copies)
+    # rather than pointers; a KV head's keys are its HEAD_DIM columns.
     head = tl.program_id(0)
     seq = tl.program_id(1)
     m_block = tl.num_programs(2) - 1 - tl.program_id(2)
@@ -142,15 +153,17 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, o_ptr, cu_q_ptr, cu_k_p
     k_len = tl.load(cu_k_ptr + seq + 1) - tl.load(cu_k_ptr + seq)
     kv_head = head // GROUP
     bt_ptr += seq.to(tl.int64) * bt_stride
-    kc_ptr += kv_head * kc_stride_h
-    vc_ptr += kv_head * vc_stride_h
+    col = kv_head * HEAD_DIM
+    if not TMA:
+        kc_ptr += kv_head * kc_stride_h
+        vc_ptr += kv_head * vc_stride_h
     if DECODE_ROWS:
         if q_len == 1:
             if (tl.program_id(2) == 0) & (head % GROUP == 0):
                 _decode_rows(q_ptr, o_ptr, kc_ptr, vc_ptr, bt_ptr, k_scale_ptr, v_scale_ptr, q_start, k_len,
                              kv_head, q_stride_t, q_stride_h, kc_stride_t, vc_stride_t, o_stride_t,
                              o_stride_h, qk_scale, GROUP, HEAD_DIM, DECODE_ROWS, BLOCK_N, PAGE, DEQUANT,
-                             DOT_F32)
+                             DOT_F32, TMA)
             return
     if m_block * BLOCK_M >= q_len:
         return
@@ -170,12 +183,13 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, o_ptr, cu_q_ptr, cu_k_p
         if not FROM_PAGES:   # the earlier keys, from the pages: every query sees all of them
             full = prefix // BLOCK_N * BLOCK_N
             acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, kc_ptr, vc_ptr, bt_ptr, 0, kc_stride_t,
-                                          vc_stride_t, k_scale_ptr, v_scale_ptr, 0, full, offs_m, prefix,
-                                          qk_scale, cols, False, True, PAGE, DEQUANT, BLOCK_N, DOT_F32)
+                                          vc_stride_t, col, k_scale_ptr, v_scale_ptr, 0, full, offs_m,
+                                          prefix, qk_scale, cols, False, True, PAGE, DEQUANT, BLOCK_N,
+                                          DOT_F32, TMA)
             acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, kc_ptr, vc_ptr, bt_ptr, 0, kc_stride_t,
-                                          vc_stride_t, k_scale_ptr, v_scale_ptr, full, prefix,
+                                          vc_stride_t, col, k_scale_ptr, v_scale_ptr, full, prefix,
                                           prefix + offs_m, prefix, qk_scale, cols, True, True, PAGE,
-                                          DEQUANT, BLOCK_N, DOT_F32)
+                                          DEQUANT, BLOCK_N, DOT_F32, TMA)
     # Then the new keys, counted from base: from k/v (base 0), or with an FP8 cache all keys from the
     # pages (base = prefix: the loops below cover the earlier keys too). Every key left of the tile's
     # first query is seen by all its queries (no mask); the tiles on the diagonal are masked.
@@ -183,17 +197,18 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, o_ptr, cu_q_ptr, cu_k_p
         base, k_ptr, v_ptr, k_stride_t, v_stride_t = prefix, kc_ptr, vc_ptr, kc_stride_t, vc_stride_t
     else:
         base = 0
-        k_ptr += kv_head * k_stride_h
-        v_ptr += kv_head * v_stride_h
+        if not TMA:
+            k_ptr += kv_head * k_stride_h
+            v_ptr += kv_head * v_stride_h
     q_pos = base + offs_m
     diag = (base + m_block * BLOCK_M) // BLOCK_N * BLOCK_N
     end = tl.minimum(base + q_len, base + (m_block + 1) * BLOCK_M)
     acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, k_ptr, v_ptr, bt_ptr, q_start, k_stride_t, v_stride_t,
-                                  k_scale_ptr, v_scale_ptr, 0, diag, q_pos, base + q_len, qk_scale, cols,
-                                  False, FROM_PAGES, PAGE, DEQUANT, BLOCK_N, DOT_F32)
+                                  col, k_scale_ptr, v_scale_ptr, 0, diag, q_pos, base + q_len, qk_scale,
+                                  cols, False, FROM_PAGES, PAGE, DEQUANT, BLOCK_N, DOT_F32, TMA)
     acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, k_ptr, v_ptr, bt_ptr, q_start, k_stride_t, v_stride_t,
-                                  k_scale_ptr, v_scale_ptr, diag, end, q_pos, base + q_len, qk_scale, cols,
-                                  True, FROM_PAGES, PAGE, DEQUANT, BLOCK_N, DOT_F32)
+                                  col, k_scale_ptr, v_scale_ptr, diag, end, q_pos, base + q_len, qk_scale,
+                                  cols, True, FROM_PAGES, PAGE, DEQUANT, BLOCK_N, DOT_F32, TMA)
     out = acc / l_i[:, None]
     tl.store(o_ptr + q_rows[:, None] * o_stride_t + head * o_stride_h + cols[None, :],
              out.to(o_ptr.dtype.element_ty), mask=q_ok[:, None])
@@ -209,6 +224,9 @@ TILES_128 = {"paged": (128, 128, 8, 3), "long": (128, 128, 8, 3), "short": (64, 
 # programs of their own, a KV head's query heads in one small tile (not measured on a GPU yet).
 DECODE_ROW_PROGRAMS = False
 TILES = {64: (128, 64, 4, 3), 256: (64, 32, 4, 2)}
+# Keys and values read through tensor descriptors (the TMA unit's bulk copies) on Hopper and later
+# (compute capability 9+), where the rows are laid out as the descriptors need; else plain loads.
+TMA = True
 SHORT_PROMPT = 2048   # the longest query span that takes the "short" tile
 
 
@@ -237,13 +255,29 @@ def fits(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
             and head_dim & (head_dim - 1) == 0 and page_ok)
 
 
+def _descriptors(block_n: int, *kv: torch.Tensor) -> list | None:
+    """Each [rows, num_kv_heads, head_dim] (or [num_blocks, page, num_kv_heads, head_dim]) tensor as a
+    descriptor of [rows, num_kv_heads * head_dim] tiles of [block_n, head_dim]; None where one can't be."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    out = []
+    for x in kv:
+        x2 = x.view(-1, x.shape[-2], x.shape[-1]) if x.dim() == 4 else x
+        rows, heads, head_dim = x2.shape
+        if x2.stride(2) != 1 or x2.stride(1) != head_dim or (x2.stride(0) * x2.element_size()) % 16 \
+                or x2.data_ptr() % 16:
+            return None
+        out.append(TensorDescriptor(x2, [rows, heads * head_dim], [x2.stride(0), 1], [block_n, head_dim]))
+    return out
+
+
 def prefill_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              k_cache: torch.Tensor, v_cache: torch.Tensor,
                              cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
                              max_seqlen_q: int, max_seqlen_k: int,
                              block_tables: torch.Tensor | None, scale: float,
                              kv_slots: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
-                             v_scale: torch.Tensor | None = None, tiles: tuple | None = None) -> torch.Tensor:
+                             v_scale: torch.Tensor | None = None, tiles: tuple | None = None,
+                             tma: bool | None = None) -> torch.Tensor:
     # The interface of kernels.prefill_attention: q: [total_q, num_heads, head_dim]; k, v: [total_q,
     # num_kv_heads, head_dim], already stored in the cache; k_cache, v_cache: [num_blocks, block_size,
     # num_kv_heads, head_dim] -> [total_q, num_heads, head_dim]. Only where fits(q, k_cache).
@@ -274,15 +308,20 @@ def prefill_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     # one-query sequences' tile: their query heads of one KV head, at least 16 rows (tl.dot); 0: off
     group = num_heads // num_kv_heads
     decode_rows = max(16, triton.next_power_of_2(group)) if paged and DECODE_ROW_PROGRAMS else 0
+    kv = (k, v, k_pages, v_pages)
+    # tma: None follows TMA where the GPU has the unit (the interpreter runs descriptors only when asked)
+    if tma is None:
+        tma = TMA and not interpreted and torch.cuda.get_device_capability(q.device)[0] >= 9
+    descs = _descriptors(block_n, *kv) if tma else None
     _prefill_kernel[grid](
-        q, k, v, k_pages, v_pages, out, cu_seqlens_q, cu_seqlens_k, bt,
+        q, *(descs or kv), out, cu_seqlens_q, cu_seqlens_k, bt,
         k_scale if dequant else q, v_scale if dequant else q,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_pages.stride(0), k_pages.stride(1), v_pages.stride(0), v_pages.stride(1),
         out.stride(0), out.stride(1), bt_stride, scale * LOG2E,
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
         PAGED=paged, PAGE=page or 1, DEQUANT=dequant, FROM_PAGES=paged and dequant,
-        DECODE_ROWS=decode_rows, DOT_F32=interpreted,
+        DECODE_ROWS=decode_rows, DOT_F32=interpreted, TMA=descs is not None,
         num_warps=warps, num_stages=stages)
     return out
 
