@@ -94,47 +94,11 @@ def test_chunked_prefill_below_prompt_length(qwen3_dir, oracle):
     check(oracle, prompts, outs)
 
 
-@pytest.mark.parametrize("async_scheduling", [True, False])
-@pytest.mark.parametrize("num_blocks", [64, 14])   # 14 blocks of 16: preemptions too
-def test_mixed_steps_decode_beside_prompt_chunks(qwen3_dir, oracle, monkeypatch, async_scheduling,
-                                                 num_blocks):
-    """scheduler.MIXED_STEPS: running sequences decode in the steps of the waiting prompts' chunks
-    (within the token budget), run ahead (a decode row's input read from the device) or not, with
-    preemptions; every token still an argmax."""
-    from nanovllm.engine import scheduler
-    monkeypatch.setattr(scheduler, "MIXED_STEPS", True)
-    prompts = random_prompts(5, [150, 90, 45, 120, 30], seed=7)
-    llm = LLM(qwen3_dir, kvcache_block_size=16, num_kvcache_blocks=num_blocks, max_num_batched_tokens=64,
-              async_scheduling=async_scheduling)
-    preempted = []
-    original_preempt = llm.scheduler._preempt
-    llm.scheduler._preempt = lambda seq: (preempted.append(seq.seq_id), original_preempt(seq))
-    steps = []   # per step: (tokens, decode rows beside prompt tokens, an input token still on the device)
-    original_run = llm.model_runner.launch
-
-    def spy(b, **kwargs):
-        decoding = [s.num_computed_tokens >= s.num_prompt_tokens for s in b.seqs]
-        mixed = b.is_prefill and any(decoding) and not all(decoding)
-        steps.append((b.num_tokens, mixed, mixed and b.token_rows is not None))
-        return original_run(b, **kwargs)
-    llm.model_runner.launch = spy
-    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    assert any(mixed for _, mixed, _ in steps) and max(n for n, _, _ in steps) <= 64
-    assert any(ahead for _, _, ahead in steps) == async_scheduling   # run ahead: inputs from the device
-    assert bool(preempted) == (num_blocks == 14)
-    check(oracle, prompts, outs)
-
-
-@pytest.mark.parametrize("mixed", [False, True])
 @pytest.mark.parametrize("async_scheduling", [False, True])
-def test_a_decode_that_needs_a_block_takes_it_from_a_chunked_prompt(qwen3_dir, oracle, monkeypatch, mixed,
-                                                                    async_scheduling):
+def test_a_decode_that_needs_a_block_takes_it_from_a_chunked_prompt(qwen3_dir, oracle, async_scheduling):
     # A (2 blocks) decodes while B (10 of the 12 blocks) is part-way through its chunks: A's next block
     # comes from B, which starts again later, rather than A being preempted behind B (and ended as if
     # it could never fit)
-    from nanovllm.engine import scheduler
-    monkeypatch.setattr(scheduler, "MIXED_STEPS", mixed)
     prompts = random_prompts(2, [30, 150], seed=7)
     llm = LLM(qwen3_dir, kvcache_block_size=16, num_kvcache_blocks=12, max_num_batched_tokens=32,
               async_scheduling=async_scheduling)

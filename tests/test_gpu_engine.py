@@ -89,31 +89,3 @@ def test_async_scheduling_matches_one_step_at_a_time(qwen3_dir):
         runs.append([(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs])
     assert runs[0] == runs[1]
     assert any(reason == "stop" for _, reason in runs[0]) and any(reason == "length" for _, reason in runs[0])
-
-
-@pytest.mark.parametrize("block_size", [16, 256])
-@pytest.mark.parametrize("run_ahead", [True, False])
-def test_mixed_steps_on_gpu(qwen3_dir, oracle, monkeypatch, block_size, run_ahead):
-    """scheduler.MIXED_STEPS with the Triton kernel's decode-row programs (bf16): running sequences
-    decode in the steps of the waiting prompts' chunks; every token an argmax within bf16's tolerance."""
-    from nanovllm.engine import scheduler
-    from nanovllm.kernels import triton_prefill
-    monkeypatch.setattr(scheduler, "MIXED_STEPS", True)
-    monkeypatch.setattr(triton_prefill, "DECODE_ROW_PROGRAMS", True)
-    prompts = random_prompts(6, [300, 20, 150, 45, 260, 7], seed=11)
-    llm = LLM(qwen3_dir, device="cuda", dtype="bfloat16", kvcache_block_size=block_size,
-              max_num_batched_tokens=128, async_scheduling=run_ahead)
-    mixed_steps = []
-    launch = llm.model_runner.launch
-
-    def spy(b, **kwargs):
-        decoding = [s.num_computed_tokens >= s.num_prompt_tokens for s in b.seqs]
-        mixed_steps.append(b.is_prefill and any(decoding) and not all(decoding))
-        return launch(b, **kwargs)
-    llm.model_runner.launch = spy
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    assert sum(mixed_steps) >= 3
-    for prompt, out in zip(prompts, outs):
-        assert len(out.outputs[0].token_ids) == 24
-        oracle.assert_greedy(prompt, out.outputs[0].token_ids, atol=ATOL["bfloat16"])

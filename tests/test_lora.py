@@ -337,5 +337,5 @@ def test_a_chunk_behind_a_skipped_adapter_goes_first_next_step():
     assert batch.seqs == [first, long] and batch.num_new_tokens == [3, 5]   # long: a chunk of 5
     assert list(sched.waiting) == [long, blocked]
     sched.postprocess(batch, [9] * len(batch.sampling_seqs))
-    batch = sched.schedule()   # (with scheduler.MIXED_STEPS, first's decode row comes first)
+    batch = sched.schedule()
     assert batch.is_prefill and [s for s in batch.seqs if s is not first][0] is long

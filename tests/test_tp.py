@@ -76,18 +76,6 @@ def test_tp2_matches_tp1_qwen3_with_preemption_and_prefix_cache(qwen3_dir, qwen3
     assert any(n > 0 for n in cached), "the second run should have hit the prefix cache"
 
 
-def test_tp2_mixed_steps_match_tp1(qwen3_dir, qwen3_tp2, monkeypatch):
-    # scheduler.MIXED_STEPS (rank 0 schedules): decode rows and prompt chunks in one step on every rank
-    from nanovllm.engine import scheduler
-    prompts = PROMPTS + random_prompts(2, [30, 21], seed=9)
-    expected = reference(qwen3_dir, prompts)
-    monkeypatch.setattr(scheduler, "MIXED_STEPS", True)
-    mixed = _count_calls(qwen3_tp2.executor, "launch", lambda b, *_: b.is_prefill and any(
-        s.num_computed_tokens >= s.num_prompt_tokens for s in b.seqs))
-    assert tokens(qwen3_tp2, prompts) == expected
-    assert any(mixed)
-
-
 def test_tp2_prompt_logprobs_and_token_constraints_match_tp1(qwen3_dir, qwen3_tp2):
     """Prompt logprobs take extra logits rows in prefill (chunked here) on every rank; a chunk that
     only computes them samples nothing on any rank."""

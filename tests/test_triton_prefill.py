@@ -100,17 +100,6 @@ def test_interp_keys_through_tensor_descriptors(fp8):
 
 
 @interp
-@pytest.mark.parametrize("fp8", [False, True])
-@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 2), (8, 2), (2, 2)])
-def test_interp_decode_rows_in_a_step_of_prompts(num_heads, num_kv_heads, fp8, monkeypatch):
-    # a mixed step: one-query sequences (decode rows, with prefixes up to a page and past it) beside
-    # prompt chunks; DECODE_ROW_PROGRAMS gives each its own small-tile program per KV head
-    from nanovllm.kernels import triton_prefill
-    monkeypatch.setattr(triton_prefill, "DECODE_ROW_PROGRAMS", True)
-    check([1, 20, 1, 1, 37], [40, 32, 7, 15, 0], num_heads, num_kv_heads, 32, page=16, device="cpu", fp8=fp8)
-
-
-@interp
 def test_interp_triton_prefill_tiles_wider_than_a_page_never_cross_it():
     from nanovllm.kernels.triton_prefill import tiles_for
     assert tiles_for(128, 16, interpreted=False)[1] == 16   # BLOCK_N shrinks to the page
@@ -139,14 +128,6 @@ def test_interp_compile_variants_runs_every_variant(kv_dtype, monkeypatch):
 @pytest.mark.parametrize("tma", [None, False])   # None: the default (descriptors on Hopper)
 def test_gpu_triton_prefill_matches_reference(q_lens, prefixes, num_heads, num_kv_heads, head_dim, tma):
     check(q_lens, prefixes, num_heads, num_kv_heads, head_dim, page=256, device="cuda", tma=tma)
-
-
-@GPU
-@pytest.mark.parametrize("num_heads,num_kv_heads", [(16, 8), (32, 8)])
-def test_gpu_decode_rows_in_a_step_of_prompts(num_heads, num_kv_heads, monkeypatch):
-    from nanovllm.kernels import triton_prefill
-    monkeypatch.setattr(triton_prefill, "DECODE_ROW_PROGRAMS", True)
-    check([1, 700, 1, 1], [300, 256, 5000, 17], num_heads, num_kv_heads, 128, page=256, device="cuda")
 
 
 @GPU

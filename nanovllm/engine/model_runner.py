@@ -263,11 +263,8 @@ class ModelRunner:
                       slot_mapping=self._tensor(slots, torch.int32),
                       block_tables=block_tables, kv_slots=kv_slots,
                       lora=self.lora and self.lora.prefill_batch(step, self.device))
-        input_ids = self._tensor(input_ids, torch.int64)
-        if step.token_rows is not None:   # decode rows of a mixed step whose input is still pending
-            at, rows = zip(*[(cu_q[i], r) for i, r in enumerate(step.token_rows) if r >= 0])
-            input_ids[self._tensor(at, torch.int64)] = self.sampled_tokens[self._tensor(rows, torch.int64)]
-        return input_ids, self._tensor(positions, torch.int64), ctx, self._tensor(logits_indices, torch.int64)
+        return (self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64), ctx,
+                self._tensor(logits_indices, torch.int64))
 
     def decode_forward(self, inputs: DecodeInputs) -> torch.Tensor:
         """The model on one decode step's inputs (on the device): eager, or recorded into a graph,

@@ -9,7 +9,7 @@ Scheduler.complete when applied): it counts in num_tokens, so the next step comp
 is not in token_ids. Its id is row rows[seq_id] of the sampled tokens kept on the device
 (ModelRunner.sampled_tokens, on every rank), which the next decode step reads as its input: the
 rows travel as ScheduledBatch.token_rows -> StepInput.token_rows -> DecodeInputs.token_rows, read
-inside the CUDA graph too (a mixed step's decode rows: ModelRunner.prepare_prefill).
+inside the CUDA graph too.
 
 The next batch may not run ahead where the host must know the tokens first: penalties and bad_words
 are built from the known tokens (can_run_ahead). A grammar's bitmask needs its sequence's newest
@@ -77,9 +77,7 @@ class RunAhead:
         that holds its input token, -1 where the host has it; None when the host has them all."""
         if not any(seq.num_pending for seq in batch.seqs):
             return None
-        # a prompt is all known tokens: only decodes (in a mixed step too) take a pending input
-        assert self.in_flight is not None and all(n == 1 for seq, n in zip(batch.seqs, batch.num_new_tokens)
-                                                  if seq.num_pending)
+        assert not batch.is_prefill and self.in_flight is not None   # a prompt is all known tokens
         rows = self.in_flight.rows
         return [rows[seq.seq_id] if seq.num_pending else -1 for seq in batch.seqs]
 

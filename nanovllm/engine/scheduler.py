@@ -7,13 +7,6 @@ from nanovllm.engine.sequence import Sequence, SequenceStatus
 from nanovllm.engine.stop_checker import LENGTH, Stop, StopChecker
 
 
-# Mixed steps (vLLM v1's token budget): while prompts wait, the running sequences decode in the same
-# step as the prompts' chunks, which fill the rest of max_num_batched_tokens. Off: a step is all
-# prompts or all decodes. Not measured on a GPU yet (docs/benchmarks.md, the long workload); with it,
-# set kernels.triton_prefill.DECODE_ROW_PROGRAMS too, or each decode row takes a prompt's query tile.
-MIXED_STEPS = False
-
-
 @dataclass
 class ScheduledBatch:
     seqs: list[Sequence]        # in the order the model runner lays out their tokens
@@ -79,32 +72,16 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         """Prefill first (within max_num_batched_tokens, the last prompt possibly chunked); decode
-        (one token per running sequence, within max_num_seqs) only when no prefill can run. With
-        MIXED_STEPS, while prompts wait the running sequences decode first and the prompts' chunks
-        take the rest of the budget, in one step."""
-        if self.mixes():
-            decode = self._schedule_decode()
-            batch = self._schedule_prefill(self.max_num_batched_tokens - len(decode.seqs))
-            if not decode.seqs:
-                return batch
-            if not batch.seqs:
-                decode.finished = batch.finished
-                return decode
-            return ScheduledBatch(decode.seqs + batch.seqs, decode.num_new_tokens + batch.num_new_tokens,
-                                  is_prefill=True, finished=batch.finished, kv_copies=batch.kv_copies)
+        (one token per running sequence, within max_num_seqs) only when no prefill can run."""
         batch = self._schedule_prefill()
         if not batch.seqs:
             finished, batch = batch.finished, self._schedule_decode()
             batch.finished = finished
         return batch
 
-    def mixes(self) -> bool:
-        """May the next step mix decodes and prompts?"""
-        return MIXED_STEPS and bool(self.waiting) and bool(self.running)
-
-    def _schedule_prefill(self, budget: int | None = None) -> ScheduledBatch:
+    def _schedule_prefill(self) -> ScheduledBatch:
         seqs, counts, finished = [], [], []
-        budget = self.max_num_batched_tokens if budget is None else budget
+        budget = self.max_num_batched_tokens
         # The adapters of the running sequences: a prompt of another one waits while all slots are
         # taken, and the prompts behind it go first (as vLLM skips it), keeping their order.
         adapters = {s.lora_int_id for s in self.running} - {None} if self.max_loras else set()
@@ -112,8 +89,6 @@ class Scheduler:
         # Every sequence already in `seqs` is in `running` too, except a chunk, which ends the loop.
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[i]
-            if seq.num_pending:   # preempted by this step's decodes, its last token still in flight
-                break
             lora = seq.lora_int_id
             if lora is not None and lora not in adapters:
                 if len(adapters) >= self.max_loras:

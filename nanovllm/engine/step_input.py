@@ -3,9 +3,8 @@
 Rank 0 builds it from the ScheduledBatch and sends it to the other ranks (pickled through shared
 memory), so it is flat lists of ints rather than Sequence objects: a decode step carries one token
 per sequence, never the whole history. When the engine runs a step ahead, a decode sequence's input
-token (in a decode step, or a decode row of a mixed step) may still be on the device only: then its
-id here is 0 and `token_rows` says which row of the previous step's sampled tokens (kept on every
-rank's device) holds it (see run_ahead.py)."""
+token may still be on the device only: then its id here is 0 and `token_rows` says which row of the
+previous step's sampled tokens (kept on every rank's device) holds it (see run_ahead.py)."""
 from dataclasses import dataclass
 
 from nanovllm.engine.scheduler import ScheduledBatch

@@ -97,49 +97,14 @@ def _attend_tiles(acc, m_i, l_i, q, k_src, v_src, bt_ptr, k_start, k_stride, v_s
     return acc, m_i, l_i
 
 
-@triton.jit
-def _decode_rows(q_ptr, o_ptr, kc_ptr, vc_ptr, bt_ptr, k_scale_ptr, v_scale_ptr, q_row, k_len, kv_head,
-                 q_stride_t, q_stride_h, kc_stride_t, vc_stride_t, o_stride_t, o_stride_h, qk_scale,
-                 GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-                 PAGE: tl.constexpr, DEQUANT: tl.constexpr, DOT_F32: tl.constexpr, TMA: tl.constexpr):
-    # A sequence with one query this step (a decode row): its GROUP query heads of KV head kv_head are
-    # the rows of one small tile, over all k_len keys from the pages (its new key is there already).
-    r = tl.arange(0, ROWS)
-    cols = tl.arange(0, HEAD_DIM)
-    ok = r < GROUP
-    heads = kv_head * GROUP + r
-    q_row = q_row.to(tl.int64)
-    q = tl.load(q_ptr + q_row * q_stride_t + heads[:, None] * q_stride_h + cols[None, :], mask=ok[:, None],
-                other=0.0)
-    acc = tl.zeros([ROWS, HEAD_DIM], dtype=tl.float32)
-    m_i = tl.full([ROWS], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([ROWS], dtype=tl.float32)
-    q_pos = tl.zeros([ROWS], dtype=tl.int32) + (k_len - 1)
-    full = k_len // BLOCK_N * BLOCK_N
-    col = kv_head * HEAD_DIM
-    acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, kc_ptr, vc_ptr, bt_ptr, 0, kc_stride_t, vc_stride_t, col,
-                                  k_scale_ptr, v_scale_ptr, 0, full, q_pos, k_len, qk_scale, cols,
-                                  False, True, PAGE, DEQUANT, BLOCK_N, DOT_F32, TMA)
-    acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, kc_ptr, vc_ptr, bt_ptr, 0, kc_stride_t, vc_stride_t, col,
-                                  k_scale_ptr, v_scale_ptr, full, k_len, q_pos, k_len, qk_scale, cols,
-                                  True, True, PAGE, DEQUANT, BLOCK_N, DOT_F32, TMA)
-    out = acc / l_i[:, None]
-    tl.store(o_ptr + q_row * o_stride_t + heads[:, None] * o_stride_h + cols[None, :],
-             out.to(o_ptr.dtype.element_ty), mask=ok[:, None])
-
-
 @triton.jit(do_not_specialize=["bt_stride"])   # the block tables' width changes from step to step
 def _prefill_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, o_ptr, cu_q_ptr, cu_k_ptr, bt_ptr, k_scale_ptr,
                     v_scale_ptr, q_stride_t, q_stride_h, k_stride_t, k_stride_h, v_stride_t, v_stride_h,
                     kc_stride_t, kc_stride_h, vc_stride_t, vc_stride_h, o_stride_t, o_stride_h, bt_stride,
                     qk_scale, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr, DEQUANT: tl.constexpr,
-                    FROM_PAGES: tl.constexpr, DECODE_ROWS: tl.constexpr, DOT_F32: tl.constexpr,
-                    TMA: tl.constexpr):
+                    FROM_PAGES: tl.constexpr, DOT_F32: tl.constexpr, TMA: tl.constexpr):
     # grid: (num_heads, num_seqs, query tiles of the longest sequence), the last tiles first.
-    # DECODE_ROWS > 0 (a paged step): a sequence with one query is one program per KV head, in the first
-    # wave, its query heads the first rows of a DECODE_ROWS-row tile (_decode_rows), so its memory-bound
-    # reads run beside the prompts' compute-bound tiles.
     # k/v: this step's new keys, in the rows of q; kc/vc: the paged cache (PAGED). A paged step reads
     # each sequence's earlier keys from the pages and its new ones from k/v, unless FROM_PAGES (an FP8
     # cache: the new keys too are read back from the pages, rounded through e4m3 as decode sees them).
@@ -150,6 +115,8 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, o_ptr, cu_q_ptr, cu_k_p
     m_block = tl.num_programs(2) - 1 - tl.program_id(2)
     q_start = tl.load(cu_q_ptr + seq)
     q_len = tl.load(cu_q_ptr + seq + 1) - q_start
+    if m_block * BLOCK_M >= q_len:
+        return
     k_len = tl.load(cu_k_ptr + seq + 1) - tl.load(cu_k_ptr + seq)
     kv_head = head // GROUP
     bt_ptr += seq.to(tl.int64) * bt_stride
@@ -157,16 +124,6 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, o_ptr, cu_q_ptr, cu_k_p
     if not TMA:
         kc_ptr += kv_head * kc_stride_h
         vc_ptr += kv_head * vc_stride_h
-    if DECODE_ROWS:
-        if q_len == 1:
-            if (tl.program_id(2) == 0) & (head % GROUP == 0):
-                _decode_rows(q_ptr, o_ptr, kc_ptr, vc_ptr, bt_ptr, k_scale_ptr, v_scale_ptr, q_start, k_len,
-                             kv_head, q_stride_t, q_stride_h, kc_stride_t, vc_stride_t, o_stride_t,
-                             o_stride_h, qk_scale, GROUP, HEAD_DIM, DECODE_ROWS, BLOCK_N, PAGE, DEQUANT,
-                             DOT_F32, TMA)
-            return
-    if m_block * BLOCK_M >= q_len:
-        return
     prefix = k_len - q_len   # keys before this step's queries: a cached prefix or earlier chunks
 
     offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -220,9 +177,6 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, o_ptr, cu_q_ptr, cu_k_p
 # prefixes 377 TFLOP/s against 354 with 2 stages); short ones (bench.py's 100-1,024) with 64 x 64 tiles
 # and 4 warps. Other head dims: untimed first choices.
 TILES_128 = {"paged": (128, 128, 8, 3), "long": (128, 128, 8, 3), "short": (64, 64, 4, 3)}
-# A paged step's one-query sequences (decode rows of a mixed step, engine.scheduler.MIXED_STEPS) as
-# programs of their own, a KV head's query heads in one small tile (not measured on a GPU yet).
-DECODE_ROW_PROGRAMS = False
 TILES = {64: (128, 64, 4, 3), 256: (64, 32, 4, 2)}
 # Keys and values read through tensor descriptors (the TMA unit's bulk copies) on Hopper and later
 # (compute capability 9+), where the rows are laid out as the descriptors need; else plain loads.
@@ -305,9 +259,6 @@ def prefill_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         raise ValueError(f"BLOCK_N {block_n} must divide the cache page ({page} tokens): a tile of keys "
                          "may not cross a page")
     grid = (num_heads, num_seqs, triton.cdiv(max_seqlen_q, block_m))
-    # one-query sequences' tile: their query heads of one KV head, at least 16 rows (tl.dot); 0: off
-    group = num_heads // num_kv_heads
-    decode_rows = max(16, triton.next_power_of_2(group)) if paged and DECODE_ROW_PROGRAMS else 0
     kv = (k, v, k_pages, v_pages)
     # tma: None follows TMA where the GPU has the unit (the interpreter runs descriptors only when asked)
     if tma is None:
@@ -320,8 +271,8 @@ def prefill_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         k_pages.stride(0), k_pages.stride(1), v_pages.stride(0), v_pages.stride(1),
         out.stride(0), out.stride(1), bt_stride, scale * LOG2E,
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
-        PAGED=paged, PAGE=page or 1, DEQUANT=dequant, FROM_PAGES=paged and dequant,
-        DECODE_ROWS=decode_rows, DOT_F32=interpreted, TMA=descs is not None,
+        PAGED=paged, PAGE=page or 1, DEQUANT=dequant, FROM_PAGES=paged and dequant, DOT_F32=interpreted,
+        TMA=descs is not None,
         num_warps=warps, num_stages=stages)
     return out
 
