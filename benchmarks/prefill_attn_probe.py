@@ -80,8 +80,8 @@ def main():
             parts = t.split(":")
             tma = {"tma": True, "ld": False}.get(parts[-1]) if len(parts) == 5 else None
             tiles = tuple(int(x) for x in parts[:4])
-            variants[f"triton {t}"] = lambda a=call_args, t=tiles, m=tma: prefill_attention_triton(*a, tiles=t,
-                                                                                                  tma=m)
+            variants[f"triton {t}"] = (lambda a=call_args, t=tiles, m=tma:
+                                       prefill_attention_triton(*a, tiles=t, tma=m))
         for label, fn in variants.items():
             try:
                 out = fn()

@@ -95,10 +95,9 @@ def test_chunked_prefill_below_prompt_length(qwen3_dir, oracle):
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
-def test_a_decode_that_needs_a_block_takes_it_from_a_chunked_prompt(qwen3_dir, oracle, async_scheduling):
-    # A (2 blocks) decodes while B (10 of the 12 blocks) is part-way through its chunks: A's next block
-    # comes from B, which starts again later, rather than A being preempted behind B (and ended as if
-    # it could never fit)
+def test_a_short_prompt_and_a_chunked_one_in_a_nearly_full_cache(qwen3_dir, oracle, async_scheduling):
+    # A (2 blocks) and B (10 of the 12 blocks, prefilled in chunks of 32 tokens): both get all their
+    # tokens, none is ended as if it could never fit, and every token is an argmax
     prompts = random_prompts(2, [30, 150], seed=7)
     llm = LLM(qwen3_dir, kvcache_block_size=16, num_kvcache_blocks=12, max_num_batched_tokens=32,
               async_scheduling=async_scheduling)

@@ -128,10 +128,7 @@ class Scheduler:
                 done.append(seq)
                 continue
             while not self.block_manager.can_append(seq):
-                chunked = self.waiting[0] if self.waiting and self.waiting[0].block_table else None
-                if chunked is not None:   # a prompt part-way through its chunks gives its blocks back first
-                    self.block_manager.deallocate(chunked)
-                elif self.running:
+                if self.running:
                     self._preempt(self.running.pop())   # the newest sequence makes room
                 else:
                     self._preempt(seq)
