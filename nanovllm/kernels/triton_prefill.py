@@ -14,7 +14,8 @@ One program computes BLOCK_M queries of one sequence for one query head:
 The causal mask is bottom-right aligned (query j of a sequence with q_len queries and k_len keys sits
 at position k_len - q_len + j), as kernels.reference.causal_mask is. A tile of keys never crosses a
 cache page (BLOCK_N divides the page), so one block-table read gives its rows. Programs start with
-the last (heaviest) query tiles of every sequence, so the short ones fill the tail of the grid.
+the last (heaviest) query tiles of every sequence, so the short ones fill the tail of the grid. On
+Hopper and later the K/V tiles are loaded through tensor descriptors (the TMA unit), else by plain loads.
 """
 import math
 
@@ -179,7 +180,8 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, o_ptr, cu_q_ptr, cu_k_p
 TILES_128 = {"paged": (128, 128, 8, 3), "long": (128, 128, 8, 3), "short": (64, 64, 4, 3)}
 TILES = {64: (128, 64, 4, 3), 256: (64, 32, 4, 2)}
 # Keys and values read through tensor descriptors (the TMA unit's bulk copies) on Hopper and later
-# (compute capability 9+), where the rows are laid out as the descriptors need; else plain loads.
+# (compute capability 9+), where the rows are laid out as the descriptors need; else plain loads. H100,
+# 2026-12-06: steps over pages 403 against 372 TFLOP/s, the long workload 1.024x (docs/attention.md).
 TMA = True
 SHORT_PROMPT = 2048   # the longest query span that takes the "short" tile
 
