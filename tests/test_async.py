@@ -115,9 +115,8 @@ def test_a_launched_prompt_is_shared_by_the_very_next_step(qwen3_dir):
     for run_ahead in (True, False):
         llm = LLM(qwen3_dir, async_scheduling=run_ahead, **{**OPTS, "max_num_batched_tokens": 40})
         counts, launch = [], llm.model_runner.launch
-        llm.model_runner.launch = lambda b, counts=counts, launch=launch, **kwargs: (   # prompt tokens
-            counts.extend(n for s, n in zip(b.seqs, b.num_new_tokens)
-                          if s.num_computed_tokens < s.num_prompt_tokens), launch(b, **kwargs))[1]
+        llm.model_runner.launch = lambda b, counts=counts, launch=launch, **kwargs: (
+            counts.extend(b.num_new_tokens if b.is_prefill else []), launch(b, **kwargs))[1]
         llm.generate(prompts, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
         computed[run_ahead] = sum(counts)
     assert computed[True] == computed[False] == 40 + 3 * 8   # the first prompt whole, then the tails

@@ -338,4 +338,4 @@ def test_a_chunk_behind_a_skipped_adapter_goes_first_next_step():
     assert list(sched.waiting) == [long, blocked]
     sched.postprocess(batch, [9] * len(batch.sampling_seqs))
     batch = sched.schedule()
-    assert batch.is_prefill and [s for s in batch.seqs if s is not first][0] is long
+    assert batch.is_prefill and batch.seqs[0] is long

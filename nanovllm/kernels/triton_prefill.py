@@ -121,8 +121,10 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, o_ptr, cu_q_ptr, cu_k_p
     k_len = tl.load(cu_k_ptr + seq + 1) - tl.load(cu_k_ptr + seq)
     kv_head = head // GROUP
     bt_ptr += seq.to(tl.int64) * bt_stride
-    col = kv_head * HEAD_DIM
-    if not TMA:
+    col = kv_head * HEAD_DIM   # the KV head's columns in a descriptor's rows
+    if not TMA:   # pointers: at the KV head
+        k_ptr += kv_head * k_stride_h
+        v_ptr += kv_head * v_stride_h
         kc_ptr += kv_head * kc_stride_h
         vc_ptr += kv_head * vc_stride_h
     prefix = k_len - q_len   # keys before this step's queries: a cached prefix or earlier chunks
@@ -151,13 +153,9 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, o_ptr, cu_q_ptr, cu_k_p
     # Then the new keys, counted from base: from k/v (base 0), or with an FP8 cache all keys from the
     # pages (base = prefix: the loops below cover the earlier keys too). Every key left of the tile's
     # first query is seen by all its queries (no mask); the tiles on the diagonal are masked.
+    base = 0
     if FROM_PAGES:
         base, k_ptr, v_ptr, k_stride_t, v_stride_t = prefix, kc_ptr, vc_ptr, kc_stride_t, vc_stride_t
-    else:
-        base = 0
-        if not TMA:
-            k_ptr += kv_head * k_stride_h
-            v_ptr += kv_head * v_stride_h
     q_pos = base + offs_m
     diag = (base + m_block * BLOCK_M) // BLOCK_N * BLOCK_N
     end = tl.minimum(base + q_len, base + (m_block + 1) * BLOCK_M)
