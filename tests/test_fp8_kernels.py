@@ -16,8 +16,11 @@ def test_fp8_kernels_under_interpreter():
 
 @interp
 @pytest.mark.parametrize("m,k,group", [(3, 256, 128), (4, 300, 128), (2, 200, 200), (1, 2500, 2500)])
-def test_interp_activation_quantization_is_the_reference_bit_for_bit(m, k, group):
+@pytest.mark.parametrize("one_pass_max", [16384, 128], ids=["one-pass", "two-pass"])
+def test_interp_activation_quantization_is_the_reference_bit_for_bit(m, k, group, one_pass_max, monkeypatch):
+    from nanovllm.kernels import fp8_gemm
     from nanovllm.kernels.fp8_gemm import quantize_activations as quantize_triton
+    monkeypatch.setattr(fp8_gemm, "ONE_PASS_MAX", one_pass_max)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(k)) * torch.logspace(-2, 2, k)
     x[0, :group] = 0.0   # an all-zero group
     q, s = quantize_triton(x, group)

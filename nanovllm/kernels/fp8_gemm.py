@@ -26,6 +26,9 @@ BLOCK_GEMM = "triton"
 # cores' accumulator throughout, not promoted to fp32 registers every few k-steps (vLLM's CUTLASS
 # FP8 GEMMs on Hopper do the same). A module constant, so bench_with.py can compare both.
 FAST_ACCUM = True
+# The longest activation group quantized in one pass (loaded once, kept in registers: 16,384 columns
+# are 32 a thread in 16 warps); a longer one is read twice in 1,024-column slices.
+ONE_PASS_MAX = 16384
 # Under the interpreter (tests on CPU) tl.dot on FP8 is not emulated: the tiles go through fp32.
 _DOT_F32 = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -33,11 +36,21 @@ _DOT_F32 = os.environ.get("TRITON_INTERPRET") == "1"
 @triton.jit
 def _quantize_kernel(x_ptr, q_ptr, s_ptr, K, x_stride, s_stride_m, s_stride_g,
                      GROUP: tl.constexpr, BLOCK: tl.constexpr):
-    # program (row, group g): x[row, g*GROUP:(g+1)*GROUP] -> q, s[row, g]
+    # program (row, group g): x[row, g*GROUP:(g+1)*GROUP] -> q, s[row, g]. A group that fits one BLOCK
+    # is loaded once and kept in registers; a longer one is read twice (its amax, then its values).
     row = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
     cols = tl.arange(0, BLOCK)
     start = g * GROUP
+    if GROUP <= BLOCK:
+        idx = start + cols
+        ok = (cols < GROUP) & (idx < K)
+        v = tl.load(x_ptr + row * x_stride + idx, mask=ok, other=0.0).to(tl.float32)
+        scale = tl.maximum(tl.div_rn(tl.max(tl.abs(v), axis=0), FP8_MAX), 1e-12)
+        tl.store(s_ptr + row * s_stride_m + g * s_stride_g, scale)
+        q = tl.clamp(tl.div_rn(v, scale), -FP8_MAX, FP8_MAX)
+        tl.store(q_ptr + row * K + idx, q.to(q_ptr.dtype.element_ty), mask=ok)
+        return
     amax = tl.zeros([BLOCK], dtype=tl.float32)
     for c0 in range(0, GROUP, BLOCK):
         idx = start + c0 + cols
@@ -66,9 +79,11 @@ def quantize_activations(x: torch.Tensor, group: int, m_major: bool = False
     else:
         s = torch.empty(m, num_groups, dtype=torch.float32, device=x.device)
     if m:
-        block = min(triton.next_power_of_2(group), 1024)
+        block = triton.next_power_of_2(group)
+        if block > ONE_PASS_MAX:
+            block = 1024
         _quantize_kernel[(m, num_groups)](x, q, s, k, x.stride(0), s.stride(0), s.stride(1), GROUP=group,
-                                          BLOCK=block, num_warps=4 if block >= 512 else 1)
+                                          BLOCK=block, num_warps=min(16, max(1, block // 256)))
     return q, s
 
 
