@@ -78,11 +78,10 @@ def main():
         variants = {"fa2 (+gather)": lambda a=call_args, s=kv_slots: prefill_attention_aten(*a, s)}
         for t in args.tiles:
             parts = t.split(":")
-            flags = parts[4:]
-            tma = True if "tma" in flags else False if "ld" in flags else None
+            tma = {"tma": True, "ld": False}.get(parts[-1]) if len(parts) == 5 else None
             tiles = tuple(int(x) for x in parts[:4])
-            variants[f"triton {t}"] = (lambda a=call_args, t=tiles, m=tma, pipe="pipe" in flags, ws="ws" in flags:
-                                       prefill_attention_triton(*a, tiles=t, tma=m, pipelined=pipe, ws=ws))
+            variants[f"triton {t}"] = (lambda a=call_args, t=tiles, m=tma:
+                                       prefill_attention_triton(*a, tiles=t, tma=m))
         for label, fn in variants.items():
             try:
                 out = fn()

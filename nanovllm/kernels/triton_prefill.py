@@ -64,69 +64,37 @@ def _load_kv(src, row, offs_n, stride, col, cols, ok, scale_ptr, DTYPE: tl.const
 
 
 @triton.jit
-def _qk(q, k, DOT_F32: tl.constexpr):
-    if DOT_F32:
-        return tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-    return tl.dot(q, tl.trans(k))
-
-
-@triton.jit
-def _pv(acc, p, v, DOT_F32: tl.constexpr):
-    if DOT_F32:
-        return acc + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-    return tl.dot(p.to(v.dtype), v, acc)
-
-
-@triton.jit
-def _softmax_tile(s, acc, m_i, l_i, qk_scale):
-    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-    p = tl.math.exp2(s * qk_scale - m_new[:, None])
-    alpha = tl.math.exp2(m_i - m_new)
-    return p, acc * alpha[:, None], m_new, l_i * alpha + tl.sum(p, 1)
-
-
-@triton.jit
 def _attend_tiles(acc, m_i, l_i, q, k_src, v_src, bt_ptr, k_start, k_stride, v_stride, col, k_scale_ptr,
                   v_scale_ptr, lo, hi, q_pos, k_len, qk_scale, cols,
                   MASKED: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr, DEQUANT: tl.constexpr,
-                  BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr, TMA: tl.constexpr, PIPELINED: tl.constexpr,
-                  WS: tl.constexpr):
-    # EXPERIMENT. PIPELINED (unmasked tiles only): the next tile's q k^T issued before this tile's
-    # softmax (FlashAttention-3's intra-warpgroup overlap, by hand). WS: Triton's warp specialization.
+                  BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr, TMA: tl.constexpr):
+    # Keys lo .. hi (lo a multiple of BLOCK_N) into the running (acc, m_i, l_i) of the query tile q.
     offs_n = tl.arange(0, BLOCK_N)
     dtype = q.dtype
-    if PIPELINED and not MASKED:
-        if lo < hi:
-            whole = offs_n < BLOCK_N
-            row = _first_key_row(bt_ptr, k_start, lo, PAGED, PAGE)
-            k = _load_kv(k_src, row, offs_n, k_stride, col, cols, whole, k_scale_ptr, dtype, DEQUANT, False, TMA)
-            s = _qk(q, k, DOT_F32)
-            for start_n in range(lo + BLOCK_N, hi, BLOCK_N):
-                next_row = _first_key_row(bt_ptr, k_start, start_n, PAGED, PAGE)
-                k = _load_kv(k_src, next_row, offs_n, k_stride, col, cols, whole, k_scale_ptr, dtype, DEQUANT,
-                             False, TMA)
-                s_next = _qk(q, k, DOT_F32)
-                p, acc, m_i, l_i = _softmax_tile(s, acc, m_i, l_i, qk_scale)
-                v = _load_kv(v_src, row, offs_n, v_stride, col, cols, whole, v_scale_ptr, dtype, DEQUANT,
-                             False, TMA)
-                acc = _pv(acc, p, v, DOT_F32)
-                s, row = s_next, next_row
-            p, acc, m_i, l_i = _softmax_tile(s, acc, m_i, l_i, qk_scale)
-            v = _load_kv(v_src, row, offs_n, v_stride, col, cols, whole, v_scale_ptr, dtype, DEQUANT, False, TMA)
-            acc = _pv(acc, p, v, DOT_F32)
-    else:
-        for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WS):
-            row = _first_key_row(bt_ptr, k_start, start_n, PAGED, PAGE)
-            k_pos = start_n + offs_n
-            k_ok = k_pos < k_len
-            k = _load_kv(k_src, row, offs_n, k_stride, col, cols, k_ok, k_scale_ptr, dtype, DEQUANT, MASKED, TMA)
-            s = _qk(q, k, DOT_F32)
-            if MASKED:
-                visible = (k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :]
-                s = tl.where(visible, s, float("-inf"))
-            p, acc, m_i, l_i = _softmax_tile(s, acc, m_i, l_i, qk_scale)
-            v = _load_kv(v_src, row, offs_n, v_stride, col, cols, k_ok, v_scale_ptr, dtype, DEQUANT, MASKED, TMA)
-            acc = _pv(acc, p, v, DOT_F32)
+    for start_n in range(lo, hi, BLOCK_N):
+        row = _first_key_row(bt_ptr, k_start, start_n, PAGED, PAGE)
+        k_pos = start_n + offs_n
+        k_ok = k_pos < k_len
+        k = _load_kv(k_src, row, offs_n, k_stride, col, cols, k_ok, k_scale_ptr, dtype, DEQUANT, MASKED, TMA)
+        if DOT_F32:
+            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        if MASKED:
+            visible = (k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :]
+            s = tl.where(visible, s, float("-inf"))
+        # the scale applied inside exp2's argument (one FMA an element), as max(s) * scale = max(s * scale)
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+        p = tl.math.exp2(s * qk_scale - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        v = _load_kv(v_src, row, offs_n, v_stride, col, cols, k_ok, v_scale_ptr, dtype, DEQUANT, MASKED, TMA)
+        if DOT_F32:
+            acc += tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            acc = tl.dot(p.to(dtype), v, acc)
+        m_i = m_new
     return acc, m_i, l_i
 
 
@@ -136,8 +104,7 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, o_ptr, cu_q_ptr, cu_k_p
                     kc_stride_t, kc_stride_h, vc_stride_t, vc_stride_h, o_stride_t, o_stride_h, bt_stride,
                     qk_scale, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr, DEQUANT: tl.constexpr,
-                    FROM_PAGES: tl.constexpr, DOT_F32: tl.constexpr, TMA: tl.constexpr,
-                    PIPELINED: tl.constexpr = False, WS: tl.constexpr = False):
+                    FROM_PAGES: tl.constexpr, DOT_F32: tl.constexpr, TMA: tl.constexpr):
     # grid: (num_heads, num_seqs, query tiles of the longest sequence), the last tiles first.
     # k/v: this step's new keys, in the rows of q; kc/vc: the paged cache (PAGED). A paged step reads
     # each sequence's earlier keys from the pages and its new ones from k/v, unless FROM_PAGES (an FP8
@@ -178,11 +145,11 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, o_ptr, cu_q_ptr, cu_k_p
             acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, kc_ptr, vc_ptr, bt_ptr, 0, kc_stride_t,
                                           vc_stride_t, col, k_scale_ptr, v_scale_ptr, 0, full, offs_m,
                                           prefix, qk_scale, cols, False, True, PAGE, DEQUANT, BLOCK_N,
-                                          DOT_F32, TMA, PIPELINED, WS)
+                                          DOT_F32, TMA)
             acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, kc_ptr, vc_ptr, bt_ptr, 0, kc_stride_t,
                                           vc_stride_t, col, k_scale_ptr, v_scale_ptr, full, prefix,
                                           prefix + offs_m, prefix, qk_scale, cols, True, True, PAGE,
-                                          DEQUANT, BLOCK_N, DOT_F32, TMA, PIPELINED, False)
+                                          DEQUANT, BLOCK_N, DOT_F32, TMA)
     # Then the new keys, counted from base: from k/v (base 0), or with an FP8 cache all keys from the
     # pages (base = prefix: the loops below cover the earlier keys too). Every key left of the tile's
     # first query is seen by all its queries (no mask); the tiles on the diagonal are masked.
@@ -194,10 +161,10 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, o_ptr, cu_q_ptr, cu_k_p
     end = tl.minimum(base + q_len, base + (m_block + 1) * BLOCK_M)
     acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, k_ptr, v_ptr, bt_ptr, q_start, k_stride_t, v_stride_t,
                                   col, k_scale_ptr, v_scale_ptr, 0, diag, q_pos, base + q_len, qk_scale,
-                                  cols, False, FROM_PAGES, PAGE, DEQUANT, BLOCK_N, DOT_F32, TMA, PIPELINED, WS)
+                                  cols, False, FROM_PAGES, PAGE, DEQUANT, BLOCK_N, DOT_F32, TMA)
     acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, k_ptr, v_ptr, bt_ptr, q_start, k_stride_t, v_stride_t,
                                   col, k_scale_ptr, v_scale_ptr, diag, end, q_pos, base + q_len, qk_scale,
-                                  cols, True, FROM_PAGES, PAGE, DEQUANT, BLOCK_N, DOT_F32, TMA, PIPELINED, False)
+                                  cols, True, FROM_PAGES, PAGE, DEQUANT, BLOCK_N, DOT_F32, TMA)
     out = acc / l_i[:, None]
     tl.store(o_ptr + q_rows[:, None] * o_stride_t + head * o_stride_h + cols[None, :],
              out.to(o_ptr.dtype.element_ty), mask=q_ok[:, None])
@@ -264,7 +231,7 @@ def prefill_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              block_tables: torch.Tensor | None, scale: float,
                              kv_slots: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
                              v_scale: torch.Tensor | None = None, tiles: tuple | None = None,
-                             tma: bool | None = None, pipelined: bool = False, ws: bool = False) -> torch.Tensor:
+                             tma: bool | None = None) -> torch.Tensor:
     # The interface of kernels.prefill_attention: q: [total_q, num_heads, head_dim]; k, v: [total_q,
     # num_kv_heads, head_dim], already stored in the cache; k_cache, v_cache: [num_blocks, block_size,
     # num_kv_heads, head_dim] -> [total_q, num_heads, head_dim]. Only where fits(q, k_cache).
@@ -305,7 +272,7 @@ def prefill_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         out.stride(0), out.stride(1), bt_stride, scale * LOG2E,
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
         PAGED=paged, PAGE=page or 1, DEQUANT=dequant, FROM_PAGES=paged and dequant, DOT_F32=interpreted,
-        TMA=descs is not None, PIPELINED=pipelined, WS=ws,
+        TMA=descs is not None,
         num_warps=warps, num_stages=stages)
     return out
 
