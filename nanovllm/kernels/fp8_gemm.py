@@ -27,7 +27,8 @@ BLOCK_GEMM = "triton"
 # FP8 GEMMs on Hopper do the same). A module constant, so bench_with.py can compare both.
 FAST_ACCUM = True
 # The longest activation group quantized in one pass (loaded once, kept in registers: 16,384 columns
-# are 32 a thread in 16 warps); a longer one is read twice in 1,024-column slices.
+# are 32 a thread in 16 warps); a longer one is read twice in slices of up to 1,024 columns (0: every
+# group, the kernel as it was before, for A/Bs).
 ONE_PASS_MAX = 16384
 # Under the interpreter (tests on CPU) tl.dot on FP8 is not emulated: the tiles go through fp32.
 _DOT_F32 = os.environ.get("TRITON_INTERPRET") == "1"
@@ -35,14 +36,15 @@ _DOT_F32 = os.environ.get("TRITON_INTERPRET") == "1"
 
 @triton.jit
 def _quantize_kernel(x_ptr, q_ptr, s_ptr, K, x_stride, s_stride_m, s_stride_g,
-                     GROUP: tl.constexpr, BLOCK: tl.constexpr):
-    # program (row, group g): x[row, g*GROUP:(g+1)*GROUP] -> q, s[row, g]. A group that fits one BLOCK
-    # is loaded once and kept in registers; a longer one is read twice (its amax, then its values).
+                     GROUP: tl.constexpr, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr):
+    # program (row, group g): x[row, g*GROUP:(g+1)*GROUP] -> q, s[row, g]. ONE_PASS (the group fits one
+    # BLOCK): loaded once and kept in registers; else read twice, BLOCK columns at a time (its amax,
+    # then its values).
     row = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
     cols = tl.arange(0, BLOCK)
     start = g * GROUP
-    if GROUP <= BLOCK:
+    if ONE_PASS:
         idx = start + cols
         ok = (cols < GROUP) & (idx < K)
         v = tl.load(x_ptr + row * x_stride + idx, mask=ok, other=0.0).to(tl.float32)
@@ -80,10 +82,13 @@ def quantize_activations(x: torch.Tensor, group: int, m_major: bool = False
         s = torch.empty(m, num_groups, dtype=torch.float32, device=x.device)
     if m:
         block = triton.next_power_of_2(group)
-        if block > ONE_PASS_MAX:
-            block = 1024
+        if block <= ONE_PASS_MAX:
+            one_pass, warps = True, min(16, max(1, block // 256))
+        else:   # two passes, as before ONE_PASS_MAX (0 restores them for every group)
+            block = min(block, 1024)
+            one_pass, warps = False, 4 if block >= 512 else 1
         _quantize_kernel[(m, num_groups)](x, q, s, k, x.stride(0), s.stride(0), s.stride(1), GROUP=group,
-                                          BLOCK=block, num_warps=min(16, max(1, block // 256)))
+                                          BLOCK=block, ONE_PASS=one_pass, num_warps=warps)
     return q, s
 
 
