@@ -100,6 +100,12 @@ def test_interp_keys_through_tensor_descriptors(fp8):
 
 
 @interp
+def test_interp_new_prompts_through_tensor_descriptors():
+    # no cached prefix: the step reads only its own k, v (the pages' descriptors are theirs)
+    check([20, 7, 33], [0, 0, 0], 4, 2, 32, page=16, device="cpu", tma=True)
+
+
+@interp
 def test_interp_triton_prefill_tiles_wider_than_a_page_never_cross_it():
     from nanovllm.kernels.triton_prefill import tiles_for
     assert tiles_for(128, 16, interpreted=False)[1] == 16   # BLOCK_N shrinks to the page

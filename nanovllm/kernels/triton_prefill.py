@@ -263,7 +263,10 @@ def prefill_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     # tma: None follows TMA where the GPU has the unit (the interpreter runs descriptors only when asked)
     if tma is None:
         tma = TMA and not interpreted and torch.cuda.get_device_capability(q.device)[0] >= 9
-    descs = _descriptors(block_n, *kv) if tma else None
+    # descriptors of k and v, and of the pages where the step reads them (else the pages are k and v)
+    descs = _descriptors(block_n, *kv[:4 if paged else 2]) if tma else None
+    if descs and not paged:
+        descs *= 2
     _prefill_kernel[grid](
         q, *(descs or kv), out, cu_seqlens_q, cu_seqlens_k, bt,
         k_scale if dequant else q, v_scale if dequant else q,
