@@ -19,12 +19,17 @@ def _relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
-@pytest.mark.parametrize("m,k,group", [(1, 4096, 128), (300, 12288, 128), (64, 4096, 4096),
-                                       (7, 12288, 12288)])
-def test_activation_quantization_is_the_reference_bit_for_bit(m, k, group):
+@pytest.mark.parametrize("m,k,group,m_major", [(1, 4096, 128, True), (300, 12288, 128, False),
+                                               (33, 12288, 128, True), (64, 4096, 4096, False),
+                                               (7, 12288, 12288, False)])
+def test_activation_quantization_is_the_reference_bit_for_bit(m, k, group, m_major):
+    """m_major: cuBLASLt's block scales, rows padded to a multiple of 4 (the padding unwritten)."""
     from nanovllm.kernels.fp8_gemm import quantize_activations as quantize_triton
     x = (torch.randn(m, k, device="cuda") * 3).to(torch.bfloat16)
-    q, s = quantize_triton(x, group)
+    rows = -(-m // 4) * 4 if m_major else m
+    q, s = quantize_triton(x, group, m_major=m_major, rows=rows)
+    assert q.shape[0] == s.shape[0] == rows and (not m_major or s.stride() == (1, rows))
+    q, s = q[:m], s[:m]
     want_q, want_s = quantize_activations(x, group)
     assert torch.equal(s, want_s)
     assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
@@ -46,10 +51,11 @@ def test_fp8_linear_matches_reference(block, m, n, k):
 
 
 @pytest.mark.parametrize("m", [1, 64, 256, 1000])
-def test_cublas_block_gemm_matches_reference(m, monkeypatch):
-    """BLOCK_GEMM = "cublas": torch._scaled_mm with 1x128 x 128x128 block scales (cuBLASLt 12.9+)."""
+def test_triton_block_gemm_matches_reference(m, monkeypatch):
+    """BLOCK_GEMM = "triton": the Triton kernel with 1x128 x 128x128 block scales (the default,
+    cuBLASLt's block-scaled torch._scaled_mm, runs in test_fp8_linear_matches_reference)."""
     from nanovllm.kernels import fp8_gemm
-    monkeypatch.setattr(fp8_gemm, "BLOCK_GEMM", "cublas")
+    monkeypatch.setattr(fp8_gemm, "BLOCK_GEMM", "triton")
     w, scale = quantize_weight(torch.randn(6144, 4096, device="cuda") * 0.02, BLOCK)
     x = torch.randn(m, 4096, device="cuda").to(torch.bfloat16)
     out = fp8_gemm.fp8_linear(x, w, scale, BLOCK)
@@ -67,10 +73,11 @@ def test_per_channel_triton_gemm_matches_scaled_mm():
 
 
 @pytest.mark.parametrize("block", [BLOCK, None], ids=["block", "channel"])
-def test_fp8_linear_in_a_cuda_graph(block):
+@pytest.mark.parametrize("m", [3, 64])
+def test_fp8_linear_in_a_cuda_graph(block, m):
     from nanovllm.kernels.fp8_gemm import fp8_linear
     w, scale = quantize_weight(torch.randn(2048, 4096, device="cuda") * 0.02, block)
-    x = torch.randn(64, 4096, device="cuda").to(torch.bfloat16)
+    x = torch.randn(m, 4096, device="cuda").to(torch.bfloat16)
     eager = fp8_linear(x, w, scale, block)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

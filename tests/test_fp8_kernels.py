@@ -15,21 +15,29 @@ def test_fp8_kernels_under_interpreter():
 
 
 @interp
-@pytest.mark.parametrize("m,k,group", [(3, 256, 128), (4, 300, 128), (2, 200, 200), (1, 2500, 2500)])
-@pytest.mark.parametrize("one_pass_max", [16384, 0], ids=["one-pass", "two-pass"])
-def test_interp_activation_quantization_is_the_reference_bit_for_bit(m, k, group, one_pass_max, monkeypatch):
+@pytest.mark.parametrize("m,k,group", [(3, 256, 128), (4, 300, 128), (2, 200, 200), (1, 2500, 2500),
+                                       (2, 1100, 100)])
+@pytest.mark.parametrize("one_pass_max,group_tile", [(16384, 4096), (16384, 256), (0, 4096)],
+                         ids=["one-pass", "two-groups-a-program", "two-pass"])
+def test_interp_activation_quantization_is_the_reference_bit_for_bit(m, k, group, one_pass_max, group_tile,
+                                                                     monkeypatch):
     from nanovllm.kernels import fp8_gemm
     monkeypatch.setattr(fp8_gemm, "ONE_PASS_MAX", one_pass_max)
+    monkeypatch.setattr(fp8_gemm, "GROUP_TILE", group_tile)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(k)) * torch.logspace(-2, 2, k)
     x[0, :group] = 0.0   # an all-zero group
     check_quantization(x, group)
 
 
-def check_quantization(x, group, m_major=False):
+def check_quantization(x, group, m_major=False, rows=None):
     from nanovllm.kernels.fp8_gemm import quantize_activations as quantize_triton
-    q, s = quantize_triton(x, group, m_major=m_major)
+    m = x.shape[0]
+    q, s = quantize_triton(x, group, m_major=m_major, rows=rows)
+    assert q.shape[0] == s.shape[0] == (rows or m)
+    assert not m_major or s.stride() == (1, rows or m)
+    q, s = q[:m], s[:m]
     want_q, want_s = quantize_activations(x, group)
-    assert torch.equal(s, want_s) and (not m_major or s.stride() == (1, x.shape[0]))
+    assert torch.equal(s, want_s)
     # The interpreter's fp32 -> e4m3 cast is off for a value just under a power of two (-7.95 to -4)
     # and for subnormals: those few may differ, by at most half the value or a subnormal step (the
     # GPU's cast is the reference's: tests/test_fp8_gpu.py compares them bit for bit).
@@ -42,9 +50,10 @@ def check_quantization(x, group, m_major=False):
 @interp
 @pytest.mark.parametrize("k,group", [(17000, 17000), (1000, 128)])   # over ONE_PASS_MAX: two passes
 def test_interp_activation_quantization_of_strided_rows_with_m_major_scales(k, group):
-    # rows 40 columns apart (a slice of a wider tensor), scales stored M-major (cuBLASLt's block scales)
+    # rows 40 columns apart (a slice of a wider tensor), scales stored M-major (cuBLASLt's block
+    # scales) in 4 rows, as cuBLASLt's block-scaled GEMM takes them (the fourth left unwritten)
     wide = torch.randn(3, k + 40, generator=torch.Generator().manual_seed(k)) * torch.logspace(-2, 2, k + 40)
-    check_quantization(wide[:, :k], group, m_major=True)
+    check_quantization(wide[:, :k], group, m_major=True, rows=4)
 
 
 @interp

@@ -18,10 +18,11 @@ import triton
 import triton.language as tl
 
 FP8_MAX = tl.constexpr(448.0)   # a constexpr: the kernels read it
-# The block format's GEMM: "triton" (below), or "cublas": torch._scaled_mm with 1x128 activation and
-# 128x128 weight scales (cuBLASLt 12.9+ on Hopper; bf16 outputs, K / 128 a multiple of 4, 64 rows or
-# more, else Triton). A module constant, so benchmarks/bench_with.py can compare both.
-BLOCK_GEMM = "triton"
+# The block format's GEMM: "cublas", torch._scaled_mm with 1x128 activation and 128x128 weight
+# scales (cuBLASLt 12.9+ on Hopper; bf16 outputs and K / 128 a multiple of 4, else Triton), or
+# "triton" (below). cuBLASLt's is 1.2-2.1x faster from 128 rows up, and level below (H100,
+# benchmarks/fp8_gemm_probe.py --block). A module constant, so bench_with.py can compare both.
+BLOCK_GEMM = "cublas"
 # Fast accumulation for the per-channel torch._scaled_mm: the FP8 products summed in the tensor
 # cores' accumulator throughout, not promoted to fp32 registers every few k-steps (vLLM's CUTLASS
 # FP8 GEMMs on Hopper do the same). A module constant, so bench_with.py can compare both.
@@ -30,29 +31,35 @@ FAST_ACCUM = True
 # are 32 a thread in 16 warps); a longer one is read twice in slices of up to 1,024 columns (0: every
 # group, the kernel as it was before, for A/Bs).
 ONE_PASS_MAX = 16384
+# Groups shorter than this (the block format's 128 columns) go several to a program, up to this
+# many columns in all: one program of 1 x 128 each was launch-bound (318 us for 16,384 x 4,096 on an
+# H100, where the bytes take 45). 1: a program a group, for A/Bs.
+GROUP_TILE = 4096
 # Under the interpreter (tests on CPU) tl.dot on FP8 is not emulated: the tiles go through fp32.
 _DOT_F32 = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
 def _quantize_kernel(x_ptr, q_ptr, s_ptr, K, x_stride, s_stride_m, s_stride_g,
-                     GROUP: tl.constexpr, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr):
-    # program (row, group g): x[row, g*GROUP:(g+1)*GROUP] -> q, s[row, g]. ONE_PASS (the group fits one
-    # BLOCK): loaded once and kept in registers; else read twice, BLOCK columns at a time (its amax,
-    # then its values).
+                     GROUP: tl.constexpr, BLOCK: tl.constexpr, GROUPS: tl.constexpr, ONE_PASS: tl.constexpr):
+    # program (row, c): x[row, groups c*GROUPS .. (c+1)*GROUPS - 1 of GROUP columns] -> q, s[row, g].
+    # ONE_PASS (a group fits one BLOCK): a [GROUPS, BLOCK] tile loaded once and kept in registers;
+    # else GROUPS is 1 and the group is read twice, BLOCK columns at a time (its amax, then its values).
     row = tl.program_id(0).to(tl.int64)
-    g = tl.program_id(1)
     cols = tl.arange(0, BLOCK)
-    start = g * GROUP
     if ONE_PASS:
-        idx = start + cols
-        ok = (cols < GROUP) & (idx < K)
-        v = tl.load(x_ptr + row * x_stride + idx, mask=ok, other=0.0).to(tl.float32)
-        scale = tl.maximum(tl.div_rn(tl.max(tl.abs(v), axis=0), FP8_MAX), 1e-12)
-        tl.store(s_ptr + row * s_stride_m + g * s_stride_g, scale)
-        q = tl.clamp(tl.div_rn(v, scale), -FP8_MAX, FP8_MAX)
-        tl.store(q_ptr + row * K + idx, q.to(q_ptr.dtype.element_ty), mask=ok)
+        # (names of their own: the compiler types the two-pass loop's variables across both branches)
+        gs = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
+        tile = gs[:, None] * GROUP + cols[None, :]
+        in_tile = (cols[None, :] < GROUP) & (tile < K)
+        vt = tl.load(x_ptr + row * x_stride + tile, mask=in_tile, other=0.0).to(tl.float32)
+        scales = tl.maximum(tl.div_rn(tl.max(tl.abs(vt), axis=1), FP8_MAX), 1e-12)
+        tl.store(s_ptr + row * s_stride_m + gs * s_stride_g, scales, mask=gs * GROUP < K)
+        qt = tl.clamp(tl.div_rn(vt, scales[:, None]), -FP8_MAX, FP8_MAX)
+        tl.store(q_ptr + row * K + tile, qt.to(q_ptr.dtype.element_ty), mask=in_tile)
         return
+    g = tl.program_id(1)
+    start = g * GROUP
     amax = tl.zeros([BLOCK], dtype=tl.float32)
     for c0 in range(0, GROUP, BLOCK):
         idx = start + c0 + cols
@@ -69,26 +76,30 @@ def _quantize_kernel(x_ptr, q_ptr, s_ptr, K, x_stride, s_stride_m, s_stride_g,
         tl.store(q_ptr + row * K + idx, q.to(q_ptr.dtype.element_ty), mask=ok)
 
 
-def quantize_activations(x: torch.Tensor, group: int, m_major: bool = False
+def quantize_activations(x: torch.Tensor, group: int, m_major: bool = False, rows: int | None = None
                          ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x: [M, K] (last dim contiguous) -> (x_fp8 [M, K], scale float32 [M, ceil(K / group)]; m_major:
-    stored transposed, stride (1, M), as cuBLASLt's 1x128 block scales are)."""
+    """x: [M, K] (last dim contiguous) -> (x_fp8 [rows, K], scale float32 [rows, ceil(K / group)]; m_major:
+    stored transposed, stride (1, rows), as cuBLASLt's 1x128 block scales are). rows (default M): more
+    rows than x has are left unwritten (cuBLASLt's block-scaled GEMM needs a multiple of 4)."""
     m, k = x.shape
+    rows = m if rows is None else rows
     num_groups = triton.cdiv(k, group)
-    q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
+    q = torch.empty(rows, k, dtype=torch.float8_e4m3fn, device=x.device)
     if m_major:
-        s = torch.empty(num_groups, m, dtype=torch.float32, device=x.device).t()
+        s = torch.empty(num_groups, rows, dtype=torch.float32, device=x.device).t()
     else:
-        s = torch.empty(m, num_groups, dtype=torch.float32, device=x.device)
+        s = torch.empty(rows, num_groups, dtype=torch.float32, device=x.device)
     if m:
         block = triton.next_power_of_2(group)
-        if block <= ONE_PASS_MAX:
-            one_pass, warps = True, min(16, max(1, block // 256))
+        if block <= ONE_PASS_MAX:   # a program takes up to GROUP_TILE columns' worth of whole groups
+            groups = min(triton.next_power_of_2(num_groups), max(1, GROUP_TILE // block))
+            one_pass, warps = True, min(16, max(1, groups * block // 256))
         else:   # two passes, as before ONE_PASS_MAX (0 restores them for every group)
-            block = min(block, 1024)
+            block, groups = min(block, 1024), 1
             one_pass, warps = False, 4 if block >= 512 else 1
-        _quantize_kernel[(m, num_groups)](x, q, s, k, x.stride(0), s.stride(0), s.stride(1), GROUP=group,
-                                          BLOCK=block, ONE_PASS=one_pass, num_warps=warps)
+        _quantize_kernel[(m, triton.cdiv(num_groups, groups))](
+            x, q, s, k, x.stride(0), s.stride(0), s.stride(1), GROUP=group, BLOCK=block, GROUPS=groups,
+            ONE_PASS=one_pass, num_warps=warps)
     return q, s
 
 
@@ -128,21 +139,25 @@ def _gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K, as_stride, bs_str
 
 
 def _tiles(m: int) -> dict:
-    """Tiles as a function of the token count only (a captured graph and its replays agree). Decode
-    (up to 256 rows) reads each weight tile once and is bound by the weight bytes: narrow tiles, so
-    that even o_proj (N 4096) spreads over more than one program per SM; prefill's are compute tiles.
-    Untimed first choices for the H200."""
-    if m <= 32:
-        return dict(BLOCK_M=16 if m <= 16 else 32, BLOCK_N=32, num_warps=4, num_stages=4)
-    if m <= 256:
+    """Tiles as a function of the token count only (a captured graph and its replays agree): the
+    fastest in most of the 8B's four GEMMs under benchmarks/fp8_gemm_probe.py --block --sweep (H100,
+    2026-12-06). Decode reads each weight tile once and is bound by the weight bytes: narrow tiles,
+    so that even o_proj (N 4,096) spreads over more than one program per SM."""
+    if m <= 16:
+        return dict(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=4)
+    if m <= 128:
         return dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=4)
-    return dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3)
+    if m <= 256:
+        return dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=3)
+    return dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=4)
 
 
 def fp8_gemm(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
-             block: tuple[int, int] | None, out_dtype: torch.dtype) -> torch.Tensor:
+             block: tuple[int, int] | None, out_dtype: torch.dtype,
+             tiles: dict | None = None) -> torch.Tensor:
     """xq [M, K] FP8, xs [M, groups] float32 (quantize_activations), w [N, K] FP8, w_scale
-    [ceil(N/bn), ceil(K/bk)] or [N, 1] -> [M, N] in out_dtype, by the Triton kernel."""
+    [ceil(N/bn), ceil(K/bk)] or [N, 1] -> [M, N] in out_dtype, by the Triton kernel (tiles: _tiles'
+    keys, for benchmarks/fp8_gemm_probe.py's sweep)."""
     m, k = xq.shape
     n = w.shape[0]
     assert xq.is_contiguous() and w.is_contiguous() and xs.stride(1) == 1
@@ -156,7 +171,7 @@ def fp8_gemm(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, w_scale: torch
         if group_k % block_k or block_k < 16:
             raise ValueError(f"weight block {block}: the kernel needs a column block of 16..128 or a "
                              "multiple of 128")
-    tiles = _tiles(m)
+    tiles = tiles or _tiles(m)
     grid = (triton.cdiv(n, tiles["BLOCK_N"]), triton.cdiv(m, tiles["BLOCK_M"]))
     _gemm_kernel[grid](xq, xs, w, w_scale, out, m, n, k, xs.stride(0), w_scale.stride(0),
                        GROUP_K=group_k, SCALE_N=scale_n, BLOCK_K=block_k, DOT_F32=_DOT_F32, **tiles)
@@ -169,13 +184,14 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block: t
     token), then the FP8 GEMM."""
     shape, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
-    # cuBLASLt has no block-scaled algorithm for one row (CUBLAS_STATUS_NOT_SUPPORTED on the H200; 64
-    # rows and more ran): fewer than 64 take the Triton GEMM
-    if (BLOCK_GEMM == "cublas" and block == (128, 128) and x.dtype == torch.bfloat16 and x2.shape[0] >= 64
+    if (BLOCK_GEMM == "cublas" and block == (128, 128) and x.dtype == torch.bfloat16
             and w_scale.shape[1] % 4 == 0 and not _DOT_F32):
-        xq, xs = quantize_activations(x2, 128, m_major=True)
+        # cuBLASLt's block-scaled GEMM takes a multiple of 4 rows (CUBLAS_STATUS_NOT_SUPPORTED
+        # otherwise): the quantized rows are padded, the padding's output rows dropped.
         # scale_a [M, K/128] stride (1, M); scale_b [K/128, N/128] stride (1, K/128)
-        y = torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=w_scale.t(), out_dtype=x.dtype)
+        rows = -(-x2.shape[0] // 4) * 4
+        xq, xs = quantize_activations(x2, 128, m_major=True, rows=rows)
+        y = torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=w_scale.t(), out_dtype=x.dtype)[:x2.shape[0]]
         return (y if bias is None else y + bias).view(*shape, w.shape[0])
     xq, xs = quantize_activations(x2, k if block is None else block[1])
     if block is None and x.dtype == torch.bfloat16 and x2.shape[0] and not _DOT_F32:
