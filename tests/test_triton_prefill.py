@@ -1,6 +1,8 @@
 """The Triton prefill attention kernel (kernels/triton_prefill.py) against the torch reference: under
 the Triton interpreter on CPU (the `interp_` tests, re-run in a subprocess), and compiled on a GPU
 (the `gpu_` tests, at the engine's tiles)."""
+import time
+
 import pytest
 import torch
 
@@ -120,8 +122,58 @@ def test_interp_compile_variants_runs_every_variant(kv_dtype, monkeypatch):
     calls, real = [], triton_prefill.prefill_attention_triton
     monkeypatch.setattr(triton_prefill, "prefill_attention_triton",
                         lambda *a, **kw: calls.append((a[7], a[9] is not None)) or real(*a, **kw))
-    triton_prefill.compile_variants(4, 2, 32, 16, torch.bfloat16, kv_dtype, torch.device("cpu"))
+    monkeypatch.setattr(triton_prefill, "PARALLEL_COMPILE", True)   # threads only on CUDA
+    wait = triton_prefill.compile_variants(4, 2, 32, 16, torch.bfloat16, kv_dtype, torch.device("cpu"))
     assert calls == [(2, False), (triton_prefill.SHORT_PROMPT + 1, False), (2, True)]
+    wait()
+
+
+def test_in_threads_runs_every_call_and_raises_the_first_error():
+    import threading
+
+    from nanovllm.kernels.common import in_threads
+    started, release, done = [], threading.Event(), []
+
+    def call(i):
+        started.append(i)
+        release.wait(5)
+        done.append(i)
+    wait = in_threads([lambda i=i: call(i) for i in range(3)], torch.device("cpu"))
+    deadline = time.monotonic() + 5
+    while len(started) < 3 and time.monotonic() < deadline:   # all three run at once
+        time.sleep(0.01)
+    assert sorted(started) == [0, 1, 2] and not done
+    release.set()
+    wait()
+    assert sorted(done) == [0, 1, 2]
+
+    def fail():
+        raise RuntimeError("compile failed")
+    wait = in_threads([lambda: None, fail], torch.device("cpu"))
+    with pytest.raises(RuntimeError, match="compile failed"):
+        wait()
+
+
+@GPU
+def test_gpu_compile_variants_in_threads(monkeypatch):
+    """PARALLEL_COMPILE: each variant runs in a thread of its own, on the engine's device."""
+    import threading
+
+    from nanovllm.kernels import triton_prefill
+    seen, real = [], triton_prefill.prefill_attention_triton
+
+    def record(*a, **kw):
+        seen.append((threading.current_thread().name, torch.cuda.current_device(), a[7], a[9] is not None))
+        return real(*a, **kw)
+    monkeypatch.setattr(triton_prefill, "prefill_attention_triton", record)
+    monkeypatch.setattr(triton_prefill, "PARALLEL_COMPILE", True)
+    device = torch.device("cuda", torch.cuda.device_count() - 1)
+    wait = triton_prefill.compile_variants(16, 8, 128, 256, torch.bfloat16, torch.bfloat16, device)
+    wait()
+    torch.cuda.synchronize(device)
+    assert sorted(s[2:] for s in seen) == sorted([(2, False), (triton_prefill.SHORT_PROMPT + 1, False),
+                                                  (2, True)])
+    assert all(name.startswith("nanovllm-compile") and index == device.index for name, index, *_ in seen)
 
 
 @GPU

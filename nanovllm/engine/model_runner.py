@@ -153,11 +153,12 @@ class ModelRunner:
         ctx = Context(is_prefill=True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=seq_len,
                       max_seqlen_k=seq_len, lora=self.lora and self.lora.batch(input_ids.int()))
         positions = torch.arange(seq_len, device=self.device).repeat(num_seqs)
+        compiled = self.prefill_attention.start_warm_up(self.attention_layers[0], self.block_size, self.dtype,
+                                                        self.kv_cache_dtype)
         with forward_context(ctx):
             hidden = self.model(input_ids, positions)
         self.sampler.sample(self.model.compute_logits(hidden[cu[1:] - 1]).float(), None)
-        self.prefill_attention.warm_up(self.attention_layers[0], self.block_size, self.dtype,
-                                       self.kv_cache_dtype)
+        compiled()
         wait_for_device(self.device)
 
     def kv_bytes_per_block(self) -> int:

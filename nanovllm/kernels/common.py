@@ -1,8 +1,10 @@
 """Helpers shared by the Triton kernels: the device's SM count (for sizing grids), whether a
-launch runs in the Triton interpreter, and the fp32 -> dtype rounding that reproduces eager torch's
-intermediate casts."""
+launch runs in the Triton interpreter, calls run in threads (compiles at start-up), and the fp32 ->
+dtype rounding that reproduces eager torch's intermediate casts."""
 import functools
 import os
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import triton
@@ -21,6 +23,23 @@ def num_sms(device: torch.device) -> int:
 def interpreted(device: torch.device) -> bool:
     """Kernels on this device run in the Triton interpreter: CPU tensors (or TRITON_INTERPRET=1 on any)."""
     return device.type == "cpu" or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def in_threads(calls: list[Callable[[], None]], device: torch.device) -> Callable[[], None]:
+    """Start each call in a thread of its own (on `device`: a new thread's current CUDA device is
+    0) and return the function that waits for them all and raises the first error one raised."""
+    def on_device(call):
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        call()
+    pool = ThreadPoolExecutor(max(1, len(calls)), thread_name_prefix="nanovllm-compile")
+    futures = [pool.submit(on_device, call) for call in calls]
+    pool.shutdown(wait=False)
+
+    def wait():
+        for future in futures:
+            future.result()
+    return wait
 
 
 @triton.jit

@@ -47,13 +47,14 @@ class PrefillAttention:
     hint: str | None = None   # a faster choice this machine could have: logged by the first rank
     compile_variants: Callable | None = None   # kernels/triton_prefill.compile_variants' interface
 
-    def warm_up(self, attn, page: int, dtype: torch.dtype, kv_dtype: torch.dtype):
+    def start_warm_up(self, attn, page: int, dtype: torch.dtype, kv_dtype: torch.dtype) -> Callable[[], None]:
         """Compile the prefill kernel's variants at start-up (attn: an Attention layer, for its shapes
-        and device)."""
+        and device); returns the function that waits for compiles still running in threads."""
         device = attn.k_cache.device
         if self.compile_variants is not None and device.type == "cuda":
-            self.compile_variants(attn.num_heads, attn.num_kv_heads, attn.head_dim, page, dtype, kv_dtype,
-                                  device)
+            return self.compile_variants(attn.num_heads, attn.num_kv_heads, attn.head_dim, page, dtype,
+                                         kv_dtype, device)
+        return lambda: None
 
     def log(self, logger: logging.Logger, first_rank: bool):
         logger.info("%s", self.startup_line)
