@@ -19,9 +19,10 @@ import triton.language as tl
 
 FP8_MAX = tl.constexpr(448.0)   # a constexpr: the kernels read it
 # The block format's GEMM: "cublas", torch._scaled_mm with 1x128 activation and 128x128 weight
-# scales (cuBLASLt 12.9+ on Hopper; bf16 outputs and K / 128 a multiple of 4, else Triton), or
-# "triton" (below). cuBLASLt's is 1.2-2.1x faster from 128 rows up, and level below (H100,
-# benchmarks/fp8_gemm_probe.py --block). A module constant, so bench_with.py can compare both.
+# scales (cuBLASLt 12.9+ on Hopper; bf16 outputs, K a multiple of 512 and N of 128, as the tested
+# shapes are; else Triton), or "triton" (below). cuBLASLt's is 1.2-2.1x faster from 128 rows up,
+# and level below (H100, benchmarks/fp8_gemm_probe.py --block). A module constant, so
+# bench_with.py can compare both.
 BLOCK_GEMM = "cublas"
 # Fast accumulation for the per-channel torch._scaled_mm: the FP8 products summed in the tensor
 # cores' accumulator throughout, not promoted to fp32 registers every few k-steps (vLLM's CUTLASS
@@ -184,8 +185,8 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block: t
     token), then the FP8 GEMM."""
     shape, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
-    if (BLOCK_GEMM == "cublas" and block == (128, 128) and x.dtype == torch.bfloat16
-            and w_scale.shape[1] % 4 == 0 and not _DOT_F32):
+    if (BLOCK_GEMM == "cublas" and block == (128, 128) and x.dtype == torch.bfloat16 and not _DOT_F32
+            and k % 512 == 0 and w.shape[0] % 128 == 0):   # whole blocks, K / 128 a multiple of 4
         # cuBLASLt's block-scaled GEMM takes a multiple of 4 rows (CUBLAS_STATUS_NOT_SUPPORTED
         # otherwise): the quantized rows are padded, the padding's output rows dropped.
         # scale_a [M, K/128] stride (1, M); scale_b [K/128, N/128] stride (1, K/128)
