@@ -37,7 +37,7 @@ def test_activation_quantization_is_the_reference_bit_for_bit(m, k, group, m_maj
 
 @pytest.mark.parametrize("block", [BLOCK, None], ids=["block", "channel"])
 @pytest.mark.parametrize("m", [1, 16, 33, 256, 1000])
-@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 12288), (200, 640)])   # the last: Triton's
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 12288), (200, 640)])   # the last: the Triton GEMM
 def test_fp8_linear_matches_reference(block, m, n, k):
     from nanovllm.kernels.fp8_gemm import fp8_linear
     w, scale = quantize_weight(torch.randn(n, k, device="cuda") * 0.02, block)
@@ -48,6 +48,16 @@ def test_fp8_linear_matches_reference(block, m, n, k):
     # same FP8 inputs; the sums differ in order (and the tensor cores' fp32 accumulation) only
     assert _relative_error(out, ref) < 5e-3
     torch.testing.assert_close(out.float(), ref.float(), atol=2e-2 * ref.abs().max().item(), rtol=2e-2)
+
+
+@pytest.mark.parametrize("block", [BLOCK, None], ids=["block", "channel"])
+def test_fp8_linear_of_no_rows(block):
+    """A step with no tokens for a layer (torch._scaled_mm's checks reject cuBLASLt's block scales
+    for 0 rows, before its own early return)."""
+    from nanovllm.kernels.fp8_gemm import fp8_linear
+    w, scale = quantize_weight(torch.randn(256, 4096, device="cuda") * 0.02, block)
+    out = fp8_linear(torch.zeros(0, 4096, device="cuda", dtype=torch.bfloat16), w, scale, block)
+    assert out.shape == (0, 256) and out.dtype == torch.bfloat16
 
 
 @pytest.mark.parametrize("m", [1, 64, 256, 1000])

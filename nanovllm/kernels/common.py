@@ -32,6 +32,8 @@ def in_threads(calls: list[Callable[[], None]], device: torch.device) -> Callabl
         if device.type == "cuda":
             torch.cuda.set_device(device)
         call()
+    if device.type == "cuda":
+        triton.runtime.driver.active.get_current_device()   # Triton's driver set up here, not in a race
     pool = ThreadPoolExecutor(max(1, len(calls)), thread_name_prefix="nanovllm-compile")
     futures = [pool.submit(on_device, call) for call in calls]
     pool.shutdown(wait=False)

@@ -11,6 +11,7 @@
 Divisions are round-to-nearest (div_rn) and the FP8 cast rounds to nearest, so the quantized
 activations are the reference's bit for bit. Nothing reads a value on the host: CUDA-graph safe.
 """
+import functools
 import os
 
 import torch
@@ -84,6 +85,7 @@ def quantize_activations(x: torch.Tensor, group: int, m_major: bool = False, row
     rows than x has are left unwritten (cuBLASLt's block-scaled GEMM needs a multiple of 4)."""
     m, k = x.shape
     rows = m if rows is None else rows
+    assert rows >= m
     num_groups = triton.cdiv(k, group)
     q = torch.empty(rows, k, dtype=torch.float8_e4m3fn, device=x.device)
     if m_major:
@@ -179,14 +181,23 @@ def fp8_gemm(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, w_scale: torch
     return out
 
 
+@functools.cache
+def _cublaslt_block_scales(device: torch.device) -> bool:
+    """torch._scaled_mm's 1x128 x 128x128 block scales run here: Hopper (sm90; torch takes other
+    block layouts on sm100) with CUDA 12.9 or newer."""
+    cuda = tuple(int(v) for v in (torch.version.cuda or "0.0").split(".")[:2])
+    return torch.cuda.get_device_capability(device)[0] == 9 and cuda >= (12, 9)
+
+
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block: tuple[int, int] | None,
                bias: torch.Tensor | None = None) -> torch.Tensor:
     """x: [..., K] -> [..., N] in x's dtype: the activations quantized (per token group of bk, or per
     token), then the FP8 GEMM."""
     shape, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
-    if (BLOCK_GEMM == "cublas" and block == (128, 128) and x.dtype == torch.bfloat16 and not _DOT_F32
-            and k % 512 == 0 and w.shape[0] % 128 == 0):   # whole blocks, K / 128 a multiple of 4
+    cublas = x.dtype == torch.bfloat16 and x2.shape[0] and not _DOT_F32
+    if (cublas and BLOCK_GEMM == "cublas" and block == (128, 128) and k % 512 == 0 and w.shape[0] % 128 == 0
+            and _cublaslt_block_scales(x.device)):   # whole blocks, K / 128 a multiple of 4
         # cuBLASLt's block-scaled GEMM takes a multiple of 4 rows (CUBLAS_STATUS_NOT_SUPPORTED
         # otherwise): the quantized rows are padded, the padding's output rows dropped.
         # scale_a [M, K/128] stride (1, M); scale_b [K/128, N/128] stride (1, K/128)
@@ -195,7 +206,7 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block: t
         y = torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=w_scale.t(), out_dtype=x.dtype)[:x2.shape[0]]
         return (y if bias is None else y + bias).view(*shape, w.shape[0])
     xq, xs = quantize_activations(x2, k if block is None else block[1])
-    if block is None and x.dtype == torch.bfloat16 and x2.shape[0] and not _DOT_F32:
+    if cublas and block is None and k % 16 == 0 and w.shape[0] % 16 == 0:   # _scaled_mm's alignment
         # cuBLASLt's FP8 GEMM with row-wise scales: scale_a [M, 1], scale_b [1, N]
         y = torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=w_scale.view(1, -1), out_dtype=x.dtype,
                              use_fast_accum=FAST_ACCUM)
