@@ -5,6 +5,7 @@ cache folder: an empty one compiles every variant from scratch (a fresh machine'
 the same folder again shows the warm cost. Same engine options as bench.py.
 
     PYTHONPATH=. python benchmarks/startup_compiles.py [--kv-cache-dtype fp8] [--triton-cache DIR]
+        [--set MODULE.NAME=VALUE ...]
 """
 import argparse
 import json
@@ -21,6 +22,10 @@ def parse_args():
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"])
     p.add_argument("--triton-cache", help="TRITON_CACHE_DIR for this run (set before Triton loads)")
     p.add_argument("--max-num-seqs", type=int, help="engine's max_num_seqs (default: the engine's)")
+    p.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE",
+                   help="set a module constant first, as bench_with.py does (e.g. "
+                        "nanovllm.kernels.triton_prefill.PARALLEL_COMPILE=True: compiles in threads "
+                        "then overlap, and the per-compile seconds add up to more than the phase's)")
     p.add_argument("--json", help="write the figures here")
     return p.parse_args()
 
@@ -101,9 +106,11 @@ def main():
         os.environ["TRITON_CACHE_DIR"] = args.triton_cache   # before Triton reads it
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from bench import DEFAULT_MODEL
+    from bench_with import set_knobs
     from nanovllm import LLM
     from nanovllm.engine import decode_graphs, model_runner
 
+    set_knobs(args.set)
     log = CompileLog()
     log.install()
     capture_seconds = {}
