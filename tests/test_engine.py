@@ -1,5 +1,6 @@
 """End to end on a tiny random Qwen3: every greedy token is an argmax of transformers' logits."""
 import pytest
+import torch
 
 from conftest import EOS, HFOracle, make_model, random_prompts
 from nanovllm import LLM, CompletionOutput, RequestOutput, SamplingParams
@@ -201,3 +202,22 @@ def test_partial_block_prefix_hits_copy_rows_and_keep_the_tokens(qwen3_dir, orac
     assert [c.num_tokens for c in copies] == [26, 35] and computed == [20, 1]
     assert [o.num_cached_tokens for o in outs] == [90, 99]
     check(oracle, prompts, outs)
+
+
+def test_prefill_and_decode_pass_the_qk_kernel_one_index_dtype(qwen3_dir, monkeypatch):
+    """Prefill positions and slots are int32, as decode's are: on CUDA the q/k norm + rotary + store
+    kernel then has one variant for both (int64 prefill positions compiled a variant of their own on
+    a cold process's first request)."""
+    from nanovllm.layers import attention
+    seen, real = set(), attention.qk_norm_rope_store
+
+    def record(*args, **kwargs):
+        positions, slots = args[5], args[6]
+        if slots is not None and slots.numel():
+            seen.add((positions.dtype, slots.dtype))
+        return real(*args, **kwargs)
+    monkeypatch.setattr(attention, "qk_norm_rope_store", record)
+    llm = LLM(qwen3_dir, kvcache_block_size=16, num_kvcache_blocks=32, enforce_eager=True)
+    llm.generate(random_prompts(2, [5, 40], seed=9), SamplingParams(temperature=0, max_tokens=3),
+                 use_tqdm=False)
+    assert seen == {(torch.int32, torch.int32)}

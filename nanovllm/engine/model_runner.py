@@ -152,7 +152,7 @@ class ModelRunner:
         # LoRA: all tokens in slot 0 (empty), so its prefill kernels compile now and count in the peak
         ctx = Context(is_prefill=True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=seq_len,
                       max_seqlen_k=seq_len, lora=self.lora and self.lora.batch(input_ids.int()))
-        positions = torch.arange(seq_len, device=self.device).repeat(num_seqs)
+        positions = torch.arange(seq_len, dtype=torch.int32, device=self.device).repeat(num_seqs)
         compiled = self.prefill_attention.start_warm_up(self.attention_layers[0], self.block_size, self.dtype,
                                                         self.kv_cache_dtype)
         with forward_context(ctx):
@@ -264,7 +264,7 @@ class ModelRunner:
                       slot_mapping=self._tensor(slots, torch.int32),
                       block_tables=block_tables, kv_slots=kv_slots,
                       lora=self.lora and self.lora.prefill_batch(step, self.device))
-        return (self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64), ctx,
+        return (self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int32), ctx,
                 self._tensor(logits_indices, torch.int64))
 
     def decode_forward(self, inputs: DecodeInputs) -> torch.Tensor:
