@@ -5,7 +5,7 @@ cache folder: an empty one compiles every variant from scratch (a fresh machine'
 the same folder again shows the warm cost. Same engine options as bench.py.
 
     PYTHONPATH=. python benchmarks/startup_compiles.py [--kv-cache-dtype fp8] [--triton-cache DIR]
-        [--set MODULE.NAME=VALUE ...]
+        [--set MODULE.NAME=VALUE ...] [--first-generate N]
 """
 import argparse
 import json
@@ -14,6 +14,9 @@ import re
 import sys
 import time
 from collections import defaultdict
+
+
+AFTER_START = ("first generate", "repeated prompts")   # --first-generate's phases
 
 
 def parse_args():
@@ -26,6 +29,10 @@ def parse_args():
                    help="set a module constant first, as bench_with.py does (e.g. "
                         "nanovllm.kernels.triton_prefill.PARALLEL_COMPILE=True: compiles in threads "
                         "then overlap, and the per-compile seconds add up to more than the phase's)")
+    p.add_argument("--first-generate", type=int, default=0, metavar="N",
+                   help="then generate bench.py's workload of N prompts (64 tokens each, twice: the second "
+                        "run repeats the prompts, prefix-cache hits): what compiles on a cold process's "
+                        "first requests, after start-up")
     p.add_argument("--json", help="write the figures here")
     return p.parse_args()
 
@@ -105,7 +112,8 @@ def main():
         os.makedirs(args.triton_cache, exist_ok=True)
         os.environ["TRITON_CACHE_DIR"] = args.triton_cache   # before Triton reads it
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from bench import DEFAULT_MODEL
+    from bench import DEFAULT_MODEL, workload
+    from nanovllm import SamplingParams
     from bench_with import set_knobs
     from nanovllm import LLM
     from nanovllm.engine import decode_graphs, model_runner
@@ -141,10 +149,16 @@ def main():
               kv_cache_dtype=args.kv_cache_dtype, **options)
     startup = time.perf_counter() - t
     phases = llm.model_runner.startup_seconds
-    compiled = sum(s for _, _, s, _ in log.records)
+    if args.first_generate:
+        prompts, _ = workload(args.first_generate, 1024, 100, 0.6)
+        params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=64)
+        for run in AFTER_START:
+            log.phase = run
+            llm.generate(prompts, params, use_tqdm=False)
+    at_start = [s for _, _, s, p in log.records if p not in AFTER_START]
     print(f"KV cache {args.kv_cache_dtype}, Triton cache {args.triton_cache or 'default'}: start-up "
           f"{startup:.1f} s ({', '.join(f'{k} {v:.2f} s' for k, v in phases.items())}); "
-          f"{len(log.records)} Triton compiles/loads, {compiled:.2f} s")
+          f"{len(at_start)} Triton compiles/loads, {sum(at_start):.2f} s")
     arg_names = kernel_arg_names()
     print(f"{'kernel':34s} {'variants':>8s} {'seconds':>8s}  what tells the variants apart")
     kernels = sorted(log.by_kernel().items(), key=lambda kv: -sum(s for _, s in kv[1]))
