@@ -3,10 +3,11 @@ reference (kernels/fp8_reference.py): the activation quantization bit for bit, t
 per-channel GEMMs, and the fused MoE with FP8 experts. tests/test_fp8_gpu.py runs them compiled."""
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import interp, run_interpreted_tests
 
-from nanovllm.kernels.fp8_reference import (fp8_linear_ref, fused_moe_fp8_ref, quantize_activations,
-                                            quantize_weight)
+from nanovllm.kernels.fp8_reference import (dequantize_weight, fp8_linear_ref, fused_moe_fp8_ref,
+                                            quantize_activations, quantize_weight)
 from nanovllm.kernels.moe_reference import select_experts
 
 
@@ -71,6 +72,50 @@ def test_interp_fp8_gemm_matches_reference(m, n, k, block, monkeypatch):
     assert out.shape == (2, m, n)
     want = fp8_linear_ref(x.view(-1, k), w, scale, block, bias).view(2, m, n)
     torch.testing.assert_close(out, want, atol=1e-4, rtol=1e-4)
+
+
+@interp
+@pytest.mark.parametrize("m", [0, 1, 3, 4, 6])
+def test_interp_cublas_block_path_pads_rows_and_lays_scales_out_as_cublaslt_takes_them(m, monkeypatch):
+    """fp8_linear's torch._scaled_mm call for the block format, checked on the CPU against a stand-in
+    that asserts what torch's 1x128 x 128x128 check and cuBLASLt require (rows a multiple of 4,
+    activation scales [rows, K/128] M-major, weight scales [K/128, N/128] K-major) and computes the
+    block-scaled product; the padding's rows must not reach the output."""
+    from nanovllm.kernels import fp8_gemm
+    n, k = 256, 512
+    g = torch.Generator().manual_seed(m)
+    w, scale = quantize_weight(torch.randn(n, k, generator=g) * 0.1, (128, 128))
+    x = (torch.randn(m, k, generator=g) * 3).to(torch.bfloat16)
+    calls = []
+
+    def scaled_mm(a, b, scale_a, scale_b, out_dtype):
+        rows = a.shape[0]
+        assert rows % 4 == 0 and rows >= m and b.shape == (k, n) and b.stride() == (1, k)
+        assert scale_a.shape == (rows, k // 128) and scale_a.stride() == (1, rows)
+        assert scale_b.shape == (k // 128, n // 128) and scale_b.stride() == (1, k // 128)
+        a_deq = (a.float().view(rows, -1, 128) * scale_a[:, :, None]).view(rows, k)
+        calls.append(rows)
+        return (a_deq @ dequantize_weight(b.t(), scale_b.t(), (128, 128), torch.float32).t()).to(out_dtype)
+    def reference_quantization(x, group, m_major=False, rows=None):
+        # (the interpreter's FP8 cast is off for a few values: see check_quantization, which tests the
+        # kernel's m_major and rows layouts)
+        if not len(x):
+            groups = -(-x.shape[1] // group)
+            return torch.empty(0, x.shape[1], dtype=torch.float8_e4m3fn), torch.empty(0, groups)
+        q, s = quantize_activations(x, group)
+        q, s = (F.pad(t.float(), (0, 0, 0, (rows or len(x)) - len(x))) for t in (q, s))
+        return q.to(torch.float8_e4m3fn), (s.t().contiguous().t() if m_major else s)
+    monkeypatch.setattr(fp8_gemm, "quantize_activations", reference_quantization)
+    monkeypatch.setattr(fp8_gemm, "_DOT_F32", False)   # the cuBLASLt branch
+    monkeypatch.setattr(fp8_gemm, "_cublaslt_block_scales", lambda device: True)
+    monkeypatch.setattr(torch, "_scaled_mm", scaled_mm)
+    bias = torch.randn(n, generator=g).to(torch.bfloat16)
+    out = fp8_gemm.fp8_linear(x.view(1, m, k), w, scale, (128, 128), bias)
+    assert out.shape == (1, m, n) and out.dtype == torch.bfloat16
+    assert calls == ([-(-m // 4) * 4] if m else [])   # no rows: the Triton path, no _scaled_mm
+    if m:
+        want = fp8_linear_ref(x, w, scale, (128, 128), bias)
+        torch.testing.assert_close(out[0], want, atol=1e-2, rtol=1e-2)
 
 
 @interp
