@@ -3,10 +3,12 @@
 
     quantize kernel   x [M, K] -> x_fp8 [M, K], scale [M, K / group]: per token and group of `group`
                       columns (the weight block's bk; per channel: the whole row), scale = amax / 448
-    block GEMM        acc += (x_fp8 tile . W_fp8 tile) * x_scale[m, g] * w_scale[n / bn, g] for each
-                      BLOCK_K = bk slice g (FP8 tensor cores, fp32 accumulation); one rounding at the end
+    block format      torch._scaled_mm with 1x128 x 128x128 block scales (cuBLASLt, Hopper, bf16);
+                      else the Triton GEMM below
     per channel       torch._scaled_mm with row-wise scales (cuBLASLt) for a bf16 output; else the
-                      same Triton GEMM with one group spanning K
+                      Triton GEMM with one group spanning K
+    Triton GEMM       acc += (x_fp8 tile . W_fp8 tile) * x_scale[m, g] * w_scale[n / bn, g] for each
+                      BLOCK_K = bk slice g (FP8 tensor cores, fp32 accumulation); one rounding at the end
 
 Divisions are round-to-nearest (div_rn) and the FP8 cast rounds to nearest, so the quantized
 activations are the reference's bit for bit. Nothing reads a value on the host: CUDA-graph safe.
