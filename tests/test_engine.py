@@ -221,3 +221,43 @@ def test_prefill_and_decode_pass_the_qk_kernel_one_index_dtype(qwen3_dir, monkey
     llm.generate(random_prompts(2, [5, 40], seed=9), SamplingParams(temperature=0, max_tokens=3),
                  use_tqdm=False)
     assert seen == {(torch.int32, torch.int32)}
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_warm_up_store_gives_every_layer_a_dummy_block_that_slot_minus_one_leaves_untouched(
+        qwen3_dir, kv_cache_dtype, monkeypatch):
+    """attention.STORE_AT_WARM_UP: within warm_up_store the warm-up forward's stores (slots -1) go to
+    a zeroed dummy block of the cache's dtype and write nothing; the layers' own caches come back,
+    and the forward's output is the one without it."""
+    from nanovllm.layers import attention
+    from nanovllm.utils.context import Context, forward_context
+    llm = LLM(qwen3_dir, kvcache_block_size=16, num_kvcache_blocks=32, kv_cache_dtype=kv_cache_dtype)
+    runner = llm.model_runner
+    layers = runner.attention_layers
+    own = [(a.k_cache, a.v_cache, a.k_scale, a.v_scale) for a in layers]
+    input_ids = torch.randint(0, 100, (24,))
+    cu = torch.tensor([0, 12, 24], dtype=torch.int32)
+    ctx = Context(is_prefill=True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=12, max_seqlen_k=12,
+                  slot_mapping=torch.full((24,), -1, dtype=torch.int32))
+    positions = torch.arange(12, dtype=torch.int32).repeat(2)
+    seen, real = [], attention.qk_norm_rope_store
+
+    def record(*args, **kwargs):
+        seen.append((args[7], args[6]))   # the cache, the slots
+        return real(*args, **kwargs)
+    monkeypatch.setattr(attention, "qk_norm_rope_store", record)
+    runner.kv_cache.zero_()   # (the test's own stores to compare: none may land anywhere)
+    with torch.inference_mode(), forward_context(ctx):
+        want = runner.model(input_ids, positions)
+        monkeypatch.setattr(attention, "STORE_AT_WARM_UP", True)
+        with attention.warm_up_store(layers, 16, runner.kv_cache_dtype, torch.device("cpu")):
+            seen.clear()
+            got = runner.model(input_ids, positions)
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+    assert len(seen) == len(layers)
+    dummy = seen[0][0]
+    assert dummy.shape == (1, 16, layers[0].num_kv_heads, layers[0].head_dim)
+    assert dummy.dtype == runner.kv_cache_dtype and not dummy.float().abs().sum()
+    assert all(cache is dummy and bool((slots == -1).all()) for cache, slots in seen)
+    assert [(a.k_cache, a.v_cache, a.k_scale, a.v_scale) for a in layers] == own
+    assert not runner.kv_cache.float().abs().sum()

@@ -89,3 +89,21 @@ def test_async_scheduling_matches_one_step_at_a_time(qwen3_dir):
         runs.append([(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs])
     assert runs[0] == runs[1]
     assert any(reason == "stop" for _, reason in runs[0]) and any(reason == "length" for _, reason in runs[0])
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_store_at_warm_up_starts_and_gives_the_same_tokens(qwen3_dir, kv_cache_dtype, monkeypatch):
+    """attention.STORE_AT_WARM_UP: the warm-up forward stores into a dummy block at slot -1 (so the
+    q/k kernel compiles the store-on variant there); the engine then runs as without it: the same
+    kernels on the same batch, so the same greedy tokens."""
+    from nanovllm.layers import attention
+    prompts = random_prompts(3, [5, 40, 100], seed=11)
+    tokens = {}
+    for on in (False, True):
+        monkeypatch.setattr(attention, "STORE_AT_WARM_UP", on)
+        llm = LLM(qwen3_dir, device="cuda", dtype="bfloat16", kvcache_block_size=16, num_kvcache_blocks=64,
+                  kv_cache_dtype=kv_cache_dtype)
+        assert all(a.k_cache.shape[0] == 64 for a in llm.model_runner.attention_layers)   # its own cache
+        tokens[on] = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+        llm.shutdown()
+    assert tokens[True] == tokens[False]

@@ -17,7 +17,7 @@ from nanovllm.engine.sampling_prep import SamplingPrep
 from nanovllm.engine.scheduler import ScheduledBatch
 from nanovllm.engine.step_input import StepInput
 from nanovllm.kernels import paged_kv_slots
-from nanovllm.layers.attention import Attention
+from nanovllm.layers.attention import Attention, warm_up_store
 from nanovllm.layers.prefill_attention import select_prefill_attention
 from nanovllm.layers.fp8 import finish_loading, prepare_fp8
 from nanovllm.layers.sampler import Sampler
@@ -151,11 +151,13 @@ class ModelRunner:
         input_ids = torch.zeros(num_seqs * seq_len, dtype=torch.int64, device=self.device)
         # LoRA: all tokens in slot 0 (empty), so its prefill kernels compile now and count in the peak
         ctx = Context(is_prefill=True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=seq_len,
-                      max_seqlen_k=seq_len, lora=self.lora and self.lora.batch(input_ids.int()))
+                      max_seqlen_k=seq_len, lora=self.lora and self.lora.batch(input_ids.int()),
+                      slot_mapping=torch.full_like(input_ids, -1, dtype=torch.int32))   # stored nowhere
         positions = torch.arange(seq_len, dtype=torch.int32, device=self.device).repeat(num_seqs)
         compiled = self.prefill_attention.start_warm_up(self.attention_layers[0], self.block_size, self.dtype,
                                                         self.kv_cache_dtype)
-        with forward_context(ctx):
+        with forward_context(ctx), warm_up_store(self.attention_layers, self.block_size, self.kv_cache_dtype,
+                                                 self.device):
             hidden = self.model(input_ids, positions)
         self.sampler.sample(self.model.compute_logits(hidden[cu[1:] - 1]).float(), None)
         compiled()

@@ -1,3 +1,5 @@
+from contextlib import contextmanager
+
 import torch
 from torch import nn
 
@@ -11,6 +13,12 @@ from nanovllm.utils.context import get_context
 # the first prefill's largest |K| is stored as 200 and |V| as 100, headroom below e4m3's 448 for
 # larger values later.
 K_SCALE_DIVISOR, V_SCALE_DIVISOR = 200.0, 100.0
+# The warm-up forward runs before the KV cache exists. With this on, every layer meanwhile stores
+# into one dummy block at slot -1 (which writes nothing), so the q/k norm + rotary + store kernel
+# compiles there the variant every later step runs (the store on) instead of one of its own with
+# the store off: one compile less at a cold start-up (about 1 s on an H200). Off until timed:
+# benchmarks/startup_compiles.py --set nanovllm.layers.attention.STORE_AT_WARM_UP=True
+STORE_AT_WARM_UP = False
 
 
 class Attention(nn.Module):
@@ -75,3 +83,25 @@ class Attention(nn.Module):
         store_kvcache_ref(k, v, self.k_cache, self.v_cache, ctx.slot_mapping, self.k_scale, self.v_scale)
         self.calculate_kv_scales = False
         return q, k, v
+
+
+@contextmanager
+def warm_up_store(layers: list[Attention], block_size: int, kv_dtype: torch.dtype, device: torch.device):
+    """Within (when STORE_AT_WARM_UP): every layer's cache is one zeroed block of kv_dtype (its
+    scales 1.0, 16-byte aligned as the real ones, for an FP8 cache); the layers' own after."""
+    if not STORE_AT_WARM_UP or not layers:
+        yield
+        return
+    attn = layers[0]
+    block = torch.zeros(1, block_size, attn.num_kv_heads, attn.head_dim, dtype=kv_dtype, device=device)
+    scale = torch.ones(4, device=device)[:1]
+    saved = [(layer.k_cache, layer.v_cache, layer.k_scale, layer.v_scale) for layer in layers]
+    for layer in layers:
+        layer.k_cache = layer.v_cache = block
+        if kv_dtype == torch.float8_e4m3fn:
+            layer.k_scale = layer.v_scale = scale
+    try:
+        yield
+    finally:
+        for layer, (k, v, k_scale, v_scale) in zip(layers, saved):
+            layer.k_cache, layer.v_cache, layer.k_scale, layer.v_scale = k, v, k_scale, v_scale
