@@ -5,6 +5,7 @@ from typing import NamedTuple
 
 import torch
 
+from nanovllm.engine.block_manager import cdiv
 from nanovllm.engine.step_input import StepInput
 from nanovllm.parallel.parallel_state import wait_for_device
 
@@ -30,7 +31,7 @@ class DecodeInputs(NamedTuple):
     @staticmethod
     def stride(rows: int) -> int:
         """The entries between two [rows] fields: rows, rounded up to 16 bytes."""
-        return -(-rows // _ALIGN) * _ALIGN
+        return cdiv(rows, _ALIGN) * _ALIGN
 
     @staticmethod
     def numel(rows: int, width: int) -> int:

@@ -203,7 +203,7 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block: t
         # cuBLASLt's block-scaled GEMM takes a multiple of 4 rows (CUBLAS_STATUS_NOT_SUPPORTED
         # otherwise): the quantized rows are padded, the padding's output rows dropped.
         # scale_a [M, K/128] stride (1, M); scale_b [K/128, N/128] stride (1, K/128)
-        rows = -(-x2.shape[0] // 4) * 4
+        rows = triton.cdiv(x2.shape[0], 4) * 4
         xq, xs = quantize_activations(x2, 128, m_major=True, rows=rows)
         y = torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=w_scale.t(), out_dtype=x.dtype)[:x2.shape[0]]
         return (y if bias is None else y + bias).view(*shape, w.shape[0])

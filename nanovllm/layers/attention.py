@@ -88,13 +88,14 @@ class Attention(nn.Module):
 @contextmanager
 def warm_up_store(layers: list[Attention], block_size: int, kv_dtype: torch.dtype, device: torch.device):
     """Within (when STORE_AT_WARM_UP): every layer's cache is one zeroed block of kv_dtype (its
-    scales 1.0, 16-byte aligned as the real ones, for an FP8 cache); the layers' own after."""
+    scales 1.0, a tensor of their own and so 16-byte aligned as the real ones, for an FP8 cache);
+    the layers' own after."""
     if not STORE_AT_WARM_UP or not layers:
         yield
         return
     attn = layers[0]
     block = torch.zeros(1, block_size, attn.num_kv_heads, attn.head_dim, dtype=kv_dtype, device=device)
-    scale = torch.ones(4, device=device)[:1]
+    scale = torch.ones(1, device=device)
     saved = [(layer.k_cache, layer.v_cache, layer.k_scale, layer.v_scale) for layer in layers]
     for layer in layers:
         layer.k_cache = layer.v_cache = block
