@@ -124,8 +124,25 @@ def test_interp_compile_variants_runs_every_variant(kv_dtype, monkeypatch):
                         lambda *a, **kw: calls.append((a[7], a[9] is not None)) or real(*a, **kw))
     monkeypatch.setattr(triton_prefill, "PARALLEL_COMPILE", True)   # threads only on CUDA
     wait = triton_prefill.compile_variants(4, 2, 32, 16, torch.bfloat16, kv_dtype, torch.device("cpu"))
-    assert calls == [(2, False), (triton_prefill.SHORT_PROMPT + 1, False), (2, True)]
+    # head_dim 32: new short and long prompts share a tile, so that variant runs once
+    assert calls == [(2, False), (2, True)]
     wait()
+
+
+@pytest.mark.parametrize("forward_max_q,expected", [
+    (0, [(2, False), ("long", False), (2, True)]),
+    (16384, [(2, False), (2, True)]),        # the warm-up forward compiles the long prompts' variant
+    (1000, [("long", False), (2, True)]),    # ... or the short ones'
+])
+def test_compile_variants_leaves_out_the_forwards_own(forward_max_q, expected, monkeypatch):
+    from nanovllm.kernels import triton_prefill
+    calls = []
+    monkeypatch.setattr(triton_prefill, "prefill_attention_triton",
+                        lambda *a, **kw: calls.append((a[7], a[9] is not None)))
+    triton_prefill.compile_variants(16, 8, 128, 256, torch.bfloat16, torch.bfloat16, torch.device("cpu"),
+                                    forward_max_q)()
+    long = triton_prefill.SHORT_PROMPT + 1
+    assert calls == [(long if q == "long" else q, paged) for q, paged in expected]
 
 
 def test_in_threads_runs_every_call_and_raises_the_first_error():

@@ -155,7 +155,7 @@ class ModelRunner:
                       slot_mapping=torch.full_like(input_ids, -1, dtype=torch.int32))   # stored nowhere
         positions = torch.arange(seq_len, dtype=torch.int32, device=self.device).repeat(num_seqs)
         compiled = self.prefill_attention.start_warm_up(self.attention_layers[0], self.block_size, self.dtype,
-                                                        self.kv_cache_dtype)
+                                                        self.kv_cache_dtype, seq_len)
         with forward_context(ctx), warm_up_store(self.attention_layers, self.block_size, self.kv_cache_dtype,
                                                  self.device):
             hidden = self.model(input_ids, positions)

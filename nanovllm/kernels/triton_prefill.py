@@ -184,10 +184,10 @@ TILES = {64: (128, 64, 4, 3), 256: (64, 32, 4, 2)}
 # (compute capability 9+), where the rows are laid out as the descriptors need; else plain loads. H100,
 # 2026-12-06: steps over pages 403 against 372 TFLOP/s, the long workload 1.024x (docs/attention.md).
 TMA = True
-# compile_variants in threads beside the warm-up forward (Triton's compiler releases the GIL: on 2
-# CPU cores 4 compiles took 0.28 s in 4 threads against 0.52 s one after another). Off until timed
-# on the GPU machine: cold start-up there is 16.6 s, 6.0 s of it these variants' compiles.
-PARALLEL_COMPILE = False
+# compile_variants in threads beside the warm-up forward (Triton's compiler releases the GIL). Cold
+# start-up of the 0.6B engine on an H100 (startup_compiles.py, empty Triton cache): 10.4 s one after
+# another, 7.1 s in threads.
+PARALLEL_COMPILE = True
 SHORT_PROMPT = 2048   # the longest query span that takes the "short" tile
 
 
@@ -296,16 +296,38 @@ def prefill_attention_triton_or_torch(q: torch.Tensor, k: torch.Tensor, v: torch
 
 
 def compile_variants(num_heads: int, num_kv_heads: int, head_dim: int, page: int, dtype: torch.dtype,
-                     kv_dtype: torch.dtype, device: torch.device) -> Callable[[], None]:
+                     kv_dtype: torch.dtype, device: torch.device, forward_max_q: int = 0) -> Callable[[], None]:
     """Run each tile variant a step may take once, on tiny inputs with the engine's strides (new short
     and long prompts, and a step that reads the pages in kv_dtype), so that none compiles mid-run.
-    Returns the function that waits for them: with PARALLEL_COMPILE on CUDA they run in threads, beside
-    whatever the caller does next (the warm-up forward); else here, one after another."""
+    Variants that share a tile run once, and the one of new prompts of forward_max_q tokens is left
+    out: the caller's own forward (the warm-up's) compiles it. Returns the function that waits for
+    them: with PARALLEL_COMPILE on CUDA they run in threads, beside whatever the caller does next
+    (the warm-up forward); else here, one after another."""
     q = torch.zeros(2, num_heads, head_dim, dtype=dtype, device=device)
     k = torch.zeros(2, num_kv_heads, head_dim, dtype=dtype, device=device)
     cache = torch.zeros(1, page, num_kv_heads, head_dim, dtype=kv_dtype, device=device)
     if not fits(q, cache):
         return lambda: None
+    cu, table, one = (torch.tensor(x, dtype=dt, device=device) for x, dt in
+                      (([0, 2], torch.int32), ([[0]], torch.int32), ([1.0], torch.float32)))
+
+    def run(max_q: int, paged: bool):
+        prefill_attention_triton(q, k, k, cache, cache, cu, cu, max_q, max_q, table if paged else None,
+                                 1.0, None, one, one)
+
+    def tile(max_q: int, paged: bool):   # what tells the compiled variants apart (on the GPU)
+        return tiles_for(head_dim, page if paged else None, False, max_q), paged
+    seen = {tile(forward_max_q, False)} if forward_max_q else set()
+    variants = []
+    for v in ((2, False), (SHORT_PROMPT + 1, False), (2, True)):
+        if tile(*v) not in seen:
+            seen.add(tile(*v))
+            variants.append(v)
+    if PARALLEL_COMPILE and device.type == "cuda":
+        return in_threads([functools.partial(run, *v) for v in variants], device)
+    for v in variants:
+        run(*v)
+    return lambda: None
     cu, table, one = (torch.tensor(x, dtype=dt, device=device) for x, dt in
                       (([0, 2], torch.int32), ([[0]], torch.int32), ([1.0], torch.float32)))
 

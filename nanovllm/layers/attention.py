@@ -16,9 +16,10 @@ K_SCALE_DIVISOR, V_SCALE_DIVISOR = 200.0, 100.0
 # The warm-up forward runs before the KV cache exists. With this on, every layer meanwhile stores
 # into one dummy block at slot -1 (which writes nothing), so the q/k norm + rotary + store kernel
 # compiles there the variant every later step runs (the store on) instead of one of its own with
-# the store off: one compile less at a cold start-up (about 1 s on an H200). Off until timed:
-# benchmarks/startup_compiles.py --set nanovllm.layers.attention.STORE_AT_WARM_UP=True
-STORE_AT_WARM_UP = False
+# the store off: one compile less at a cold start-up (0.6B on an H100, with PARALLEL_COMPILE:
+# 6.8 s against 7.1; `benchmarks/startup_compiles.py --set
+# nanovllm.layers.attention.STORE_AT_WARM_UP=False` times it off).
+STORE_AT_WARM_UP = True
 
 
 class Attention(nn.Module):

@@ -47,13 +47,15 @@ class PrefillAttention:
     hint: str | None = None   # a faster choice this machine could have: logged by the first rank
     compile_variants: Callable | None = None   # kernels/triton_prefill.compile_variants' interface
 
-    def start_warm_up(self, attn, page: int, dtype: torch.dtype, kv_dtype: torch.dtype) -> Callable[[], None]:
+    def start_warm_up(self, attn, page: int, dtype: torch.dtype, kv_dtype: torch.dtype,
+                      forward_max_q: int) -> Callable[[], None]:
         """Compile the prefill kernel's variants at start-up (attn: an Attention layer, for its shapes
-        and device); returns the function that waits for compiles still running in threads."""
+        and device; forward_max_q: the warm-up forward's new tokens a sequence, whose variant that
+        forward compiles); returns the function that waits for compiles still running in threads."""
         device = attn.k_cache.device
         if self.compile_variants is not None and device.type == "cuda":
             return self.compile_variants(attn.num_heads, attn.num_kv_heads, attn.head_dim, page, dtype,
-                                         kv_dtype, device)
+                                         kv_dtype, device, forward_max_q)
         return lambda: None
 
     def log(self, logger: logging.Logger, first_rank: bool):
