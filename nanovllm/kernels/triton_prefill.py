@@ -296,7 +296,8 @@ def prefill_attention_triton_or_torch(q: torch.Tensor, k: torch.Tensor, v: torch
 
 
 def compile_variants(num_heads: int, num_kv_heads: int, head_dim: int, page: int, dtype: torch.dtype,
-                     kv_dtype: torch.dtype, device: torch.device, forward_max_q: int = 0) -> Callable[[], None]:
+                     kv_dtype: torch.dtype, device: torch.device,
+                     forward_max_q: int = 0) -> Callable[[], None]:
     """Run each tile variant a step may take once, on tiny inputs with the engine's strides (new short
     and long prompts, and a step that reads the pages in kv_dtype), so that none compiles mid-run.
     Variants that share a tile run once, and the one of new prompts of forward_max_q tokens is left
