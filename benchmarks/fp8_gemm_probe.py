@@ -8,6 +8,8 @@ prefill token counts, each variant timed alone in CUDA graphs (bench_timing.grap
     triton      fp8_gemm.fp8_gemm, per channel (the fp16/fp32 path)
     quant       fp8_gemm.quantize_activations alone (the per-token quantization before each GEMM)
     fp8_linear  quantization + rw GEMM, as the model runs a layer without fused quantization
+    unit        tensor's GEMM (unit scales) + fp8_gemm.scale_out (the rows' and channels' scales after)
+    unit_lin    fp8_linear with fp8_gemm.UNIT_SCALE_MAX_M above M (quantization + unit)
 
 then for the fastest FP8 GEMM (of the four): its weight bytes per second and FLOP/s; after each
 token count the sum over the four GEMMs (a layer's GEMM time; x 36 layers for the model's). A
@@ -43,7 +45,7 @@ from nanovllm.kernels.fp8_reference import quantize_weight  # noqa: E402
 
 GEMMS = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 24576), "down": (12288, 4096)}  # K, N
 MS = [1, 8, 16, 32, 64, 128, 192, 256, 512, 16384]
-VARIANTS = ["bf16", "rw_fast", "rw_exact", "tensor", "triton", "quant", "fp8_linear"]
+VARIANTS = ["bf16", "rw_fast", "rw_exact", "tensor", "triton", "quant", "fp8_linear", "unit", "unit_lin"]
 FP8_GEMMS = ["rw_fast", "rw_exact", "tensor", "triton"]
 BLOCK_VARIANTS = ["bf16", "blk_cublas", "blk_triton", "quant", "fp8_linear"]
 BLOCK_FP8_GEMMS = ["blk_cublas", "blk_triton"]
@@ -75,7 +77,19 @@ def variants(w: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, x: torch.Tenso
         "triton": lambda: fp8_gemm(xq, xs, wq, ws, None, bf16),
         "quant": lambda: quantize_activations(x, x.shape[1]),
         "fp8_linear": lambda: fp8_linear(x, wq, ws, None),
+        "unit": lambda: fp8_kernels.scale_out(torch._scaled_mm(xq, wq.t(), scale_a=one, scale_b=one,
+                                                               out_dtype=bf16, use_fast_accum=True),
+                                              xs, ws.view(-1), None),
+        "unit_lin": lambda: unit_linear(x, wq, ws),
     }
+
+
+def unit_linear(x, wq, ws):
+    saved, fp8_kernels.UNIT_SCALE_MAX_M = fp8_kernels.UNIT_SCALE_MAX_M, 1 << 30
+    try:
+        return fp8_linear(x, wq, ws, None)
+    finally:
+        fp8_kernels.UNIT_SCALE_MAX_M = saved
 
 
 def block_variants(w: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, x: torch.Tensor) -> dict:

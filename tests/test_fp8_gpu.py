@@ -35,11 +35,15 @@ def test_activation_quantization_is_the_reference_bit_for_bit(m, k, group, m_maj
     assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
 
 
-@pytest.mark.parametrize("block", [BLOCK, None], ids=["block", "channel"])
+@pytest.mark.parametrize("block", [BLOCK, None, "unit"], ids=["block", "channel", "channel-unit-scales"])
 @pytest.mark.parametrize("m", [1, 16, 33, 256, 1000])
 @pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 12288), (200, 640)])   # the last: the Triton GEMM
-def test_fp8_linear_matches_reference(block, m, n, k):
+def test_fp8_linear_matches_reference(block, m, n, k, monkeypatch):
+    from nanovllm.kernels import fp8_gemm
     from nanovllm.kernels.fp8_gemm import fp8_linear
+    if block == "unit":   # per channel through the unit-scaled GEMM and scale_out at every size
+        monkeypatch.setattr(fp8_gemm, "UNIT_SCALE_MAX_M", 1 << 30)
+        block = None
     w, scale = quantize_weight(torch.randn(n, k, device="cuda") * 0.02, block)
     x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
     out = fp8_linear(x, w, scale, block)
@@ -82,10 +86,14 @@ def test_per_channel_triton_gemm_matches_scaled_mm():
         assert _relative_error(fp8_linear(xd, w, scale, None), fp8_linear_ref(xd, w, scale, None)) < 5e-3
 
 
-@pytest.mark.parametrize("block", [BLOCK, None], ids=["block", "channel"])
+@pytest.mark.parametrize("block", [BLOCK, None, "unit"], ids=["block", "channel", "channel-unit-scales"])
 @pytest.mark.parametrize("m", [3, 64])
-def test_fp8_linear_in_a_cuda_graph(block, m):
+def test_fp8_linear_in_a_cuda_graph(block, m, monkeypatch):
+    from nanovllm.kernels import fp8_gemm
     from nanovllm.kernels.fp8_gemm import fp8_linear
+    if block == "unit":
+        monkeypatch.setattr(fp8_gemm, "UNIT_SCALE_MAX_M", 1 << 30)
+        block = None
     w, scale = quantize_weight(torch.randn(2048, 4096, device="cuda") * 0.02, block)
     x = torch.randn(m, 4096, device="cuda").to(torch.bfloat16)
     eager = fp8_linear(x, w, scale, block)

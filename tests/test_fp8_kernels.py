@@ -119,6 +119,43 @@ def test_interp_cublas_block_path_pads_rows_and_lays_scales_out_as_cublaslt_take
 
 
 @interp
+@pytest.mark.parametrize("m,n,bias", [(0, 48, False), (1, 48, True), (5, 2112, False), (3, 2112, True)])
+def test_interp_unit_scale_path_scales_rows_and_channels_after_the_gemm(m, n, bias, monkeypatch):
+    """fp8_linear's per-channel path at most UNIT_SCALE_MAX_M rows: torch._scaled_mm (a stand-in that
+    asserts unit per-tensor scales and computes the FP8 product) then scale_out, the rows' and channels'
+    scales (and the bias) applied in place: the reference's output. Above it: row-wise scales."""
+    from nanovllm.kernels import fp8_gemm
+    k = 64
+    g = torch.Generator().manual_seed(m + n)
+    w, scale = quantize_weight(torch.randn(n, k, generator=g) * 0.1, None)
+    x = (torch.randn(m, k, generator=g) * 3).to(torch.bfloat16)
+    b = torch.randn(n, generator=g).to(torch.bfloat16) if bias else None
+    calls = []
+
+    def scaled_mm(a, w_t, scale_a, scale_b, out_dtype, use_fast_accum):
+        calls.append("unit" if scale_a.dim() == 0 else "row-wise")
+        assert scale_a.dim() == 0 or scale_a.shape == (a.shape[0], 1)
+        assert scale_a.dim() != 0 or (scale_a.item() == scale_b.item() == 1.0 and scale_b.dim() == 0)
+        return ((a.float() * scale_a) @ (w_t.float() * scale_b)).to(out_dtype)
+    monkeypatch.setattr(fp8_gemm, "quantize_activations",   # the reference's (see above)
+                        lambda x, group: quantize_activations(x, group) if len(x) else
+                        (x.to(torch.float8_e4m3fn), torch.empty(0, 1)))
+    monkeypatch.setattr(fp8_gemm, "_DOT_F32", False)   # the cuBLASLt branch
+    monkeypatch.setattr(fp8_gemm, "_unit_scale", lambda device: torch.ones(()))
+    monkeypatch.setattr(torch, "_scaled_mm", scaled_mm)
+    want = (fp8_linear_ref(x.float(), w, scale, None, None if b is None else b.float()) if m
+            else torch.empty(0, n))
+    for max_m, path in ((8, "unit"), (0, "row-wise")):
+        monkeypatch.setattr(fp8_gemm, "UNIT_SCALE_MAX_M", max_m)
+        calls.clear()
+        out = fp8_gemm.fp8_linear(x.view(1, m, k), w, scale, None, b)
+        assert out.shape == (1, m, n) and out.dtype == torch.bfloat16
+        assert calls == ([path] if m else [])
+        # (the unit path rounds the unscaled product to bf16 first: twice a bf16 rounding at most)
+        torch.testing.assert_close(out[0].float(), want, atol=2e-2, rtol=2 ** -7)
+
+
+@interp
 @pytest.mark.parametrize("num_tokens,block", [(1, (128, 128)), (13, (128, 128)), (37, None), (5, (32, 32))])
 def test_interp_fused_moe_fp8_matches_reference(num_tokens, block, monkeypatch):
     from nanovllm.kernels import fused_moe

@@ -39,6 +39,12 @@ ONE_PASS_MAX = 16384
 # many columns in all: one program of 1 x 128 each was launch-bound (318 us for 16,384 x 4,096 on an
 # H100, where the bytes take 45). 1: a program a group, for A/Bs.
 GROUP_TILE = 4096
+# Per-channel GEMMs of up to this many rows run cuBLASLt's per-tensor FP8 GEMM with unit scales, then
+# _scale_out_kernel applies the rows' and channels' scales (and the bias) to its bf16 output: at decode
+# sizes cuBLASLt's row-wise GEMM read an 8B layer's weights at 1.3-2.6 TB/s where its per-tensor one
+# read them at 2.9-3.7 (H200, benchmarks/fp8_gemm_probe.py: a layer's four GEMMs 91.2 against 55.9 us
+# at 8 rows, 105.6 against 85.9 at 256). 0: row-wise at every size. Off until timed in the engine.
+UNIT_SCALE_MAX_M = 0
 # Under the interpreter (tests on CPU) tl.dot on FP8 is not emulated: the tiles go through fp32.
 _DOT_F32 = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -184,11 +190,41 @@ def fp8_gemm(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, w_scale: torch
 
 
 @functools.cache
+@functools.cache
+def _unit_scale(device: torch.device) -> torch.Tensor:
+    return torch.ones((), dtype=torch.float32, device=device)
+
+
 def _cublaslt_block_scales(device: torch.device) -> bool:
     """torch._scaled_mm's 1x128 x 128x128 block scales run here: Hopper (sm90; torch takes other
     block layouts on sm100) with CUDA 12.9 or newer."""
     cuda = tuple(int(v) for v in (torch.version.cuda or "0.0").split(".")[:2])
     return torch.cuda.get_device_capability(device)[0] == 9 and cuda >= (12, 9)
+
+
+@triton.jit
+def _scale_out_kernel(y_ptr, xs_ptr, ws_ptr, b_ptr, N, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    # program (row, c): y[row, c*BLOCK ...] = y * xs[row] * ws[col] (+ bias[col]), in place, rounded once
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < N
+    y = tl.load(y_ptr + row * N + cols, mask=ok, other=0.0).to(tl.float32)
+    y = y * tl.load(xs_ptr + row) * tl.load(ws_ptr + cols, mask=ok, other=0.0)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    tl.store(y_ptr + row * N + cols, y.to(y_ptr.dtype.element_ty), mask=ok)
+
+
+def scale_out(y: torch.Tensor, xs: torch.Tensor, ws: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """y [M, N] (contiguous; the unit-scaled GEMM's output) times xs [M, 1] row by row and ws [N]
+    column by column, plus bias, in place."""
+    m, n = y.shape
+    if m:
+        block = min(1024, triton.next_power_of_2(n))
+        _scale_out_kernel[(m, triton.cdiv(n, block))](y, xs, ws, y if bias is None else bias, n,
+                                                         HAS_BIAS=bias is not None, BLOCK=block,
+                                                         num_warps=4)
+    return y
 
 
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block: tuple[int, int] | None,
@@ -209,6 +245,11 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block: t
         return (y if bias is None else y + bias).view(*shape, w.shape[0])
     xq, xs = quantize_activations(x2, k if block is None else block[1])
     if cublas and block is None and k % 16 == 0 and w.shape[0] % 16 == 0:   # _scaled_mm's alignment
+        one = _unit_scale(x.device)   # (made at the first, eager call: the warm-up, before any graph)
+        if x2.shape[0] <= UNIT_SCALE_MAX_M:   # per tensor, unit scales; then the scales and bias
+            y = torch._scaled_mm(xq, w.t(), scale_a=one, scale_b=one, out_dtype=x.dtype,
+                                 use_fast_accum=FAST_ACCUM)
+            return scale_out(y, xs, w_scale.view(-1), bias).view(*shape, w.shape[0])
         # cuBLASLt's FP8 GEMM with row-wise scales: scale_a [M, 1], scale_b [1, N]
         y = torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=w_scale.view(1, -1), out_dtype=x.dtype,
                              use_fast_accum=FAST_ACCUM)
