@@ -33,12 +33,13 @@ def emulate_activation_rounding():
     GPU kernels do, so a CPU run measures what the GPU path computes, up to the GEMM's sum order."""
     from nanovllm.kernels.fp8_reference import dequantize_weight, round_trip_activations
 
-    def apply(self, layer, x, bias):
+    def apply(self, layer, x, bias, into=None):
         x2 = x.reshape(-1, x.shape[-1]).float()
         xr = round_trip_activations(x2, x2.shape[-1] if self.block is None else self.block[1])
         w = dequantize_weight(layer.weight, layer.weight_scale, self.block, torch.float32)
         y = torch.nn.functional.linear(xr, w).to(x.dtype)
-        return (y if bias is None else y + bias).view(*x.shape[:-1], -1)
+        y = (y if bias is None else y + bias).view(*x.shape[:-1], -1)
+        return y if into is None else into.add_(y)
     fp8_layers.Fp8Linear.apply = apply
 
 

@@ -54,6 +54,23 @@ def test_fp8_linear_matches_reference(block, m, n, k, monkeypatch):
     torch.testing.assert_close(out.float(), ref.float(), atol=2e-2 * ref.abs().max().item(), rtol=2e-2)
 
 
+@pytest.mark.parametrize("block", [BLOCK, None, "unit"], ids=["block", "channel", "channel-unit-scales"])
+@pytest.mark.parametrize("m", [3, 256])
+def test_fp8_linear_adds_into_the_residual_in_place(block, m, monkeypatch):
+    """into=: RowParallelLinear's residual stream (o_proj, down_proj), the output added into it."""
+    from nanovllm.kernels import fp8_gemm
+    if block == "unit":
+        monkeypatch.setattr(fp8_gemm, "UNIT_SCALE_MAX_M", 1 << 30)
+        block = None
+    w, scale = quantize_weight(torch.randn(4096, 12288, device="cuda") * 0.02, block)
+    x = torch.randn(m, 12288, device="cuda").to(torch.bfloat16)
+    h = torch.randn(m, 4096, device="cuda").to(torch.bfloat16)
+    into = h.clone()
+    out = fp8_gemm.fp8_linear(x, w, scale, block, into=into)
+    assert out is into
+    assert _relative_error(out.float() - h.float(), fp8_linear_ref(x, w, scale, block)) < 5e-3
+
+
 @pytest.mark.parametrize("block", [BLOCK, None], ids=["block", "channel"])
 def test_fp8_linear_of_no_rows(block):
     """A step with no tokens for a layer (torch._scaled_mm's checks reject cuBLASLt's block scales

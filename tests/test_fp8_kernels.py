@@ -119,11 +119,14 @@ def test_interp_cublas_block_path_pads_rows_and_lays_scales_out_as_cublaslt_take
 
 
 @interp
-@pytest.mark.parametrize("m,n,bias", [(0, 48, False), (1, 48, True), (5, 2112, False), (3, 2112, True)])
-def test_interp_unit_scale_path_scales_rows_and_channels_after_the_gemm(m, n, bias, monkeypatch):
+@pytest.mark.parametrize("m,n,bias,residual", [(0, 48, False, True), (1, 48, True, False),
+                                              (5, 2112, False, True), (3, 2112, True, False),
+                                              (4, 64, False, False)])
+def test_interp_unit_scale_path_scales_rows_and_channels_after_the_gemm(m, n, bias, residual, monkeypatch):
     """fp8_linear's per-channel path at most UNIT_SCALE_MAX_M rows: torch._scaled_mm (a stand-in that
     asserts unit per-tensor scales and computes the FP8 product) then scale_out, the rows' and channels'
-    scales (and the bias) applied in place: the reference's output. Above it: row-wise scales."""
+    scales (and the bias) applied in place, or added into the residual (into=) in place: the
+    reference's output. Above it: row-wise scales."""
     from nanovllm.kernels import fp8_gemm
     k = 64
     g = torch.Generator().manual_seed(m + n)
@@ -145,14 +148,18 @@ def test_interp_unit_scale_path_scales_rows_and_channels_after_the_gemm(m, n, bi
     monkeypatch.setattr(torch, "_scaled_mm", scaled_mm)
     want = (fp8_linear_ref(x.float(), w, scale, None, None if b is None else b.float()) if m
             else torch.empty(0, n))
+    h = torch.randn(m, n, generator=g).to(torch.bfloat16)
     for max_m, path in ((8, "unit"), (0, "row-wise")):
         monkeypatch.setattr(fp8_gemm, "UNIT_SCALE_MAX_M", max_m)
         calls.clear()
-        out = fp8_gemm.fp8_linear(x.view(1, m, k), w, scale, None, b)
+        into = h.clone().view(1, m, n) if residual else None
+        out = fp8_gemm.fp8_linear(x.view(1, m, k), w, scale, None, b, into)
         assert out.shape == (1, m, n) and out.dtype == torch.bfloat16
         assert calls == ([path] if m else [])
+        assert into is None or out is into
         # (the unit path rounds the unscaled product to bf16 first: twice a bf16 rounding at most)
-        torch.testing.assert_close(out[0].float(), want, atol=2e-2, rtol=2 ** -7)
+        torch.testing.assert_close(out[0].float(), want + (h.float() if residual else 0), atol=3e-2,
+                                   rtol=2 ** -7)
 
 
 @interp

@@ -203,8 +203,9 @@ def _cublaslt_block_scales(device: torch.device) -> bool:
 
 
 @triton.jit
-def _scale_out_kernel(y_ptr, xs_ptr, ws_ptr, b_ptr, N, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
-    # program (row, c): y[row, c*BLOCK ...] = y * xs[row] * ws[col] (+ bias[col]), in place, rounded once
+def _scale_out_kernel(y_ptr, xs_ptr, ws_ptr, b_ptr, o_ptr, N, HAS_BIAS: tl.constexpr, ADD: tl.constexpr,
+                      BLOCK: tl.constexpr):
+    # program (row, c): o[row, c*BLOCK ...] (+)= y * xs[row] * ws[col] (+ bias[col]), rounded once
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < N
@@ -212,25 +213,35 @@ def _scale_out_kernel(y_ptr, xs_ptr, ws_ptr, b_ptr, N, HAS_BIAS: tl.constexpr, B
     y = y * tl.load(xs_ptr + row) * tl.load(ws_ptr + cols, mask=ok, other=0.0)
     if HAS_BIAS:
         y += tl.load(b_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-    tl.store(y_ptr + row * N + cols, y.to(y_ptr.dtype.element_ty), mask=ok)
+    if ADD:
+        y += tl.load(o_ptr + row * N + cols, mask=ok, other=0.0).to(tl.float32)
+    tl.store(o_ptr + row * N + cols, y.to(o_ptr.dtype.element_ty), mask=ok)
 
 
-def scale_out(y: torch.Tensor, xs: torch.Tensor, ws: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def scale_out(y: torch.Tensor, xs: torch.Tensor, ws: torch.Tensor, bias: torch.Tensor | None,
+              into: torch.Tensor | None = None) -> torch.Tensor:
     """y [M, N] (contiguous; the unit-scaled GEMM's output) times xs [M, 1] row by row and ws [N]
-    column by column, plus bias, in place."""
+    column by column, plus bias: in place, or added into `into` (contiguous [M, N]) in place."""
     m, n = y.shape
+    out = y if into is None else into
     if m:
         block = min(1024, triton.next_power_of_2(n))
-        _scale_out_kernel[(m, triton.cdiv(n, block))](y, xs, ws, y if bias is None else bias, n,
-                                                         HAS_BIAS=bias is not None, BLOCK=block,
-                                                         num_warps=4)
-    return y
+        _scale_out_kernel[(m, triton.cdiv(n, block))](y, xs, ws, y if bias is None else bias, out, n,
+                                                         HAS_BIAS=bias is not None, ADD=into is not None,
+                                                         BLOCK=block, num_warps=4)
+    return out
+
+
+def _finish(y: torch.Tensor, bias: torch.Tensor | None, into: torch.Tensor | None, shape) -> torch.Tensor:
+    y = y if bias is None else y + bias
+    return y.view(*shape, y.shape[-1]) if into is None else into.add_(y.view(into.shape))
 
 
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block: tuple[int, int] | None,
-               bias: torch.Tensor | None = None) -> torch.Tensor:
+               bias: torch.Tensor | None = None, into: torch.Tensor | None = None) -> torch.Tensor:
     """x: [..., K] -> [..., N] in x's dtype: the activations quantized (per token group of bk, or per
-    token), then the FP8 GEMM."""
+    token), then the FP8 GEMM; into ([..., N], contiguous): the output added into it in place (the
+    residual stream), and returned."""
     shape, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
     cublas = x.dtype == torch.bfloat16 and x2.shape[0] and not _DOT_F32
@@ -242,19 +253,18 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block: t
         rows = triton.cdiv(x2.shape[0], 4) * 4
         xq, xs = quantize_activations(x2, 128, m_major=True, rows=rows)
         y = torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=w_scale.t(), out_dtype=x.dtype)[:x2.shape[0]]
-        return (y if bias is None else y + bias).view(*shape, w.shape[0])
+        return _finish(y, bias, into, shape)
     xq, xs = quantize_activations(x2, k if block is None else block[1])
     if cublas and block is None and k % 16 == 0 and w.shape[0] % 16 == 0:   # _scaled_mm's alignment
         one = _unit_scale(x.device)   # (made at the first, eager call: the warm-up, before any graph)
-        if x2.shape[0] <= UNIT_SCALE_MAX_M:   # per tensor, unit scales; then the scales and bias
+        if x2.shape[0] <= UNIT_SCALE_MAX_M:   # per tensor, unit scales; then the scales, bias, residual
             y = torch._scaled_mm(xq, w.t(), scale_a=one, scale_b=one, out_dtype=x.dtype,
                                  use_fast_accum=FAST_ACCUM)
-            return scale_out(y, xs, w_scale.view(-1), bias).view(*shape, w.shape[0])
+            out = scale_out(y, xs, w_scale.view(-1), bias, None if into is None else into.view(y.shape))
+            return out.view(*shape, w.shape[0]) if into is None else into
         # cuBLASLt's FP8 GEMM with row-wise scales: scale_a [M, 1], scale_b [1, N]
         y = torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=w_scale.view(1, -1), out_dtype=x.dtype,
                              use_fast_accum=FAST_ACCUM)
     else:
         y = fp8_gemm(xq, xs, w, w_scale, block, x.dtype)
-    if bias is not None:
-        y = y + bias
-    return y.view(*shape, w.shape[0])
+    return _finish(y, bias, into, shape)

@@ -42,10 +42,13 @@ class Fp8Linear:
     def __init__(self, block: tuple[int, int] | None):
         self.block = block
 
-    def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None,
+              into: torch.Tensor | None = None) -> torch.Tensor:
+        """x W^T (+ bias); into: added into it in place (the residual stream), and returned."""
         if _on_gpu_kernels(x):
-            return fp8_linear(x, layer.weight, layer.weight_scale, self.block, bias)
-        return F.linear(x, dequantize_weight(layer.weight, layer.weight_scale, self.block, x.dtype), bias)
+            return fp8_linear(x, layer.weight, layer.weight_scale, self.block, bias, into)
+        y = F.linear(x, dequantize_weight(layer.weight, layer.weight_scale, self.block, x.dtype), bias)
+        return y if into is None else into.add_(y)
 
 
 class Fp8MoE:

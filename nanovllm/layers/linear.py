@@ -48,8 +48,13 @@ class LinearBase(nn.Module):
             loaded = _shard(loaded, self.tp_dim, param.size(self.tp_dim), self.tp_rank, self.tp_size)
         default_weight_loader(param, loaded)
 
-    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return F.linear(x, self.weight, bias) if self.quant is None else self.quant.apply(self, x, bias)
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None,
+               into: torch.Tensor | None = None) -> torch.Tensor:
+        """x W^T (+ bias); into (no bias): the product added into it in place (the GEMM's C, beta 1),
+        and returned."""
+        if self.quant is not None:
+            return self.quant.apply(self, x, bias, into)
+        return F.linear(x, self.weight, bias) if into is None else into.addmm_(x, self.weight.t())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.lora is not None and self.lora.folds():
@@ -112,19 +117,14 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         # The bias is added once, after the sum, not on every rank. residual (the same on every
         # rank): added to the output; without a bias it is rank 0's GEMM's C (beta 1), updated in
-        # place, so the sum over ranks holds it once: no add kernel (an FP8 GEMM: added after it;
-        # a folded LoRA layer: added by its expand kernel, in place).
+        # place, so the sum over ranks holds it once: no add kernel (an FP8 GEMM: added by its
+        # scale_out kernel, or after it; a folded LoRA layer: added by its expand kernel, in place).
         into = residual if residual is not None and self.bias is None else None
         own = into if self.tp_rank == 0 else None
         if self.lora is not None and self.lora.folds():
             y = self.lora.folded_linear(x, own)
         else:
-            if own is None:
-                y = self.matmul(x)
-            elif self.quant is None:
-                y = own.addmm_(x, self.weight.t())
-            else:
-                y = own.add_(self.matmul(x))
+            y = self.matmul(x, into=own)
             y = y if self.lora is None else self.lora(x, y)
         y = all_reduce(y)
         if into is not None:
