@@ -15,6 +15,16 @@ from nanovllm.kernels.moe_reference import select_experts  # noqa: E402
 BLOCK = (128, 128)
 
 
+def _path(block, monkeypatch):
+    """The block parameter's "unit": per channel through the unit-scaled GEMM and scale_out (at every
+    size); the scheme's block otherwise."""
+    from nanovllm.kernels import fp8_gemm
+    if block != "unit":
+        return block
+    monkeypatch.setattr(fp8_gemm, "UNIT_SCALE_MAX_M", 1 << 30)
+    return None
+
+
 def _relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
@@ -39,11 +49,8 @@ def test_activation_quantization_is_the_reference_bit_for_bit(m, k, group, m_maj
 @pytest.mark.parametrize("m", [1, 16, 33, 256, 1000])
 @pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 12288), (200, 640)])   # the last: the Triton GEMM
 def test_fp8_linear_matches_reference(block, m, n, k, monkeypatch):
-    from nanovllm.kernels import fp8_gemm
     from nanovllm.kernels.fp8_gemm import fp8_linear
-    if block == "unit":   # per channel through the unit-scaled GEMM and scale_out at every size
-        monkeypatch.setattr(fp8_gemm, "UNIT_SCALE_MAX_M", 1 << 30)
-        block = None
+    block = _path(block, monkeypatch)
     w, scale = quantize_weight(torch.randn(n, k, device="cuda") * 0.02, block)
     x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
     out = fp8_linear(x, w, scale, block)
@@ -59,9 +66,7 @@ def test_fp8_linear_matches_reference(block, m, n, k, monkeypatch):
 def test_fp8_linear_adds_into_the_residual_in_place(block, m, monkeypatch):
     """into=: RowParallelLinear's residual stream (o_proj, down_proj), the output added into it."""
     from nanovllm.kernels import fp8_gemm
-    if block == "unit":
-        monkeypatch.setattr(fp8_gemm, "UNIT_SCALE_MAX_M", 1 << 30)
-        block = None
+    block = _path(block, monkeypatch)
     w, scale = quantize_weight(torch.randn(4096, 12288, device="cuda") * 0.02, block)
     x = torch.randn(m, 12288, device="cuda").to(torch.bfloat16)
     h = torch.randn(m, 4096, device="cuda").to(torch.bfloat16)
@@ -106,11 +111,8 @@ def test_per_channel_triton_gemm_matches_scaled_mm():
 @pytest.mark.parametrize("block", [BLOCK, None, "unit"], ids=["block", "channel", "channel-unit-scales"])
 @pytest.mark.parametrize("m", [3, 64])
 def test_fp8_linear_in_a_cuda_graph(block, m, monkeypatch):
-    from nanovllm.kernels import fp8_gemm
     from nanovllm.kernels.fp8_gemm import fp8_linear
-    if block == "unit":
-        monkeypatch.setattr(fp8_gemm, "UNIT_SCALE_MAX_M", 1 << 30)
-        block = None
+    block = _path(block, monkeypatch)
     w, scale = quantize_weight(torch.randn(2048, 4096, device="cuda") * 0.02, block)
     x = torch.randn(m, 4096, device="cuda").to(torch.bfloat16)
     eager = fp8_linear(x, w, scale, block)
