@@ -117,7 +117,7 @@ def test_interp_triton_prefill_tiles_wider_than_a_page_never_cross_it():
 
 @interp
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])
-def test_interp_compile_variants_runs_every_variant(kv_dtype, monkeypatch):
+def test_interp_compile_variants_runs_each_tile_once(kv_dtype, monkeypatch):
     from nanovllm.kernels import triton_prefill
     calls, real = [], triton_prefill.prefill_attention_triton
     monkeypatch.setattr(triton_prefill, "prefill_attention_triton",

@@ -190,11 +190,11 @@ def fp8_gemm(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, w_scale: torch
 
 
 @functools.cache
-@functools.cache
 def _unit_scale(device: torch.device) -> torch.Tensor:
     return torch.ones((), dtype=torch.float32, device=device)
 
 
+@functools.cache
 def _cublaslt_block_scales(device: torch.device) -> bool:
     """torch._scaled_mm's 1x128 x 128x128 block scales run here: Hopper (sm90; torch takes other
     block layouts on sm100) with CUDA 12.9 or newer."""
@@ -224,6 +224,7 @@ def scale_out(y: torch.Tensor, xs: torch.Tensor, ws: torch.Tensor, bias: torch.T
     column by column, plus bias: in place, or added into `into` (contiguous [M, N]) in place."""
     m, n = y.shape
     out = y if into is None else into
+    assert out.is_contiguous() and out.shape == (m, n)
     if m:
         block = min(1024, triton.next_power_of_2(n))
         _scale_out_kernel[(m, triton.cdiv(n, block))](y, xs, ws, y if bias is None else bias, out, n,
@@ -232,7 +233,8 @@ def scale_out(y: torch.Tensor, xs: torch.Tensor, ws: torch.Tensor, bias: torch.T
     return out
 
 
-def _finish(y: torch.Tensor, bias: torch.Tensor | None, into: torch.Tensor | None, shape) -> torch.Tensor:
+def _finish(y: torch.Tensor, bias: torch.Tensor | None, into: torch.Tensor | None,
+            shape: torch.Size) -> torch.Tensor:
     y = y if bias is None else y + bias
     return y.view(*shape, y.shape[-1]) if into is None else into.add_(y.view(into.shape))
 
@@ -256,7 +258,9 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block: t
         return _finish(y, bias, into, shape)
     xq, xs = quantize_activations(x2, k if block is None else block[1])
     if cublas and block is None and k % 16 == 0 and w.shape[0] % 16 == 0:   # _scaled_mm's alignment
-        one = _unit_scale(x.device)   # (made at the first, eager call: the warm-up, before any graph)
+        # (fetched on every call, used or not, so that it is made at the first one: the eager
+        # warm-up forward, before any CUDA graph is captured)
+        one = _unit_scale(x.device)
         if x2.shape[0] <= UNIT_SCALE_MAX_M:   # per tensor, unit scales; then the scales, bias, residual
             y = torch._scaled_mm(xq, w.t(), scale_a=one, scale_b=one, out_dtype=x.dtype,
                                  use_fast_accum=FAST_ACCUM)

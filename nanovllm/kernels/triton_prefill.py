@@ -329,15 +329,3 @@ def compile_variants(num_heads: int, num_kv_heads: int, head_dim: int, page: int
     for v in variants:
         run(*v)
     return lambda: None
-    cu, table, one = (torch.tensor(x, dtype=dt, device=device) for x, dt in
-                      (([0, 2], torch.int32), ([[0]], torch.int32), ([1.0], torch.float32)))
-
-    def run(max_q: int, paged: bool):
-        prefill_attention_triton(q, k, k, cache, cache, cu, cu, max_q, max_q, table if paged else None,
-                                 1.0, None, one, one)
-    variants = ((2, False), (SHORT_PROMPT + 1, False), (2, True))
-    if PARALLEL_COMPILE and device.type == "cuda":
-        return in_threads([functools.partial(run, *v) for v in variants], device)
-    for v in variants:
-        run(*v)
-    return lambda: None

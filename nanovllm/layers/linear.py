@@ -52,6 +52,7 @@ class LinearBase(nn.Module):
                into: torch.Tensor | None = None) -> torch.Tensor:
         """x W^T (+ bias); into (no bias): the product added into it in place (the GEMM's C, beta 1),
         and returned."""
+        assert into is None or bias is None
         if self.quant is not None:
             return self.quant.apply(self, x, bias, into)
         return F.linear(x, self.weight, bias) if into is None else into.addmm_(x, self.weight.t())
