@@ -15,14 +15,20 @@ from nanovllm.kernels.moe_reference import select_experts  # noqa: E402
 BLOCK = (128, 128)
 
 
-def _path(block, monkeypatch):
-    """The block parameter's "unit": per channel through the unit-scaled GEMM and scale_out (at every
-    size); the scheme's block otherwise."""
+# fp8_linear's GEMM paths: the block format, per channel (row-wise scales), and per channel through
+# the unit-scaled GEMM and scale_out at every size (fp8_gemm.UNIT_SCALE_MAX_M)
+PATHS = pytest.mark.parametrize("path", [BLOCK, None, "unit"],
+                                ids=["block", "channel", "channel-unit-scales"])
+
+
+def _layer(path, m: int, n: int, k: int, monkeypatch):
+    """(block, w, scale, x) for a path of PATHS: an [n, k] FP8 weight in that format and m bf16 rows."""
     from nanovllm.kernels import fp8_gemm
-    if block != "unit":
-        return block
-    monkeypatch.setattr(fp8_gemm, "UNIT_SCALE_MAX_M", 1 << 30)
-    return None
+    block = None if path == "unit" else path
+    if path == "unit":
+        monkeypatch.setattr(fp8_gemm, "UNIT_SCALE_MAX_M", 1 << 30)
+    w, scale = quantize_weight(torch.randn(n, k, device="cuda") * 0.02, block)
+    return block, w, scale, torch.randn(m, k, device="cuda").to(torch.bfloat16)
 
 
 def _relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -45,14 +51,12 @@ def test_activation_quantization_is_the_reference_bit_for_bit(m, k, group, m_maj
     assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
 
 
-@pytest.mark.parametrize("block", [BLOCK, None, "unit"], ids=["block", "channel", "channel-unit-scales"])
+@PATHS
 @pytest.mark.parametrize("m", [1, 16, 33, 256, 1000])
 @pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 12288), (200, 640)])   # the last: the Triton GEMM
-def test_fp8_linear_matches_reference(block, m, n, k, monkeypatch):
+def test_fp8_linear_matches_reference(path, m, n, k, monkeypatch):
     from nanovllm.kernels.fp8_gemm import fp8_linear
-    block = _path(block, monkeypatch)
-    w, scale = quantize_weight(torch.randn(n, k, device="cuda") * 0.02, block)
-    x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+    block, w, scale, x = _layer(path, m, n, k, monkeypatch)
     out = fp8_linear(x, w, scale, block)
     ref = fp8_linear_ref(x, w, scale, block)
     assert out.dtype == torch.bfloat16 and out.shape == (m, n)
@@ -61,14 +65,12 @@ def test_fp8_linear_matches_reference(block, m, n, k, monkeypatch):
     torch.testing.assert_close(out.float(), ref.float(), atol=2e-2 * ref.abs().max().item(), rtol=2e-2)
 
 
-@pytest.mark.parametrize("block", [BLOCK, None, "unit"], ids=["block", "channel", "channel-unit-scales"])
+@PATHS
 @pytest.mark.parametrize("m", [3, 256])
-def test_fp8_linear_adds_into_the_residual_in_place(block, m, monkeypatch):
+def test_fp8_linear_adds_into_the_residual_in_place(path, m, monkeypatch):
     """into=: RowParallelLinear's residual stream (o_proj, down_proj), the output added into it."""
     from nanovllm.kernels import fp8_gemm
-    block = _path(block, monkeypatch)
-    w, scale = quantize_weight(torch.randn(4096, 12288, device="cuda") * 0.02, block)
-    x = torch.randn(m, 12288, device="cuda").to(torch.bfloat16)
+    block, w, scale, x = _layer(path, m, 4096, 12288, monkeypatch)
     h = torch.randn(m, 4096, device="cuda").to(torch.bfloat16)
     into = h.clone()
     out = fp8_gemm.fp8_linear(x, w, scale, block, into=into)
@@ -108,13 +110,11 @@ def test_per_channel_triton_gemm_matches_scaled_mm():
         assert _relative_error(fp8_linear(xd, w, scale, None), fp8_linear_ref(xd, w, scale, None)) < 5e-3
 
 
-@pytest.mark.parametrize("block", [BLOCK, None, "unit"], ids=["block", "channel", "channel-unit-scales"])
+@PATHS
 @pytest.mark.parametrize("m", [3, 64])
-def test_fp8_linear_in_a_cuda_graph(block, m, monkeypatch):
+def test_fp8_linear_in_a_cuda_graph(path, m, monkeypatch):
     from nanovllm.kernels.fp8_gemm import fp8_linear
-    block = _path(block, monkeypatch)
-    w, scale = quantize_weight(torch.randn(2048, 4096, device="cuda") * 0.02, block)
-    x = torch.randn(m, 4096, device="cuda").to(torch.bfloat16)
+    block, w, scale, x = _layer(path, m, 2048, 4096, monkeypatch)
     eager = fp8_linear(x, w, scale, block)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
