@@ -27,8 +27,8 @@ def parse_args():
     p.add_argument("--max-num-seqs", type=int, help="engine's max_num_seqs (default: the engine's)")
     p.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE",
                    help="set a module constant first, as bench_with.py does (e.g. "
-                        "nanovllm.kernels.triton_prefill.PARALLEL_COMPILE=True: compiles in threads "
-                        "then overlap, and the per-compile seconds add up to more than the phase's)")
+                        "nanovllm.kernels.triton_prefill.PARALLEL_COMPILE=False; with it on, the default, "
+                        "compiles overlap, and the per-compile seconds add up to more than the phase's)")
     p.add_argument("--first-generate", type=int, default=0, metavar="N",
                    help="then generate bench.py's workload of N prompts (64 tokens each, twice: the second "
                         "run repeats the prompts, prefix-cache hits): what compiles on a cold process's "
