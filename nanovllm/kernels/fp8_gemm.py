@@ -40,11 +40,11 @@ ONE_PASS_MAX = 16384
 # H100, where the bytes take 45). 1: a program a group, for A/Bs.
 GROUP_TILE = 4096
 # Per-channel GEMMs of up to this many rows run cuBLASLt's per-tensor FP8 GEMM with unit scales, then
-# _scale_out_kernel applies the rows' and channels' scales (and the bias) to its bf16 output: at decode
-# sizes cuBLASLt's row-wise GEMM read an 8B layer's weights at 1.3-2.6 TB/s where its per-tensor one
-# read them at 2.9-3.7 (H200, benchmarks/fp8_gemm_probe.py: a layer's four GEMMs 91.2 against 55.9 us
-# at 8 rows, 105.6 against 85.9 at 256). 0: row-wise at every size. Off until timed in the engine.
-UNIT_SCALE_MAX_M = 0
+# _scale_out_kernel applies the rows' and channels' scales (and the bias, and the residual add) to its
+# bf16 output: at decode sizes cuBLASLt's row-wise GEMM reads an 8B layer's weights at 1.3-2.6 TB/s,
+# its per-tensor one at 2.9-3.7 (benchmarks/fp8_gemm_probe.py). On the 8B shapes with FP8 weights and
+# an FP8 cache (H100): 0 (row-wise at every size) 11,638 tok/s, 128 11,904, 192 12,070, 512 12,079.
+UNIT_SCALE_MAX_M = 512
 # Under the interpreter (tests on CPU) tl.dot on FP8 is not emulated: the tiles go through fp32.
 _DOT_F32 = os.environ.get("TRITON_INTERPRET") == "1"
 
