@@ -160,6 +160,18 @@ def test_interp_unit_scale_path_scales_rows_and_channels_after_the_gemm(m, n, bi
         # (the unit path rounds the unscaled product to bf16 first: twice a bf16 rounding at most)
         torch.testing.assert_close(out[0].float(), want + (h.float() if residual else 0), atol=3e-2,
                                    rtol=2 ** -7)
+        # fp8_linear_unscaled (no bias): on the unit path the scales are left to the caller, and
+        # applying them gives fp8_linear's output bit for bit; elsewhere (or DEFER_SCALES off) it is
+        # fp8_linear's output, no scales
+        want_unbiased = fp8_gemm.fp8_linear(x.view(1, m, k), w, scale, None)
+        for defer in (True, False):
+            monkeypatch.setattr(fp8_gemm, "DEFER_SCALES", defer)
+            y, scales = fp8_gemm.fp8_linear_unscaled(x.view(1, m, k), w, scale, None)
+            assert (scales is not None) == (defer and path == "unit" and m > 0)
+            if scales is not None:
+                assert scales[0].shape == (m, 1) and scales[1].shape == (n,)
+                y = fp8_gemm.scale_out(y.view(m, n), *scales, None).view(1, m, n)
+            assert torch.equal(y, want_unbiased)
 
 
 @interp

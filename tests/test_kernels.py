@@ -12,7 +12,7 @@ import torch
 
 from conftest import assert_nearly_equal, interp, run_interpreted_tests
 from nanovllm.kernels import (KERNELS, paged_decode_attention, paged_kv_slots, prefill_attention,
-                              qk_norm_rope_store)
+                              qk_norm_rope_store, silu_and_mul)
 from nanovllm.kernels.flash_prefill import gather_kv_varlen
 from nanovllm.kernels.reference import (causal_mask, dequantize_kv, gather_paged_kv,
                                         paged_decode_attention_ref, prefill_attention_ref,
@@ -347,11 +347,13 @@ def test_interp_qk_norm_rope_store_scales_rows_by_the_folded_norms_rstd(dtype, n
 
 
 @interp
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+# fp8_scales: an FP8 GEMM's row / column scales applied first (bf16 only, as fp8_linear_unscaled leaves them)
+@pytest.mark.parametrize("dtype,fp8_scales", [(torch.float32, False), (torch.bfloat16, False),
+                                              (torch.bfloat16, True)])
 @pytest.mark.parametrize("scaled", [False, True])
 @pytest.mark.parametrize("min_block", [1024, 16])   # 16: several column blocks a row (32 scaled)
 @pytest.mark.parametrize("whole_rows", [False, True])   # True: a program walks its row's blocks
-def test_interp_silu_and_mul_matches_reference(dtype, scaled, min_block, whole_rows, monkeypatch):
+def test_interp_silu_and_mul_matches_reference(dtype, scaled, min_block, whole_rows, fp8_scales, monkeypatch):
     from nanovllm.kernels import norm_act
     from nanovllm.kernels.norm_act import silu_and_mul_triton
     from nanovllm.kernels.reference import silu_and_mul_ref
@@ -360,7 +362,15 @@ def test_interp_silu_and_mul_matches_reference(dtype, scaled, min_block, whole_r
     g = torch.Generator().manual_seed(4)
     x = (torch.randn(5, 2 * 40, generator=g) * 3).to(dtype)
     scale_rows = dict(norm_of=(torch.randn(5, 24, generator=g) * 20).to(dtype), eps=1e-6) if scaled else {}
-    out = silu_and_mul_triton(x, **scale_rows)
+    if fp8_scales:   # x the unscaled product; the reference takes it scaled as fp8_gemm.scale_out does
+        from nanovllm.kernels.fp8_gemm import scale_out
+        scales = torch.rand(5, 1, generator=g) / 50, torch.rand(80, generator=g) / 50
+        out = silu_and_mul_triton(x, fp8_scales=scales, **scale_rows)
+        assert_nearly_equal(out, silu_and_mul(x, fp8_scales=scales, **scale_rows))   # the CPU path
+        x = scale_out(x.clone(), *scales, None)
+        assert torch.equal(out, silu_and_mul_triton(x, **scale_rows))   # the fused pass is the two passes
+    else:
+        out = silu_and_mul_triton(x, **scale_rows)
     assert out.shape == (5, 40)
     assert_nearly_equal(out, silu_and_mul_ref(x, **scale_rows))
 

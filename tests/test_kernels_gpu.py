@@ -303,6 +303,14 @@ def test_scaled_silu_and_mul_at_qwen3_8b_widths(rows):
     gate_up = (torch.randn(rows, 2 * 12288, device="cuda", generator=gen) * 3).bfloat16()
     scaled = silu_and_mul_triton(gate_up, norm_of=h, eps=1e-6)
     assert_nearly_equal(scaled, silu_and_mul_ref(gate_up, norm_of=h, eps=1e-6), max_fraction=1e-3)
+    # an FP8 gate/up GEMM's row and column scales applied in the same pass: bit for bit what
+    # fp8_gemm.scale_out and then the kernel give
+    from nanovllm.kernels.fp8_gemm import scale_out
+    scales = (torch.rand(rows, 1, device="cuda", generator=gen) / 50,
+              torch.rand(2 * 12288, device="cuda", generator=gen) / 50)
+    fused = silu_and_mul_triton(gate_up, norm_of=h, eps=1e-6, fp8_scales=scales)
+    two_passes = silu_and_mul_triton(scale_out(gate_up.clone(), *scales, None), norm_of=h, eps=1e-6)
+    assert torch.equal(fused, two_passes)
 
 
 def test_norm_and_silu_entry_points_take_the_kernels():

@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.kernels.common import rounded
+
 FP8_MAX = tl.constexpr(448.0)   # a constexpr: the kernels read it
 # The block format's GEMM: "cublas", torch._scaled_mm with 1x128 activation and 128x128 weight
 # scales (cuBLASLt 12.9+ on Hopper; bf16 outputs, K a multiple of 512 and N of 128, as the tested
@@ -45,6 +47,10 @@ GROUP_TILE = 4096
 # its per-tensor one at 2.9-3.7 (benchmarks/fp8_gemm_probe.py). On the 8B shapes with FP8 weights and
 # an FP8 cache (H100): 0 (row-wise at every size) 11,638 tok/s, 128 11,904, 192 12,070, 512 12,079.
 UNIT_SCALE_MAX_M = 512
+# On that path, fp8_linear_unscaled leaves the scales to its caller: the MLP's gate/up GEMM hands them
+# to SiLU-and-mul, which applies them as it loads gate and up (one pass over the output fewer).
+# False: fp8_linear_unscaled applies them itself, as fp8_linear does (for A/Bs).
+DEFER_SCALES = True
 # Under the interpreter (tests on CPU) tl.dot on FP8 is not emulated: the tiles go through fp32.
 _DOT_F32 = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -215,7 +221,8 @@ def _scale_out_kernel(y_ptr, xs_ptr, ws_ptr, b_ptr, o_ptr, N, HAS_BIAS: tl.const
         y += tl.load(b_ptr + cols, mask=ok, other=0.0).to(tl.float32)
     if ADD:
         y += tl.load(o_ptr + row * N + cols, mask=ok, other=0.0).to(tl.float32)
-    tl.store(o_ptr + row * N + cols, y.to(o_ptr.dtype.element_ty), mask=ok)
+    dtype = o_ptr.dtype.element_ty   # (rounded: to nearest under the interpreter too, as on the GPU)
+    tl.store(o_ptr + row * N + cols, rounded(y, dtype).to(dtype), mask=ok)
 
 
 def scale_out(y: torch.Tensor, xs: torch.Tensor, ws: torch.Tensor, bias: torch.Tensor | None,
@@ -260,10 +267,9 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block: t
     if cublas and block is None and k % 16 == 0 and w.shape[0] % 16 == 0:   # _scaled_mm's alignment
         # (fetched on every call, used or not, so that it is made at the first one: the eager
         # warm-up forward, before any CUDA graph is captured)
-        one = _unit_scale(x.device)
+        _unit_scale(x.device)
         if x2.shape[0] <= UNIT_SCALE_MAX_M:   # per tensor, unit scales; then the scales, bias, residual
-            y = torch._scaled_mm(xq, w.t(), scale_a=one, scale_b=one, out_dtype=x.dtype,
-                                 use_fast_accum=FAST_ACCUM)
+            y = _unit_scaled_mm(xq, w)
             out = scale_out(y, xs, w_scale.view(-1), bias, None if into is None else into.view(y.shape))
             return out.view(*shape, w.shape[0]) if into is None else into
         # cuBLASLt's FP8 GEMM with row-wise scales: scale_a [M, 1], scale_b [1, N]
@@ -272,3 +278,24 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block: t
     else:
         y = fp8_gemm(xq, xs, w, w_scale, block, x.dtype)
     return _finish(y, bias, into, shape)
+
+
+def _unit_scaled_mm(xq: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """cuBLASLt's per-tensor FP8 GEMM with unit scales: xq [M, K] e4m3 times w [N, K]^T, unscaled, bf16."""
+    one = _unit_scale(xq.device)
+    return torch._scaled_mm(xq, w.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16,
+                            use_fast_accum=FAST_ACCUM)
+
+
+def fp8_linear_unscaled(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block: tuple[int, int] | None
+                        ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+    """fp8_linear without bias, its scales left to the caller where it takes the unit-scale path (and
+    DEFER_SCALES is on): (y unscaled [..., N], (xs [M, 1], ws [N])), y * xs * ws rounded once being
+    fp8_linear's output; elsewhere (fp8_linear(...), None)."""
+    k = x.shape[-1]
+    x2 = x.reshape(-1, k)
+    if (DEFER_SCALES and x.dtype == torch.bfloat16 and 0 < x2.shape[0] <= UNIT_SCALE_MAX_M and not _DOT_F32
+            and block is None and k % 16 == 0 and w.shape[0] % 16 == 0):   # fp8_linear's unit path
+        xq, xs = quantize_activations(x2, k)
+        return _unit_scaled_mm(xq, w).view(*x.shape[:-1], w.shape[0]), (xs, w_scale.view(-1))
+    return fp8_linear(x, w, w_scale, block), None

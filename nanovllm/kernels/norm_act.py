@@ -94,12 +94,14 @@ def add_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor, weight: torch.T
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, norm_ptr, x_stride, norm_stride, eps, D: tl.constexpr,
-                         BLOCK: tl.constexpr, CHUNKS: tl.constexpr, LIBDEVICE_EXP: tl.constexpr,
-                         HIDDEN: tl.constexpr, BLOCK_HIDDEN: tl.constexpr, SCALED: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, norm_ptr, xs_ptr, ws_ptr, x_stride, norm_stride, eps,
+                         D: tl.constexpr, BLOCK: tl.constexpr, CHUNKS: tl.constexpr,
+                         LIBDEVICE_EXP: tl.constexpr, HIDDEN: tl.constexpr, BLOCK_HIDDEN: tl.constexpr,
+                         SCALED: tl.constexpr, FP8_SCALES: tl.constexpr):
     # Grid (rows, column spans): program (t, j) computes out[t, j * CHUNKS * BLOCK:(j + 1) * CHUNKS * BLOCK],
-    # BLOCK columns at a time. SCALED: gate and up first times rstd of row t of norm_ptr (HIDDEN wide),
-    # rounded to the dtype.
+    # BLOCK columns at a time. FP8_SCALES: gate and up first times xs[t] and ws[column], rounded to the
+    # dtype (fp8_gemm.scale_out's arithmetic). SCALED: then times rstd of row t of norm_ptr (HIDDEN
+    # wide), rounded to the dtype.
     row = tl.program_id(0).to(tl.int64)
     dtype = x_ptr.dtype.element_ty
     if SCALED:
@@ -109,6 +111,10 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, norm_ptr, x_stride, norm_stride, eps, D
         mask = cols < D
         gate = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
         up = tl.load(x_ptr + row * x_stride + D + cols, mask=mask, other=0.0).to(tl.float32)
+        if FP8_SCALES:
+            xs = tl.load(xs_ptr + row)
+            gate = rounded(gate * xs * tl.load(ws_ptr + cols, mask=mask, other=0.0), dtype)
+            up = rounded(up * xs * tl.load(ws_ptr + D + cols, mask=mask, other=0.0), dtype)
         if SCALED:
             gate = rounded(gate * rstd, dtype)
             up = rounded(up * rstd, dtype)
@@ -120,16 +126,20 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, norm_ptr, x_stride, norm_stride, eps, D
         tl.store(out_ptr + row * D + cols, rounded(silu * up, dtype).to(dtype), mask=mask)
 
 
-def silu_and_mul_triton(x: torch.Tensor, norm_of: torch.Tensor | None = None,
-                        eps: float = 0.0) -> torch.Tensor:
-    """x: [..., 2 * d] holding gate | up -> silu(gate) * up: [..., d]. norm_of: [..., hidden], gate
-    and up first scaled by its rows' rstd (reference.scale_by_rstd_ref). CUDA-graph safe."""
+def silu_and_mul_triton(x: torch.Tensor, norm_of: torch.Tensor | None = None, eps: float = 0.0,
+                        fp8_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """x: [..., 2 * d] holding gate | up -> silu(gate) * up: [..., d]. fp8_scales: (xs [rows, 1], ws
+    [2 * d], fp32), x an unscaled FP8 GEMM's output (fp8_gemm.fp8_linear_unscaled), first scaled by
+    them. norm_of: [..., hidden], gate and up then scaled by its rows' rstd
+    (reference.scale_by_rstd_ref). CUDA-graph safe."""
     d = x.shape[-1] // 2
     assert x.shape[-1] == 2 * d
     x2 = _rows(x)
     h2 = _rows(norm_of) if norm_of is not None else x2
     assert norm_of is None or h2.shape[0] == x2.shape[0]
     out = torch.empty(*x.shape[:-1], d, dtype=x.dtype, device=x.device)
+    xs, ws = fp8_scales if fp8_scales is not None else (x2, x2)   # pointers the kernel never reads
+    assert fp8_scales is None or (xs.shape == (len(x2), 1) and xs.is_contiguous() and ws.shape == (2 * d,))
     if x2.shape[0] and d:
         hidden = h2.shape[-1] if norm_of is not None else 1
         rows = x2.shape[0]
@@ -140,9 +150,9 @@ def silu_and_mul_triton(x: torch.Tensor, norm_of: torch.Tensor | None = None,
             block = min(max(SILU_BLOCK, triton.next_power_of_2(hidden)), triton.next_power_of_2(d))
             chunks, spans = 1, triton.cdiv(d, block)
         _silu_and_mul_kernel[(rows, spans)](
-            x2, out, h2, x2.stride(0), h2.stride(0), eps, D=d, BLOCK=block, CHUNKS=chunks,
+            x2, out, h2, xs, ws, x2.stride(0), h2.stride(0), eps, D=d, BLOCK=block, CHUNKS=chunks,
             LIBDEVICE_EXP=x.is_cuda, HIDDEN=hidden, BLOCK_HIDDEN=triton.next_power_of_2(hidden),
-            SCALED=norm_of is not None,
+            SCALED=norm_of is not None, FP8_SCALES=fp8_scales is not None,
             # 8 values a thread (16 above a block of 4096)
             num_warps=min(16, max(1, block // 256)), enable_fp_fusion=False)
     return out

@@ -28,7 +28,7 @@ from nanovllm.utils.loader import default_weight_loader
 from nanovllm.utils.quant_config import Fp8Scheme
 
 if KERNELS != "torch":
-    from nanovllm.kernels.fp8_gemm import fp8_linear
+    from nanovllm.kernels.fp8_gemm import fp8_linear, fp8_linear_unscaled
     from nanovllm.kernels.fused_moe import fused_moe_triton
 
 
@@ -49,6 +49,13 @@ class Fp8Linear:
             return fp8_linear(x, layer.weight, layer.weight_scale, self.block, bias, into)
         y = F.linear(x, dequantize_weight(layer.weight, layer.weight_scale, self.block, x.dtype), bias)
         return y if into is None else into.add_(y)
+
+    def apply_unscaled(self, layer: LinearBase, x: torch.Tensor):
+        """(x W^T unscaled, (row scales, column scales)) where fp8_linear_unscaled leaves the scales to
+        the caller (CUDA, per channel, decode sizes); else (x W^T, None)."""
+        if _on_gpu_kernels(x):
+            return fp8_linear_unscaled(x, layer.weight, layer.weight_scale, self.block)
+        return self.apply(layer, x, None), None
 
 
 class Fp8MoE:

@@ -57,6 +57,13 @@ class LinearBase(nn.Module):
             return self.quant.apply(self, x, bias, into)
         return F.linear(x, self.weight, bias) if into is None else into.addmm_(x, self.weight.t())
 
+    def forward_unscaled(self, x: torch.Tensor) -> tuple[torch.Tensor, tuple | None]:
+        """(forward(x), None), or for an FP8 layer (no bias, no LoRA) whose GEMM leaves its scales to
+        the caller, (the unscaled product, its row and column scales): the caller multiplies them in."""
+        if self.quant is None or self.bias is not None or self.lora is not None:
+            return self(x), None
+        return self.quant.apply_unscaled(self, x)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.lora is not None and self.lora.folds():
             return self.lora.folded_linear(x)

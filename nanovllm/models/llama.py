@@ -78,8 +78,11 @@ class LlamaMLP(nn.Module):
     def forward(self, x: torch.Tensor, norm_eps: float | None = None) -> torch.Tensor:
         # norm_eps given: as in LlamaAttention.forward (x the residual stream, the RMSNorm before
         # folded into gate_up_proj; the output added into x and returned)
+        # (an FP8 gate_up_proj may leave its scales to SiLU-and-mul)
         h = None if norm_eps is None else x
-        return self.down_proj(self.act_fn(self.gate_up_proj(x), norm_of=h, eps=norm_eps or 0.0), residual=h)
+        gate_up, scales = self.gate_up_proj.forward_unscaled(x)
+        act = self.act_fn(gate_up, norm_of=h, eps=norm_eps or 0.0, fp8_scales=scales)
+        return self.down_proj(act, residual=h)
 
 
 class LlamaDecoderLayer(nn.Module):
