@@ -49,7 +49,9 @@ GROUP_TILE = 4096
 UNIT_SCALE_MAX_M = 512
 # On that path, fp8_linear_unscaled leaves the scales to its caller: the MLP's gate/up GEMM hands them
 # to SiLU-and-mul, which applies them as it loads gate and up (one pass over the output fewer).
-# False: fp8_linear_unscaled applies them itself, as fp8_linear does (for A/Bs).
+# False: fp8_linear_unscaled applies them itself, as fp8_linear does (for A/Bs). The outputs are the
+# same bit for bit; the 8B shapes with an FP8 cache (H100, one call) 12,126 / 12,146 tok/s on against
+# 11,999 off, with a bf16 cache 9,768 against 9,742.
 DEFER_SCALES = True
 # Under the interpreter (tests on CPU) tl.dot on FP8 is not emulated: the tiles go through fp32.
 _DOT_F32 = os.environ.get("TRITON_INTERPRET") == "1"
