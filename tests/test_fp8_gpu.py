@@ -15,8 +15,9 @@ from nanovllm.kernels.moe_reference import select_experts  # noqa: E402
 BLOCK = (128, 128)
 
 
-# fp8_linear's GEMM paths: the block format, per channel (row-wise scales), and per channel through
-# the unit-scaled GEMM and scale_out at every size (fp8_gemm.UNIT_SCALE_MAX_M)
+# fp8_linear's GEMM paths: the block format, per channel with row-wise scales at every size, and per
+# channel through the unit-scaled GEMM and scale_out at every size (fp8_gemm.UNIT_SCALE_MAX_M; by
+# default the first up to 512 rows, the second above)
 PATHS = pytest.mark.parametrize("path", [BLOCK, None, "unit"],
                                 ids=["block", "channel", "channel-unit-scales"])
 
@@ -25,8 +26,7 @@ def _layer(path, m: int, n: int, k: int, monkeypatch):
     """(block, w, scale, x) for a path of PATHS: an [n, k] FP8 weight in that format and m bf16 rows."""
     from nanovllm.kernels import fp8_gemm
     block = None if path == "unit" else path
-    if path == "unit":
-        monkeypatch.setattr(fp8_gemm, "UNIT_SCALE_MAX_M", 1 << 30)
+    monkeypatch.setattr(fp8_gemm, "UNIT_SCALE_MAX_M", 1 << 30 if path == "unit" else 0)
     w, scale = quantize_weight(torch.randn(n, k, device="cuda") * 0.02, block)
     return block, w, scale, torch.randn(m, k, device="cuda").to(torch.bfloat16)
 
@@ -76,6 +76,20 @@ def test_fp8_linear_adds_into_the_residual_in_place(path, m, monkeypatch):
     out = fp8_gemm.fp8_linear(x, w, scale, block, into=into)
     assert out is into
     assert _relative_error(out.float() - h.float(), fp8_linear_ref(x, w, scale, block)) < 5e-3
+
+
+@pytest.mark.parametrize("m", [1, 256, 1000])
+def test_fp8_linear_unscaled_leaves_the_scales_that_give_fp8_linears_output(m):
+    """Up to UNIT_SCALE_MAX_M (512) rows the scales are left to the caller (SiLU-and-mul), and
+    scale_out with them is fp8_linear's output bit for bit; above it, fp8_linear's output and no scales."""
+    from nanovllm.kernels import fp8_gemm
+    w, scale = quantize_weight(torch.randn(2 * 12288, 4096, device="cuda") * 0.02, None)
+    x = torch.randn(m, 4096, device="cuda").to(torch.bfloat16)
+    y, scales = fp8_gemm.fp8_linear_unscaled(x, w, scale, None)
+    assert (scales is not None) == (m <= fp8_gemm.UNIT_SCALE_MAX_M)
+    if scales is not None:
+        y = fp8_gemm.scale_out(y, *scales, None)
+    assert torch.equal(y, fp8_gemm.fp8_linear(x, w, scale, None))
 
 
 @pytest.mark.parametrize("block", [BLOCK, None], ids=["block", "channel"])

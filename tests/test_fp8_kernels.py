@@ -118,21 +118,12 @@ def test_interp_cublas_block_path_pads_rows_and_lays_scales_out_as_cublaslt_take
         torch.testing.assert_close(out[0], want, atol=1e-2, rtol=1e-2)
 
 
-@interp
-@pytest.mark.parametrize("m,n,bias,residual", [(0, 48, False, True), (1, 48, True, False),
-                                              (5, 2112, False, True), (3, 2112, True, False),
-                                              (4, 64, False, False)])
-def test_interp_unit_scale_path_scales_rows_and_channels_after_the_gemm(m, n, bias, residual, monkeypatch):
-    """fp8_linear's per-channel path at most UNIT_SCALE_MAX_M rows: torch._scaled_mm (a stand-in that
-    asserts unit per-tensor scales and computes the FP8 product) then scale_out, the rows' and channels'
-    scales (and the bias) applied in place, or added into the residual (into=) in place: the
-    reference's output. Above it: row-wise scales."""
+@pytest.fixture
+def cublas_stand_in(monkeypatch):
+    """fp8_linear's cuBLASLt branches on the CPU: torch._scaled_mm a stand-in that asserts unit
+    per-tensor scales or row-wise ones and computes the FP8 product; the activations quantized by
+    the reference. Returns the list of the stand-in's calls ("unit" / "row-wise")."""
     from nanovllm.kernels import fp8_gemm
-    k = 64
-    g = torch.Generator().manual_seed(m + n)
-    w, scale = quantize_weight(torch.randn(n, k, generator=g) * 0.1, None)
-    x = (torch.randn(m, k, generator=g) * 3).to(torch.bfloat16)
-    b = torch.randn(n, generator=g).to(torch.bfloat16) if bias else None
     calls = []
 
     def scaled_mm(a, w_t, scale_a, scale_b, out_dtype, use_fast_accum):
@@ -146,6 +137,25 @@ def test_interp_unit_scale_path_scales_rows_and_channels_after_the_gemm(m, n, bi
     monkeypatch.setattr(fp8_gemm, "_DOT_F32", False)   # the cuBLASLt branch
     monkeypatch.setattr(fp8_gemm, "_unit_scale", lambda device: torch.ones(()))
     monkeypatch.setattr(torch, "_scaled_mm", scaled_mm)
+    return calls
+
+
+@interp
+@pytest.mark.parametrize("m,n,bias,residual", [(0, 48, False, True), (1, 48, True, False),
+                                              (5, 2112, False, True), (3, 2112, True, False),
+                                              (4, 64, False, False)])
+def test_interp_unit_scale_path_scales_rows_and_channels_after_the_gemm(m, n, bias, residual, cublas_stand_in,
+                                                                         monkeypatch):
+    """fp8_linear's per-channel path at most UNIT_SCALE_MAX_M rows: the unit-scaled GEMM then
+    scale_out, the rows' and channels' scales (and the bias) applied in place, or added into the
+    residual (into=) in place: the reference's output. Above it: row-wise scales."""
+    from nanovllm.kernels import fp8_gemm
+    k = 64
+    g = torch.Generator().manual_seed(m + n)
+    w, scale = quantize_weight(torch.randn(n, k, generator=g) * 0.1, None)
+    x = (torch.randn(m, k, generator=g) * 3).to(torch.bfloat16)
+    b = torch.randn(n, generator=g).to(torch.bfloat16) if bias else None
+    calls = cublas_stand_in
     want = (fp8_linear_ref(x.float(), w, scale, None, None if b is None else b.float()) if m
             else torch.empty(0, n))
     h = torch.randn(m, n, generator=g).to(torch.bfloat16)
@@ -172,6 +182,42 @@ def test_interp_unit_scale_path_scales_rows_and_channels_after_the_gemm(m, n, bi
                 assert scales[0].shape == (m, 1) and scales[1].shape == (n,)
                 y = fp8_gemm.scale_out(y.view(m, n), *scales, None).view(1, m, n)
             assert torch.equal(y, want_unbiased)
+
+
+@interp
+@pytest.mark.parametrize("folded,bias", [(False, False), (True, False), (False, True)])
+def test_interp_mlp_leaves_gate_up_scales_to_silu_and_mul_with_the_same_output(folded, bias, cublas_stand_in,
+                                                                               monkeypatch):
+    """LlamaMLP with FP8 gate/up and down (per channel) at decode sizes: gate_up_proj.forward_unscaled
+    hands its scales to SiLU-and-mul (DEFER_SCALES), and the MLP's output is the same bit for bit as
+    with scale_out before SiLU-and-mul; folded: a folded RMSNorm (norm_of) and down adding into the
+    residual. A bias (or LoRA) keeps the scales in the layer."""
+    from types import SimpleNamespace
+
+    from nanovllm.kernels import fp8_gemm
+    from nanovllm.layers import fp8 as fp8_layers
+    from nanovllm.models.llama import LlamaMLP
+    monkeypatch.setattr(fp8_layers, "_on_gpu_kernels", lambda x: True)   # (imported with the kernels on)
+    for name in ("fp8_linear", "fp8_linear_unscaled"):
+        monkeypatch.setattr(fp8_layers, name, getattr(fp8_gemm, name), raising=False)
+    g = torch.Generator().manual_seed(7)
+    mlp = LlamaMLP(SimpleNamespace(hidden_size=64, intermediate_size=96, hidden_act="silu", mlp_bias=bias))
+    for layer in (mlp.gate_up_proj, mlp.down_proj):
+        n, k = layer.weight.shape
+        w, scale = quantize_weight(torch.randn(n, k, generator=g) * 0.1, None)
+        fp8_layers._prepare_linear(layer, None)
+        layer.weight.data, layer.weight_scale.data = w, scale
+        if bias:
+            layer.bias.data = torch.randn(n, generator=g).to(torch.bfloat16)
+    x = (torch.randn(5, 64, generator=g) * 3).to(torch.bfloat16)
+    outs = []
+    for defer in (True, False):
+        monkeypatch.setattr(fp8_gemm, "DEFER_SCALES", defer)
+        y, scales = mlp.gate_up_proj.forward_unscaled(x)
+        assert (scales is not None) == (defer and not bias)
+        outs.append(mlp(x.clone(), norm_eps=1e-6) if folded else mlp(x))
+    assert cublas_stand_in and set(cublas_stand_in) == {"unit"}
+    assert torch.equal(outs[0], outs[1])
 
 
 @interp

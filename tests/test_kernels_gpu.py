@@ -308,9 +308,10 @@ def test_scaled_silu_and_mul_at_qwen3_8b_widths(rows):
     from nanovllm.kernels.fp8_gemm import scale_out
     scales = (torch.rand(rows, 1, device="cuda", generator=gen) / 50,
               torch.rand(2 * 12288, device="cuda", generator=gen) / 50)
-    fused = silu_and_mul_triton(gate_up, norm_of=h, eps=1e-6, fp8_scales=scales)
-    two_passes = silu_and_mul_triton(scale_out(gate_up.clone(), *scales, None), norm_of=h, eps=1e-6)
-    assert torch.equal(fused, two_passes)
+    for norm in (dict(norm_of=h, eps=1e-6), {}):   # quantized at load (folded norms), an FP8 checkpoint
+        fused = silu_and_mul_triton(gate_up, fp8_scales=scales, **norm)
+        two_passes = silu_and_mul_triton(scale_out(gate_up.clone(), *scales, None), **norm)
+        assert torch.equal(fused, two_passes)
 
 
 def test_norm_and_silu_entry_points_take_the_kernels():

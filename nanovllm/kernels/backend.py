@@ -80,12 +80,7 @@ def silu_and_mul(x: torch.Tensor, norm_of: torch.Tensor | None = None, eps: floa
     [rows, 1], ws [2 * d]): x first scaled by them (the scales of an FP8 GEMM that left them to us).
     norm_of [..., hidden]: gate and up then scaled by rstd(norm_of) row by row (an RMSNorm folded into
     the GEMM that made x)."""
-    if _fast(x):
-        return silu_and_mul_triton(x, norm_of, eps, fp8_scales)
-    if fp8_scales is not None:
-        xs, ws = fp8_scales
-        x = (x.float() * xs.view(*x.shape[:-1], 1) * ws).to(x.dtype)
-    return silu_and_mul_ref(x, norm_of, eps)
+    return (silu_and_mul_triton if _fast(x) else silu_and_mul_ref)(x, norm_of, eps, fp8_scales)
 
 
 def qk_norm_rope_store(qkv: torch.Tensor, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,

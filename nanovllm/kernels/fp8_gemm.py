@@ -266,7 +266,7 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block: t
         y = torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=w_scale.t(), out_dtype=x.dtype)[:x2.shape[0]]
         return _finish(y, bias, into, shape)
     xq, xs = quantize_activations(x2, k if block is None else block[1])
-    if cublas and block is None and k % 16 == 0 and w.shape[0] % 16 == 0:   # _scaled_mm's alignment
+    if _channel_cublas(x2, w, block):
         # (fetched on every call, used or not, so that it is made at the first one: the eager
         # warm-up forward, before any CUDA graph is captured)
         _unit_scale(x.device)
@@ -280,6 +280,13 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block: t
     else:
         y = fp8_gemm(xq, xs, w, w_scale, block, x.dtype)
     return _finish(y, bias, into, shape)
+
+
+def _channel_cublas(x2: torch.Tensor, w: torch.Tensor, block: tuple[int, int] | None) -> bool:
+    """Whether per-channel weights take cuBLASLt's GEMMs for x2 [M, K]: bf16 rows (at least one, on
+    the GPU) and _scaled_mm's alignment; the unit-scale path up to UNIT_SCALE_MAX_M rows, row-wise above."""
+    return (x2.dtype == torch.bfloat16 and x2.shape[0] > 0 and not _DOT_F32 and block is None
+            and x2.shape[1] % 16 == 0 and w.shape[0] % 16 == 0)
 
 
 def _unit_scaled_mm(xq: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -296,8 +303,7 @@ def fp8_linear_unscaled(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
     fp8_linear's output; elsewhere (fp8_linear(...), None)."""
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
-    if (DEFER_SCALES and x.dtype == torch.bfloat16 and 0 < x2.shape[0] <= UNIT_SCALE_MAX_M and not _DOT_F32
-            and block is None and k % 16 == 0 and w.shape[0] % 16 == 0):   # fp8_linear's unit path
+    if DEFER_SCALES and x2.shape[0] <= UNIT_SCALE_MAX_M and _channel_cublas(x2, w, block):   # the unit path
         xq, xs = quantize_activations(x2, k)
         return _unit_scaled_mm(xq, w).view(*x.shape[:-1], w.shape[0]), (xs, w_scale.view(-1))
     return fp8_linear(x, w, w_scale, block), None

@@ -6,7 +6,9 @@ Numerics follow eager torch (kernels/reference.py, transformers' code) rounding 
                  x * rstd rounded to the dtype, then weight * that rounded again (torch's bf16 * bf16);
   add_rms_norm:  x + residual rounded to the dtype first, then the above;
   silu_and_mul:  gate / (1 + exp(-gate)) in fp32 (IEEE division, libdevice's expf: CUDA torch's
-                 formula) rounded to the dtype, then times up rounded again.
+                 formula) rounded to the dtype, then times up rounded again; with an FP8 GEMM's
+                 scales, gate and up are first (x * row scale) * column scale in fp32, rounded to
+                 the dtype (fp8_gemm.scale_out's arithmetic).
 Products are not contracted into FMAs (enable_fp_fusion=False). What can still differ on the GPU is
 the order of the fp32 sum of squares, and torch's CUDA mean multiplies by float(1 / hidden), which
 differs from a division only for a hidden size that is not a power of two: either can move rstd by
@@ -106,13 +108,14 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, norm_ptr, xs_ptr, ws_ptr, x_stride, nor
     dtype = x_ptr.dtype.element_ty
     if SCALED:
         rstd = row_rstd(norm_ptr + row * norm_stride, eps, HIDDEN, BLOCK_HIDDEN)
+    if FP8_SCALES:
+        xs = tl.load(xs_ptr + row)
     for c in range(CHUNKS):
         cols = (tl.program_id(1) * CHUNKS + c) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < D
         gate = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
         up = tl.load(x_ptr + row * x_stride + D + cols, mask=mask, other=0.0).to(tl.float32)
         if FP8_SCALES:
-            xs = tl.load(xs_ptr + row)
             gate = rounded(gate * xs * tl.load(ws_ptr + cols, mask=mask, other=0.0), dtype)
             up = rounded(up * xs * tl.load(ws_ptr + D + cols, mask=mask, other=0.0), dtype)
         if SCALED:
@@ -139,7 +142,8 @@ def silu_and_mul_triton(x: torch.Tensor, norm_of: torch.Tensor | None = None, ep
     assert norm_of is None or h2.shape[0] == x2.shape[0]
     out = torch.empty(*x.shape[:-1], d, dtype=x.dtype, device=x.device)
     xs, ws = fp8_scales if fp8_scales is not None else (x2, x2)   # pointers the kernel never reads
-    assert fp8_scales is None or (xs.shape == (len(x2), 1) and xs.is_contiguous() and ws.shape == (2 * d,))
+    assert fp8_scales is None or (xs.shape == (len(x2), 1) and ws.shape == (2 * d,) and xs.is_contiguous()
+                                  and ws.is_contiguous() and xs.dtype == ws.dtype == torch.float32)
     if x2.shape[0] and d:
         hidden = h2.shape[-1] if norm_of is not None else 1
         rows = x2.shape[0]

@@ -51,8 +51,13 @@ def scale_by_rstd_ref(x: torch.Tensor, norm_of: torch.Tensor, eps: float) -> tor
     return (x.float() * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
-def silu_and_mul_ref(x: torch.Tensor, norm_of: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
-    # x: [..., 2 * d] = gate | up -> [..., d]; norm_of: gate | up first scaled by its rows' rstd
+def silu_and_mul_ref(x: torch.Tensor, norm_of: torch.Tensor | None = None, eps: float = 0.0,
+                     fp8_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    # x: [..., 2 * d] = gate | up -> [..., d]; fp8_scales (xs [rows, 1], ws [2 * d]): x an FP8 GEMM's
+    # unscaled output, first scaled by them; norm_of: gate | up then scaled by its rows' rstd
+    if fp8_scales is not None:
+        xs, ws = fp8_scales
+        x = (x.float() * xs.view(*x.shape[:-1], 1) * ws).to(x.dtype)
     if norm_of is not None:
         x = scale_by_rstd_ref(x, norm_of, eps)
     gate, up = x.chunk(2, -1)

@@ -57,13 +57,6 @@ class LinearBase(nn.Module):
             return self.quant.apply(self, x, bias, into)
         return F.linear(x, self.weight, bias) if into is None else into.addmm_(x, self.weight.t())
 
-    def forward_unscaled(self, x: torch.Tensor) -> tuple[torch.Tensor, tuple | None]:
-        """(forward(x), None), or for an FP8 layer (no bias, no LoRA) whose GEMM leaves its scales to
-        the caller, (the unscaled product, its row and column scales): the caller multiplies them in."""
-        if self.quant is None or self.bias is not None or self.lora is not None:
-            return self(x), None
-        return self.quant.apply_unscaled(self, x)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.lora is not None and self.lora.folds():
             return self.lora.folded_linear(x)
@@ -81,6 +74,14 @@ class ColumnParallelLinear(LinearBase):
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False):
         super().__init__(input_size, _divide(output_size, tp_size(), "output size"), bias, tp_dim=0)
+
+    def forward_unscaled(self, x: torch.Tensor) -> tuple[torch.Tensor, tuple | None]:
+        """(forward(x), None), or for an FP8 layer (no bias, no LoRA) whose GEMM leaves its scales to
+        the caller, (the unscaled product, its row and column scales): the caller multiplies them in.
+        (Column-parallel only: each rank's output is final here, with no all-reduce to come.)"""
+        if self.quant is None or self.bias is not None or self.lora is not None:
+            return self(x), None
+        return self.quant.apply_unscaled(self, x)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
