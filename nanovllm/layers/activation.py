@@ -7,7 +7,7 @@ from nanovllm.kernels import silu_and_mul
 
 class SiluAndMul(nn.Module):
     """x: [..., 2 * d] holding gate and up projections -> silu(gate) * up: [..., d]; fp8_scales: x
-    first times these row and column scales (an FP8 GEMM's, LinearBase.forward_unscaled); norm_of
+    first times these row and column scales (an FP8 GEMM's, ColumnParallelLinear.forward_unscaled); norm_of
     [..., hidden]: gate and up then scaled by its rows' rstd (a folded RMSNorm, eps)."""
 
     def forward(self, x: torch.Tensor, norm_of: torch.Tensor | None = None, eps: float = 0.0,
