@@ -5,8 +5,10 @@
                       columns (the weight block's bk; per channel: the whole row), scale = amax / 448
     block format      torch._scaled_mm with 1x128 x 128x128 block scales (cuBLASLt, Hopper, bf16);
                       else the Triton GEMM below
-    per channel       torch._scaled_mm with row-wise scales (cuBLASLt) for a bf16 output; else the
-                      Triton GEMM with one group spanning K
+    per channel       bf16 output: up to UNIT_SCALE_MAX_M rows torch._scaled_mm per tensor with unit
+                      scales, then scale_out (x_scale[m] * w_scale[n], bias, residual add) or the
+                      caller (fp8_linear_unscaled: SiLU-and-mul); above it torch._scaled_mm with
+                      row-wise scales (cuBLASLt). Else the Triton GEMM with one group spanning K
     Triton GEMM       acc += (x_fp8 tile . W_fp8 tile) * x_scale[m, g] * w_scale[n / bn, g] for each
                       BLOCK_K = bk slice g (FP8 tensor cores, fp32 accumulation); one rounding at the end
 
