@@ -12,7 +12,9 @@ the rest of a sequence differ, so it says little alone).
 The default model is the demo's SmolLM2-135M-Instruct (see benchmarks/fp8_accuracy.py for how it is
 made); --num-prompts 64 --max-tokens 128 are the defaults. Without a GPU it runs on the CPU (SmolLM2:
 about 2 minutes for 16 prompts x 64 tokens on 2 cores), the FP8 layers rounding their activations per
-token as the GPU kernels do.
+token as the GPU kernels do; --unit-scales (CPU) also rounds each per-channel GEMM's unscaled product
+to bf16 before the scales, as fp8_gemm's unit-scale path does (up to UNIT_SCALE_MAX_M rows on the GPU;
+here at every size).
 """
 import argparse
 import json
@@ -27,17 +29,24 @@ from nanovllm.layers import fp8 as fp8_layers
 CONFIGS = {"bf16": dict(dtype="bfloat16"), "fp8 weights": dict(dtype="bfloat16", quantization="fp8")}
 
 
-def emulate_activation_rounding():
+def emulate_activation_rounding(unit_scales: bool = False):
     """On the CPU, FP8 layers dequantize the weights and leave activations unrounded (the tests' oracle).
     Here they also round the activations through e4m3 per token (per group with a block format) as the
-    GPU kernels do, so a CPU run measures what the GPU path computes, up to the GEMM's sum order."""
-    from nanovllm.kernels.fp8_reference import dequantize_weight, round_trip_activations
+    GPU kernels do, so a CPU run measures what the GPU path computes, up to the GEMM's sum order.
+    unit_scales: per channel, the FP8 product unscaled rounded to the dtype, then scaled and rounded
+    again (fp8_gemm's unit-scale GEMM and scale_out)."""
+    from nanovllm.kernels.fp8_reference import dequantize_weight, quantize_activations, round_trip_activations
 
     def apply(self, layer, x, bias, into=None):
         x2 = x.reshape(-1, x.shape[-1]).float()
-        xr = round_trip_activations(x2, x2.shape[-1] if self.block is None else self.block[1])
-        w = dequantize_weight(layer.weight, layer.weight_scale, self.block, torch.float32)
-        y = torch.nn.functional.linear(xr, w).to(x.dtype)
+        if unit_scales and self.block is None:
+            q, xs = quantize_activations(x2, x2.shape[-1])
+            y = (q.float() @ layer.weight.float().t()).to(x.dtype).float()
+            y = (y * xs * layer.weight_scale.view(1, -1)).to(x.dtype)
+        else:
+            xr = round_trip_activations(x2, x2.shape[-1] if self.block is None else self.block[1])
+            w = dequantize_weight(layer.weight, layer.weight_scale, self.block, torch.float32)
+            y = torch.nn.functional.linear(xr, w).to(x.dtype)
         y = (y if bias is None else y + bias).view(*x.shape[:-1], -1)
         return y if into is None else into.add_(y)
     fp8_layers.Fp8Linear.apply = apply
@@ -60,9 +69,11 @@ def main():
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--json", help="write the figures here")
+    p.add_argument("--unit-scales", action="store_true",
+                   help="CPU: emulate the unit-scale GEMM's rounding of the unscaled product too")
     args = p.parse_args()
     if DEVICE == "cpu":
-        emulate_activation_rounding()
+        emulate_activation_rounding(args.unit_scales)
     args.model = model_folder(args)
     prompts = chat_prompts(AutoTokenizer.from_pretrained(args.model))[:args.num_prompts]
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
