@@ -19,7 +19,14 @@ communication, copies, other kernels), beside the GPU's idle time. The tables go
                                  [--runs 3] [--profile] [--engines vllm nanovllm] [--out DIR]
 
 vLLM may live outside the active environment: --vllm-path DIR is put in front of the vLLM child's
-PYTHONPATH only."""
+PYTHONPATH only.
+
+Mixture-of-experts models: with dummy weights vLLM 0.24's routers send nearly every token of a decode
+step to the same few experts (its expert GEMMs then read a fraction of the weights), while nanovllm's
+dummy weights route uniformly, as trained routers roughly do at these batch sizes. So by default
+(--vllm-moe-routing uniform) vLLM's child runs with its routing simulator,
+VLLM_MOE_ROUTING_SIMULATION_STRATEGY=uniform_random (each token's top-k experts drawn uniformly, in
+place of its gating kernel); --vllm-moe-routing model keeps its router. Dense models are unaffected."""
 import argparse
 import bisect
 import contextlib
@@ -37,9 +44,10 @@ from collections import defaultdict
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-# Kernel categories, by name (first match wins); everything else is "other" (norms, rotary, activation,
-# sampling, torch.compile's fused elementwise kernels).
+# Kernel categories, by name (first match wins; "moe": the experts' grouped GEMMs); everything else is
+# "other" (norms, rotary, activation, sampling, routing, torch.compile's fused elementwise kernels).
 CATEGORIES = [
+    ("moe", re.compile(r"fused_moe|moe_mm|grouped_gemm|^_gate_up_kernel|^_down_kernel", re.I)),
     ("attention", re.compile(r"flash|fmha|attn|attention|_decode_|_prefill_kernel|paged|_fwd_kernel"
                              r"|split_merge|reduce_segm", re.I)),
     ("gemm", re.compile(r"nvjet|gemm|cutlass|xmma|cublas|splitKreduce|sm90_|wgmma|_mm_|matmul", re.I)),
@@ -71,6 +79,22 @@ def workload(kind: str, num_seqs: int = 256):
 
 def max_model_len(kind: str) -> int:
     return 8192 if kind == "long" else 4096
+
+
+def is_moe(model: str) -> bool:
+    """Whether the model folder's config.json has routed experts."""
+    path = os.path.join(model if os.path.isabs(model) else os.path.join(ROOT, model), "config.json")
+    with open(path) as f:
+        config = json.load(f)
+    return any(config.get(key) for key in ("num_experts", "n_routed_experts", "num_local_experts"))
+
+
+def vllm_env(args) -> dict:
+    """Environment variables for vLLM's child beyond the defaults: uniform simulated routing for a
+    mixture-of-experts model unless --vllm-moe-routing model (see the module's docstring)."""
+    if args.vllm_moe_routing == "uniform" and is_moe(args.model):
+        return {"VLLM_MOE_ROUTING_SIMULATION_STRATEGY": "uniform_random"}
+    return {}
 
 
 # ---- one engine, in a child process ---------------------------------------------------------------
@@ -336,7 +360,7 @@ def format_profile(engine: str, p: dict) -> str:
     lines = [f"{engine}: profiled run {p['seconds']:.2f}s, {p['output_tokens']} output tokens; GPU busy "
              f"{p['gpu_busy_ms'] / 1e3:.2f}s, idle {p['gpu_idle_ms'] / 1e3:.2f}s "
              f"of {p['gpu_span_ms'] / 1e3:.2f}s"]
-    cats = ["gemm", "attention", "other", "copy", "comm"]
+    cats = ["gemm", "moe", "attention", "other", "copy", "comm"]
     lines.append(f"  {'step kind':<16}{'steps':>7}{'host s':>9}{'tokens':>9}" +
                  "".join(f"{c + ' s':>12}" for c in cats) + f"{'GPU s':>9}")
     kinds = sorted(set(p["steps"]) | set(p["by_kind"]))
@@ -360,7 +384,8 @@ def tag(args) -> str:
     for knob in args.nano_set:   # e.g. _FAST_ACCUM-False
         target, _, value = knob.partition("=")
         options += "_" + re.sub(r"[^\w.-]", "", f"{target.rpartition('.')[2]}-{value}")
-    return f"{name}_{args.workload}_{args.kv_cache_dtype}{lora}{options}_cache-{args.prefix_caching}"
+    routing = "_vllm-routing-model" if args.vllm_moe_routing == "model" and is_moe(args.model) else ""
+    return f"{name}_{args.workload}_{args.kv_cache_dtype}{lora}{options}{routing}_cache-{args.prefix_caching}"
 
 
 def wait_gpu_free(timeout: float = 60):
@@ -388,12 +413,14 @@ def run_child(args, engine: str, profile: bool) -> dict | None:
         env.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
         if profile:
             env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        env.update(vllm_env(args))
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         result = f.name
     cmd = [sys.executable, os.path.abspath(__file__), "--child", engine, "--result", result,
            "--model", args.model, "--workload", args.workload, "--kv-cache-dtype", args.kv_cache_dtype,
            "--runs", str(args.runs), "--num-seqs", str(args.num_seqs),
-           "--prefix-caching", args.prefix_caching, "--lora", str(args.lora)]
+           "--prefix-caching", args.prefix_caching, "--lora", str(args.lora),
+           "--vllm-moe-routing", args.vllm_moe_routing]
     cmd += ["--profile-child"] if profile else []
     cmd += [x for o in args.nano_option for x in ("--nano-option", o)]
     cmd += [x for o in args.vllm_option for x in ("--vllm-option", o)]
@@ -449,6 +476,9 @@ def main():
     p.add_argument("--vllm-option", action="append", default=[], help="KEY=VALUE for vLLM's LLM()")
     p.add_argument("--nano-set", action="append", default=[], metavar="MODULE.NAME=VALUE",
                    help="a nanovllm module constant set before its engine starts (as bench_with.py does)")
+    p.add_argument("--vllm-moe-routing", default="uniform", choices=["uniform", "model"],
+                   help="mixture-of-experts models: vLLM's routing simulator draws each token's experts "
+                        "uniformly (default), or its router runs on the dummy weights (model)")
     p.add_argument("--timeout", type=float, default=480, help="seconds per child")
     p.add_argument("--out", help="folder for the JSON records and profiles")
     p.add_argument("--child", choices=["vllm", "nanovllm"], help=argparse.SUPPRESS)
@@ -478,7 +508,7 @@ def main():
                 records[f"{engine}_profile"] = prof
     if args.out:
         records["options"] = {"nanovllm": args.nano_option, "vllm": args.vllm_option,
-                              "nanovllm_set": args.nano_set}
+                              "nanovllm_set": args.nano_set, "vllm_env": vllm_env(args)}
         with open(os.path.join(args.out, f"vs_vllm_{tag(args)}.json"), "w") as f:
             json.dump(records, f, indent=1)
     for engine in args.engines:
