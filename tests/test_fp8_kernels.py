@@ -221,11 +221,15 @@ def test_interp_mlp_leaves_gate_up_scales_to_silu_and_mul_with_the_same_output(f
 
 
 @interp
-@pytest.mark.parametrize("num_tokens,block", [(1, (128, 128)), (13, (128, 128)), (37, None), (5, (32, 32))])
-def test_interp_fused_moe_fp8_matches_reference(num_tokens, block, monkeypatch):
+@pytest.mark.parametrize("num_tokens,block,scale_after", [(1, (128, 128), True), (13, (128, 128), True),
+                                                          (37, None, True), (37, None, False),
+                                                          (5, (32, 32), True)])
+def test_interp_fused_moe_fp8_matches_reference(num_tokens, block, scale_after, monkeypatch):
+    """scale_after: fused_moe.SCALE_AFTER_LOOP (per channel: the scales after the K loop, or every slice)."""
     from nanovllm.kernels import fused_moe
     from nanovllm.kernels.fused_moe import Tiles, fused_moe_triton
     monkeypatch.setattr(fused_moe, "quantize_activations", quantize_activations)
+    monkeypatch.setattr(fused_moe, "SCALE_AFTER_LOOP", scale_after)
     g = torch.Generator().manual_seed(num_tokens)
     hidden, inter, experts, top_k = 256, 256, 4, 2
     x = torch.randn(num_tokens, hidden, generator=g)
