@@ -82,8 +82,10 @@ def max_model_len(kind: str) -> int:
 
 
 def is_moe(model: str) -> bool:
-    """Whether the model folder's config.json has routed experts."""
+    """Whether the model folder's config.json has routed experts (no config.json: False)."""
     path = os.path.join(model if os.path.isabs(model) else os.path.join(ROOT, model), "config.json")
+    if not os.path.isfile(path):
+        return False
     with open(path) as f:
         config = json.load(f)
     return any(config.get(key) for key in ("num_experts", "n_routed_experts", "num_local_experts"))

@@ -34,7 +34,7 @@ def test_kernel_categories(name, expected):
 
 
 def test_a_moe_model_gets_uniform_simulated_routing_in_vllm_only_by_default():
-    assert vs_vllm.is_moe(MOE) and not vs_vllm.is_moe(DENSE)
+    assert vs_vllm.is_moe(MOE) and not vs_vllm.is_moe(DENSE) and not vs_vllm.is_moe("no/such/folder")
     assert vs_vllm.vllm_env(args_for(MOE)) == {"VLLM_MOE_ROUTING_SIMULATION_STRATEGY": "uniform_random"}
     assert vs_vllm.vllm_env(args_for(MOE, "model")) == {}
     assert vs_vllm.vllm_env(args_for(DENSE)) == {}
