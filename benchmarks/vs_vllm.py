@@ -91,11 +91,14 @@ def is_moe(model: str) -> bool:
     return any(config.get(key) for key in ("num_experts", "n_routed_experts", "num_local_experts"))
 
 
+ROUTING_VAR = "VLLM_MOE_ROUTING_SIMULATION_STRATEGY"
+
+
 def vllm_env(args) -> dict:
     """Environment variables for vLLM's child beyond the defaults: uniform simulated routing for a
     mixture-of-experts model unless --vllm-moe-routing model (see the module's docstring)."""
     if args.vllm_moe_routing == "uniform" and is_moe(args.model):
-        return {"VLLM_MOE_ROUTING_SIMULATION_STRATEGY": "uniform_random"}
+        return {ROUTING_VAR: "uniform_random"}
     return {}
 
 
@@ -386,7 +389,7 @@ def tag(args) -> str:
     for knob in args.nano_set:   # e.g. _FAST_ACCUM-False
         target, _, value = knob.partition("=")
         options += "_" + re.sub(r"[^\w.-]", "", f"{target.rpartition('.')[2]}-{value}")
-    routing = "_vllm-routing-model" if args.vllm_moe_routing == "model" and is_moe(args.model) else ""
+    routing = f"_vllm-routing-{args.vllm_moe_routing}" if is_moe(args.model) else ""
     return f"{name}_{args.workload}_{args.kv_cache_dtype}{lora}{options}{routing}_cache-{args.prefix_caching}"
 
 
@@ -415,6 +418,7 @@ def run_child(args, engine: str, profile: bool) -> dict | None:
         env.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
         if profile:
             env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        env.pop(ROUTING_VAR, None)   # vLLM's own router unless vllm_env sets it
         env.update(vllm_env(args))
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         result = f.name
@@ -510,7 +514,9 @@ def main():
                 records[f"{engine}_profile"] = prof
     if args.out:
         records["options"] = {"nanovllm": args.nano_option, "vllm": args.vllm_option,
-                              "nanovllm_set": args.nano_set, "vllm_env": vllm_env(args)}
+                              "nanovllm_set": args.nano_set}
+        if "vllm" in args.engines:
+            records["options"]["vllm_env"] = vllm_env(args)
         with open(os.path.join(args.out, f"vs_vllm_{tag(args)}.json"), "w") as f:
             json.dump(records, f, indent=1)
     for engine in args.engines:

@@ -38,9 +38,10 @@ def test_a_moe_model_gets_uniform_simulated_routing_in_vllm_only_by_default():
     assert vs_vllm.vllm_env(args_for(MOE)) == {"VLLM_MOE_ROUTING_SIMULATION_STRATEGY": "uniform_random"}
     assert vs_vllm.vllm_env(args_for(MOE, "model")) == {}
     assert vs_vllm.vllm_env(args_for(DENSE)) == {}
-    # the record's name says when vLLM kept its own router on a MoE model
+    # a MoE record's name says which routing vLLM ran
     assert "_vllm-routing-model" in vs_vllm.tag(args_for(MOE, "model"))
-    assert "routing" not in vs_vllm.tag(args_for(MOE)) + vs_vllm.tag(args_for(DENSE, "model"))
+    assert "_vllm-routing-uniform" in vs_vllm.tag(args_for(MOE))
+    assert "routing" not in vs_vllm.tag(args_for(DENSE, "model"))
 
 
 def test_run_child_hands_the_routing_to_vllms_child_and_the_option_on(monkeypatch):
@@ -61,7 +62,11 @@ def test_run_child_hands_the_routing_to_vllms_child_and_the_option_on(monkeypatc
     monkeypatch.delenv("VLLM_MOE_ROUTING_SIMULATION_STRATEGY", raising=False)
     for engine in ("vllm", "nanovllm"):
         assert vs_vllm.run_child(args_for(MOE), engine, profile=False) is None   # the fake writes nothing
-    (vllm_cmd, vllm_env), (nano_cmd, nano_env) = seen["runs"]
+    # a value the parent had does not reach vLLM's child when its own router is asked for
+    monkeypatch.setenv("VLLM_MOE_ROUTING_SIMULATION_STRATEGY", "uniform_random")
+    vs_vllm.run_child(args_for(MOE, "model"), "vllm", profile=False)
+    (vllm_cmd, vllm_env), (nano_cmd, nano_env), (_, model_env) = seen["runs"]
     assert vllm_env["VLLM_MOE_ROUTING_SIMULATION_STRATEGY"] == "uniform_random"
     assert "VLLM_MOE_ROUTING_SIMULATION_STRATEGY" not in nano_env
+    assert "VLLM_MOE_ROUTING_SIMULATION_STRATEGY" not in model_env
     assert vllm_cmd[vllm_cmd.index("--vllm-moe-routing") + 1] == "uniform"

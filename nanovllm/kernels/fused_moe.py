@@ -16,7 +16,9 @@ gate/up GEMM, h likewise before the down GEMM (kernels/fp8_gemm.quantize_activat
 on FP8 tensor cores. Block scales: each BLOCK_K slice's fp32 product scaled by its activation and
 weight scales. Per channel (one scale over all of K): the dots accumulate in place and the fp32 sum
 is scaled once after the loop, as vLLM's kernel does (with a scaled accumulate every slice, the 30B
-shapes' prefill gate/up GEMM ran at about 430 TFLOP/s on an H100, vLLM's at about 1,050).
+shapes' prefill gate/up GEMM ran at about 430 TFLOP/s on an H100, vLLM's at about 1,050; this path
+is not measured yet). On Hopper the FP8 dots then accumulate over all of K in the tensor cores'
+reduced precision (fast accumulation, as the dense `_scaled_mm` GEMMs run).
 
 Nothing reads a count on the host (grids are sized by the worst case, surplus programs return at
 once), so the path is CUDA-graph safe. Roundings follow transformers in the model's dtype: gate and
