@@ -6,6 +6,11 @@ import torch
 import triton
 import triton.language as tl
 
+# Up to this many pairs (decode: 512 tokens x top 8), sort them in one program (one launch) rather than
+# two fills and three kernels. Off (0) by default until timed: the 30B profile had the five at 0.82 s of
+# a 20.7 s run (vLLM's two at 0.51). A knob for bench_with.py.
+ONE_PROGRAM_MAX_PAIRS = 0
+
 # ---- the router's choice -----------------------------------------------------------------------
 
 @triton.jit(do_not_specialize=["num_tokens"])
@@ -68,12 +73,12 @@ def _count_kernel(ids_ptr, counts_ptr, ranks_ptr, num_pairs, BLOCK: tl.constexpr
     tl.store(ranks_ptr + offs, rank, mask=mask)
 
 
-@triton.jit(do_not_specialize=["num_blocks"])
-def _offsets_kernel(counts_ptr, starts_ptr, block_expert_ptr, num_padded_ptr, num_blocks,
-                    NUM_EXPERTS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr,
-                    CHUNK: tl.constexpr):
-    # One program: expert e's pairs occupy rows [starts[e], starts[e] + counts[e]) of a layout in
-    # which every expert's rows are padded to a multiple of BLOCK_M.
+@triton.jit
+def _block_layout(counts_ptr, starts_ptr, block_expert_ptr, num_padded_ptr, num_blocks,
+                  NUM_EXPERTS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr,
+                  CHUNK: tl.constexpr):
+    # Expert e's pairs occupy rows [starts[e], starts[e] + counts[e]) of a layout in which every
+    # expert's rows are padded to a multiple of BLOCK_M; each block's expert, and the rows in use.
     e = tl.arange(0, BLOCK_E)
     counts = tl.load(counts_ptr + e, mask=e < NUM_EXPERTS, other=0)
     padded = tl.cdiv(counts, BLOCK_M) * BLOCK_M
@@ -92,6 +97,14 @@ def _offsets_kernel(counts_ptr, starts_ptr, block_expert_ptr, num_padded_ptr, nu
         b0 += CHUNK
 
 
+@triton.jit(do_not_specialize=["num_blocks"])
+def _offsets_kernel(counts_ptr, starts_ptr, block_expert_ptr, num_padded_ptr, num_blocks,
+                    NUM_EXPERTS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr,
+                    CHUNK: tl.constexpr):
+    _block_layout(counts_ptr, starts_ptr, block_expert_ptr, num_padded_ptr, num_blocks,
+                  NUM_EXPERTS, BLOCK_E, BLOCK_M, CHUNK)
+
+
 @triton.jit(do_not_specialize=["num_pairs"])
 def _scatter_kernel(ids_ptr, ranks_ptr, starts_ptr, sorted_ptr, num_pairs, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -99,6 +112,33 @@ def _scatter_kernel(ids_ptr, ranks_ptr, starts_ptr, sorted_ptr, num_pairs, BLOCK
     expert = tl.load(ids_ptr + offs, mask=mask, other=0)
     dest = tl.load(starts_ptr + expert, mask=mask, other=0) + tl.load(ranks_ptr + offs, mask=mask, other=0)
     tl.store(sorted_ptr + dest, offs.to(tl.int32), mask=mask)
+
+
+@triton.jit(do_not_specialize=["num_pairs", "num_blocks"])
+def _align_one_program_kernel(ids_ptr, counts_ptr, starts_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr,
+                              num_pairs, num_blocks, NUM_EXPERTS: tl.constexpr, BLOCK_E: tl.constexpr,
+                              BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, CHUNK: tl.constexpr):
+    # The three kernels and two fills of align_by_expert in one program (num_pairs <= BLOCK_P); each
+    # barrier makes the program's global writes before it visible to all its threads after it.
+    e = tl.arange(0, BLOCK_E)
+    tl.store(counts_ptr + e, tl.zeros([BLOCK_E], dtype=tl.int32))
+    rows = num_blocks * BLOCK_M
+    r0 = 0
+    while r0 < rows:   # every row padding to start with
+        r = r0 + tl.arange(0, BLOCK_P)
+        tl.store(sorted_ptr + r, tl.full([BLOCK_P], 0, tl.int32) + num_pairs, mask=r < rows)
+        r0 += BLOCK_P
+    tl.debug_barrier()
+    pair = tl.arange(0, BLOCK_P)
+    mask = pair < num_pairs
+    expert = tl.load(ids_ptr + pair, mask=mask, other=0)
+    rank = tl.atomic_add(counts_ptr + expert, tl.full([BLOCK_P], 1, tl.int32), mask=mask)
+    tl.debug_barrier()
+    _block_layout(counts_ptr, starts_ptr, block_expert_ptr, num_padded_ptr, num_blocks,
+                  NUM_EXPERTS, BLOCK_E, BLOCK_M, CHUNK)
+    tl.debug_barrier()
+    dest = tl.load(starts_ptr + expert, mask=mask, other=0) + rank
+    tl.store(sorted_ptr + dest, pair, mask=mask)
 
 
 def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
@@ -118,15 +158,23 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> A
     ids = topk_ids.reshape(-1)
     num_pairs, device = ids.numel(), ids.device
     blocks = max_blocks(num_pairs, num_experts, block_m)
-    counts = torch.zeros(num_experts, dtype=torch.int32, device=device)
-    ranks = torch.empty(num_pairs, dtype=torch.int32, device=device)
+    block_e = triton.next_power_of_2(num_experts)
     starts = torch.empty(num_experts, dtype=torch.int32, device=device)
-    sorted_pairs = torch.full((blocks * block_m,), num_pairs, dtype=torch.int32, device=device)
+    sorted_pairs = torch.empty(blocks * block_m, dtype=torch.int32, device=device)
     block_expert = torch.empty(blocks, dtype=torch.int32, device=device)
     num_padded = torch.empty(1, dtype=torch.int32, device=device)
+    layout = dict(NUM_EXPERTS=num_experts, BLOCK_E=block_e, BLOCK_M=block_m, CHUNK=32)
+    if num_pairs <= ONE_PROGRAM_MAX_PAIRS:   # the kernel zeroes counts and fills sorted_pairs itself
+        counts = torch.empty(block_e, dtype=torch.int32, device=device)
+        _align_one_program_kernel[(1,)](ids, counts, starts, sorted_pairs, block_expert, num_padded,
+                                        num_pairs, blocks, BLOCK_P=triton.next_power_of_2(num_pairs),
+                                        **layout, num_warps=8)
+        return Alignment(sorted_pairs, block_expert, num_padded)
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=device)
+    ranks = torch.empty(num_pairs, dtype=torch.int32, device=device)
+    sorted_pairs.fill_(num_pairs)
     grid = (triton.cdiv(num_pairs, 1024),)
     _count_kernel[grid](ids, counts, ranks, num_pairs, BLOCK=1024)
-    _offsets_kernel[(1,)](counts, starts, block_expert, num_padded, blocks, NUM_EXPERTS=num_experts,
-                          BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_M=block_m, CHUNK=32)
+    _offsets_kernel[(1,)](counts, starts, block_expert, num_padded, blocks, **layout)
     _scatter_kernel[grid](ids, ranks, starts, sorted_pairs, num_pairs, BLOCK=1024)
     return Alignment(sorted_pairs, block_expert, num_padded)
