@@ -390,6 +390,25 @@ def test_fused_moe_matches_reference(moe_weights, num_tokens, skewed):
     assert_moe_close(fused_moe_triton(x, w13, w2, weights, ids), x, w13, w2, weights, ids)
 
 
+@pytest.mark.parametrize("num_tokens,skewed", [(1, False), (64, False), (256, False), (512, True)])
+def test_fused_moe_with_the_one_program_sort(moe_weights, num_tokens, skewed, monkeypatch):
+    """moe_routing.ONE_PROGRAM_MAX_PAIRS on (off by default): the same output, eager and replayed."""
+    from nanovllm.kernels import moe_routing
+    from nanovllm.kernels.fused_moe import fused_moe_triton
+    monkeypatch.setattr(moe_routing, "ONE_PROGRAM_MAX_PAIRS", 4096)
+    w13, w2 = moe_weights
+    x, weights, ids = moe_case(num_tokens, seed=num_tokens, skewed=skewed)
+    assert_moe_close(fused_moe_triton(x, w13, w2, weights, ids), x, w13, w2, weights, ids)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused_moe_triton(x, w13, w2, weights, ids)
+    for buf, value in zip((x, weights, ids), moe_case(num_tokens, seed=num_tokens + 1)):
+        buf.copy_(value)
+    graph.replay()
+    assert_moe_close(out, x, w13, w2, weights, ids)
+
+
 def test_fused_moe_tp2_shard_shapes(moe_weights):
     """One rank's shard under TP=2: half of every expert's intermediate columns."""
     from nanovllm.kernels.fused_moe import fused_moe_triton
