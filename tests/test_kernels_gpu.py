@@ -390,12 +390,14 @@ def test_fused_moe_matches_reference(moe_weights, num_tokens, skewed):
     assert_moe_close(fused_moe_triton(x, w13, w2, weights, ids), x, w13, w2, weights, ids)
 
 
+@pytest.mark.parametrize("one_program", [True, False], ids=["one-program", "three-kernels"])
 @pytest.mark.parametrize("num_tokens,skewed", [(1, False), (64, False), (256, False), (512, True)])
-def test_fused_moe_with_the_one_program_sort(moe_weights, num_tokens, skewed, monkeypatch):
-    """moe_routing.ONE_PROGRAM_MAX_PAIRS on (off by default): the same output, eager and replayed."""
+def test_fused_moe_with_either_sort(moe_weights, num_tokens, skewed, one_program, monkeypatch):
+    """Decode's pairs sorted in one program (moe_routing.ONE_PROGRAM_MAX_PAIRS, the default) or by the
+    three kernels prefill uses: the same output, eager and replayed."""
     from nanovllm.kernels import moe_routing
     from nanovllm.kernels.fused_moe import fused_moe_triton
-    monkeypatch.setattr(moe_routing, "ONE_PROGRAM_MAX_PAIRS", 4096)
+    monkeypatch.setattr(moe_routing, "ONE_PROGRAM_MAX_PAIRS", 4096 if one_program else 0)
     w13, w2 = moe_weights
     x, weights, ids = moe_case(num_tokens, seed=num_tokens, skewed=skewed)
     assert_moe_close(fused_moe_triton(x, w13, w2, weights, ids), x, w13, w2, weights, ids)

@@ -230,6 +230,9 @@ def test_tile_choice_and_block_bound():
     from nanovllm.kernels.moe_routing import max_blocks
     assert fm.choose_tiles(256 * 8, 128).block_m == fm.DECODE_BLOCK_M
     assert fm.choose_tiles(16384 * 8, 128).block_m == fm.PREFILL_BLOCK_M
+    # FP8 experts' K slices: never across two scale groups
+    assert fm.choose_tiles(16384 * 8, 128, fp8_group=2048).block_k == fm.PREFILL_BLOCK_K_FP8
+    assert fm.choose_tiles(16384 * 8, 128, fp8_group=32).block_k == 32
     g = torch.Generator().manual_seed(0)
     for num_pairs, experts, block_m in [(1, 128, 16), (16, 8, 16), (2048, 128, 16), (999, 64, 64)]:
         counts = torch.bincount(torch.randint(0, experts, (num_pairs,), generator=g), minlength=experts)

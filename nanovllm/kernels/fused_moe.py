@@ -4,8 +4,9 @@ rows belong to one expert (both in kernels/moe_routing.py); then one grouped GEM
 up with SiLU-and-mul for every block, a second the down projection times the router weight, and a
 sum over each token's top_k rows gives the output.
 
-    align_by_expert  3 small kernels: count pairs per expert (each pair's rank by an atomic add),
-                     block offsets and each block's expert, then scatter the pairs to their slots
+    align_by_expert  decode: one program; prefill: 3 small kernels (count pairs per expert, each
+                     pair's rank by an atomic add; block offsets and each block's expert; then
+                     scatter the pairs to their slots)
     gate_up kernel   h[pair] = silu(x[token] @ gate[e]^T) * (x[token] @ up[e]^T)      [pairs, inter]
     down kernel      y[pair] = weight[pair] * (h[pair] @ w2[e]^T)                     [pairs, hidden]
     torch sum        out[token] = sum over k of y[token * top_k + k]                  [tokens, hidden]
@@ -15,10 +16,9 @@ FP8 experts (w13, w2 float8_e4m3fn with block scales [E, rows / bn, cols / bk] o
 gate/up GEMM, h likewise before the down GEMM (kernels/fp8_gemm.quantize_activations); the GEMMs run
 on FP8 tensor cores. Block scales: each BLOCK_K slice's fp32 product scaled by its activation and
 weight scales. Per channel (one scale over all of K): the dots accumulate in place and the fp32 sum
-is scaled once after the loop, as vLLM's kernel does (with a scaled accumulate every slice, the 30B
-shapes' prefill gate/up GEMM ran at about 430 TFLOP/s on an H100, vLLM's at about 1,050; this path
-is not measured yet). On Hopper the FP8 dots then accumulate over all of K in the tensor cores'
-reduced precision (fast accumulation, as the dense `_scaled_mm` GEMMs run).
+is scaled once after the loop, as vLLM's kernel does (30B-A3B FP8 shapes, H100: 6,751 tok/s against
+6,599 with a scaled accumulate every slice). On Hopper the FP8 dots then accumulate over all of K in
+the tensor cores' reduced precision (fast accumulation, as the dense `_scaled_mm` GEMMs run).
 
 Nothing reads a count on the host (grids are sized by the worst case, surplus programs return at
 once), so the path is CUDA-graph safe. Roundings follow transformers in the model's dtype: gate and
@@ -28,8 +28,9 @@ Tiles: the module constants below are knobs (read at every call; benchmarks/moe_
 them). BLOCK_N counts columns of gate and of up each (a gate/up program computes 2 * BLOCK_N).
 Decode has few pairs per expert (256 tokens x top 8 of 128 experts: 16 each), so its blocks are
 short and the GEMMs are bound by reading each touched expert's weights once; prefill has hundreds
-per expert, so its tiles are the usual compute-bound ones. The defaults are untimed first choices
-for the H200 (informed by vLLM's public tuning table for these shapes), to be replaced by the sweep.
+per expert, so its tiles are the usual compute-bound ones. The bf16 defaults are first choices for
+the H200 (informed by vLLM's public tuning table for these shapes); with FP8 experts (per channel) an
+H100 sweep kept the decode tiles and took 128-wide K slices for prefill.
 """
 from dataclasses import dataclass
 
@@ -44,6 +45,9 @@ from nanovllm.kernels.moe_routing import align_by_expert
 DECODE_MAX_PAIRS_PER_EXPERT = 32
 DECODE_BLOCK_M, DECODE_BLOCK_N, DECODE_BLOCK_K, DECODE_WARPS, DECODE_STAGES = 16, 64, 128, 4, 3
 PREFILL_BLOCK_M, PREFILL_BLOCK_N, PREFILL_BLOCK_K, PREFILL_WARPS, PREFILL_STAGES = 128, 128, 64, 8, 3
+# FP8 experts' prefill K slice: 128 one-byte columns, the bytes of bf16's 64 (per channel, H100: the 30B
+# shapes' 16,384-token call 1.86 ms against 2.11 at 64; moe_sweep.py --fp8 channel)
+PREFILL_BLOCK_K_FP8 = 128
 # Block rows swept together per column range: an expert's second block (more than BLOCK_M pairs)
 # then finds the weight tile the first one read still in L2.
 GROUP_M = 8
@@ -61,12 +65,14 @@ class Tiles:
     num_stages: int
 
 
-def choose_tiles(num_pairs: int, num_experts: int) -> Tiles:
+def choose_tiles(num_pairs: int, num_experts: int, fp8_group: int = 0) -> Tiles:
     """The tile config for a step of num_pairs (token, expert) pairs: a function of the shapes only,
-    so a captured CUDA graph and its replays agree."""
+    so a captured CUDA graph and its replays agree. fp8_group: FP8 experts' columns per scale (a
+    block's width; per channel all of K), 0 for bf16 ones; a K slice never spans two groups."""
     if num_pairs <= DECODE_MAX_PAIRS_PER_EXPERT * num_experts:
         return Tiles(DECODE_BLOCK_M, DECODE_BLOCK_N, DECODE_BLOCK_K, DECODE_WARPS, DECODE_STAGES)
-    return Tiles(PREFILL_BLOCK_M, PREFILL_BLOCK_N, PREFILL_BLOCK_K, PREFILL_WARPS, PREFILL_STAGES)
+    block_k = min(PREFILL_BLOCK_K_FP8, fp8_group) if fp8_group else PREFILL_BLOCK_K
+    return Tiles(PREFILL_BLOCK_M, PREFILL_BLOCK_N, block_k, PREFILL_WARPS, PREFILL_STAGES)
 
 
 # ---- the two grouped GEMMs ---------------------------------------------------------------------
@@ -237,7 +243,8 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
     num_pairs = num_tokens * top_k
     if num_pairs == 0:
         return torch.zeros_like(x)
-    tiles = tiles or choose_tiles(num_pairs, num_experts)
+    fp8_group = 0 if scales is None else scales[2][1] if scales[2] is not None else min(hidden, inter)
+    tiles = tiles or choose_tiles(num_pairs, num_experts, fp8_group)
     align = align_by_expert(topk_ids, num_experts, tiles.block_m)
     blocks_m = align.block_expert.numel()
     weights = topk_weights.reshape(-1).to(x.dtype).contiguous()

@@ -7,9 +7,10 @@ import triton
 import triton.language as tl
 
 # Up to this many pairs (decode: 512 tokens x top 8), sort them in one program (one launch) rather than
-# two fills and three kernels. Off (0) by default until timed: the 30B profile had the five at 0.82 s of
-# a 20.7 s run (vLLM's two at 0.51). A knob for bench_with.py.
-ONE_PROGRAM_MAX_PAIRS = 0
+# two fills and three kernels (30B-A3B FP8 shapes, H100: 6,809 and 6,829 tok/s against 6,752 and 6,754
+# with 0; each power-of-two pair count compiles a variant, 1.8 s of a cold start-up). A knob for
+# bench_with.py (0: off).
+ONE_PROGRAM_MAX_PAIRS = 4096
 
 # ---- the router's choice -----------------------------------------------------------------------
 
