@@ -8,9 +8,11 @@ import triton.language as tl
 
 # Up to this many pairs (decode: 512 tokens x top 8), sort them in one program (one launch) rather than
 # two fills and three kernels (30B-A3B FP8 shapes, H100: 6,809 and 6,829 tok/s against 6,752 and 6,754
-# with 0; each power-of-two pair count compiles a variant, 1.8 s of a cold start-up). A knob for
-# bench_with.py (0: off).
+# with 0, a variant compiled per power-of-two pair count). A knob for bench_with.py (0: off).
 ONE_PROGRAM_MAX_PAIRS = 4096
+# The smallest vector (pairs) that program is compiled for: every smaller step shares it, so decode's
+# batch sizes compile one variant rather than one per power of two (1: a variant per power of two).
+ONE_PROGRAM_MIN_BLOCK = 4096
 
 # ---- the router's choice -----------------------------------------------------------------------
 
@@ -168,7 +170,8 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> A
     if num_pairs <= ONE_PROGRAM_MAX_PAIRS:   # the kernel zeroes counts and fills sorted_pairs itself
         counts = torch.empty(block_e, dtype=torch.int32, device=device)
         _align_one_program_kernel[(1,)](ids, counts, starts, sorted_pairs, block_expert, num_padded,
-                                        num_pairs, blocks, BLOCK_P=triton.next_power_of_2(num_pairs),
+                                        num_pairs, blocks,
+                                        BLOCK_P=max(triton.next_power_of_2(num_pairs), ONE_PROGRAM_MIN_BLOCK),
                                         **layout, num_warps=8)
         return Alignment(sorted_pairs, block_expert, num_padded)
     counts = torch.zeros(num_experts, dtype=torch.int32, device=device)
