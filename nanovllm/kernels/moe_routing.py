@@ -10,9 +10,10 @@ import triton.language as tl
 # two fills and three kernels (30B-A3B FP8 shapes, H100: 6,809 and 6,829 tok/s against 6,752 and 6,754
 # with 0, a variant compiled per power-of-two pair count). A knob for bench_with.py (0: off).
 ONE_PROGRAM_MAX_PAIRS = 4096
-# The smallest vector (pairs) that program is compiled for: every smaller step shares it, so decode's
-# batch sizes compile one variant rather than one per power of two (1: a variant per power of two).
-ONE_PROGRAM_MIN_BLOCK = 4096
+# The smallest vector (pairs) that program is compiled for; every smaller step shares it. 1 (the timed
+# default): a variant per power of two, 10 for decode's batch sizes, 1.8 s of a cold start-up on the
+# 30B shapes; 4096 would compile one (untimed: its start-up and small-batch cost).
+ONE_PROGRAM_MIN_BLOCK = 1
 
 # ---- the router's choice -----------------------------------------------------------------------
 
