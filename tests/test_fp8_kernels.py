@@ -221,11 +221,12 @@ def test_interp_mlp_leaves_gate_up_scales_to_silu_and_mul_with_the_same_output(f
 
 
 @interp
-@pytest.mark.parametrize("num_tokens,block,scale_after", [(1, (128, 128), True), (13, (128, 128), True),
-                                                          (37, None, True), (37, None, False),
-                                                          (5, (32, 32), True)])
-def test_interp_fused_moe_fp8_matches_reference(num_tokens, block, scale_after, monkeypatch):
-    """scale_after: fused_moe.SCALE_AFTER_LOOP (per channel: the scales after the K loop, or every slice)."""
+@pytest.mark.parametrize("num_tokens,block,scale_after,block_k", [
+    (1, (128, 128), True, 32), (13, (128, 128), True, 32), (37, None, True, 32), (37, None, False, 32),
+    (5, (32, 32), True, 32), (13, (128, 128), True, 128), (37, None, True, 128)])
+def test_interp_fused_moe_fp8_matches_reference(num_tokens, block, scale_after, block_k, monkeypatch):
+    """scale_after: fused_moe.SCALE_AFTER_LOOP (per channel: the scales after the K loop, or every slice);
+    block_k 128: FP8 prefill's K slice (a whole 128-column scale group a slice)."""
     from nanovllm.kernels import fused_moe
     from nanovllm.kernels.fused_moe import Tiles, fused_moe_triton
     monkeypatch.setattr(fused_moe, "quantize_activations", quantize_activations)
@@ -237,7 +238,7 @@ def test_interp_fused_moe_fp8_matches_reference(num_tokens, block, scale_after, 
     w2, s2 = quantize_weight(torch.randn(experts, hidden, inter, generator=g) * 0.1, block)
     logits = torch.randn(num_tokens, experts, generator=g)
     weights, ids = select_experts(logits, top_k, renormalize=True)
-    tiles = Tiles(16, 32, 32, 4, 1)
+    tiles = Tiles(16, 32, block_k, 4, 1)
     out = fused_moe_triton(x, w13, w2, weights, ids, tiles, scales=(s13, s2, block))
     want = fused_moe_fp8_ref(x, w13, s13, w2, s2, block, weights, ids)
     # h is quantized between the GEMMs: a last-bit difference in h can move it one FP8 step
