@@ -124,7 +124,7 @@ def main():
         block = (128, 128) if args.fp8 == "block" else None
         (w13, s13), (w2, s2) = (quantize_weight(w, block) for w in weights)
         weights, SCALES, WEIGHT_BYTES = (w13, w2), (s13, s2, block), 1
-        FP8_GROUP = 128 if block else min(H, args.inter)
+        FP8_GROUP = 128 if block else max(H, args.inter)
         grids = {regime: dict(grid, block_k=tuple(sorted(set(grid["block_k"]) | {128})) if regime == "prefill"
                               else grid["block_k"]) for regime, grid in grids.items()}
         print(f"FP8 experts, scales per {args.fp8}")

@@ -68,7 +68,8 @@ class Tiles:
 def choose_tiles(num_pairs: int, num_experts: int, fp8_group: int = 0) -> Tiles:
     """The tile config for a step of num_pairs (token, expert) pairs: a function of the shapes only,
     so a captured CUDA graph and its replays agree. fp8_group: FP8 experts' columns per scale (a
-    block's width; per channel all of K), 0 for bf16 ones; a K slice never spans two groups."""
+    block's width; per channel all of K, the kernels mask K's end), 0 for bf16 ones; a K slice never
+    spans two groups."""
     if num_pairs <= DECODE_MAX_PAIRS_PER_EXPERT * num_experts:
         return Tiles(DECODE_BLOCK_M, DECODE_BLOCK_N, DECODE_BLOCK_K, DECODE_WARPS, DECODE_STAGES)
     block_k = min(PREFILL_BLOCK_K_FP8, fp8_group) if fp8_group else PREFILL_BLOCK_K
@@ -243,7 +244,7 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
     num_pairs = num_tokens * top_k
     if num_pairs == 0:
         return torch.zeros_like(x)
-    fp8_group = 0 if scales is None else scales[2][1] if scales[2] is not None else min(hidden, inter)
+    fp8_group = 0 if scales is None else scales[2][1] if scales[2] is not None else max(hidden, inter)
     tiles = tiles or choose_tiles(num_pairs, num_experts, fp8_group)
     align = align_by_expert(topk_ids, num_experts, tiles.block_m)
     blocks_m = align.block_expert.numel()
