@@ -29,7 +29,6 @@ DEVICE = "cuda"
 DECODE_BATCHES, PREFILL_TOKENS = (1, 8, 32, 64, 128, 256, 512), (1024, 4096, 16384)
 SCALES = None          # (w13_scale, w2_scale, block) with --fp8: fused_moe_triton's scales
 WEIGHT_BYTES = 2
-FP8_GROUP = 0          # with --fp8: the experts' columns per scale (fused_moe.choose_tiles)
 
 
 def case(num_tokens: int, inter: int, weights=None):
@@ -59,7 +58,7 @@ def figures(num_tokens, inter, weights, x, topk_weights, ids, tiles=None) -> tup
 
 
 def parts(num_tokens, inter, weights, x, router, topk_weights, ids) -> str:
-    tiles = fm.choose_tiles(num_tokens * K, E, FP8_GROUP)
+    tiles = fm.choose_tiles(num_tokens * K, E, fm.fp8_group_of(SCALES, H, inter))
     w13, w2 = weights
     route = ms(lambda: moe_routing.select_experts_triton(x @ router.T, K, True))
     sort = ms(lambda: moe_routing.align_by_expert(ids, E, tiles.block_m))
@@ -91,7 +90,7 @@ def sweep(regime: str, sizes, grid: dict, inter: int, weights) -> dict:
                             for x, _, w, ids in cases.values()]
         except Exception as e:   # e.g. out of shared memory
             print(f"  {tiles}: {type(e).__name__}")
-    default = fm.choose_tiles(sizes[-1] * K, E, FP8_GROUP)
+    default = fm.choose_tiles(sizes[-1] * K, E, fm.fp8_group_of(SCALES, H, inter))
     best = min(times, key=lambda t: sum(times[t]))
     sizes_shown = ", ".join(map(str, sizes))
     print(f"{regime} sweep over {len(times)} tile configs, ms per call at {sizes_shown} tokens:")
@@ -107,7 +106,7 @@ def sweep(regime: str, sizes, grid: dict, inter: int, weights) -> dict:
 
 
 def main():
-    global COPY_TBS, SCALES, WEIGHT_BYTES, FP8_GROUP
+    global COPY_TBS, SCALES, WEIGHT_BYTES
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--inter", type=int, default=768)
     p.add_argument("--fp8", choices=["channel", "block"], help="FP8 experts, scaled per channel or per block")
@@ -124,7 +123,6 @@ def main():
         block = (128, 128) if args.fp8 == "block" else None
         (w13, s13), (w2, s2) = (quantize_weight(w, block) for w in weights)
         weights, SCALES, WEIGHT_BYTES = (w13, w2), (s13, s2, block), 1
-        FP8_GROUP = 128 if block else max(H, args.inter)
         grids = {regime: dict(grid, block_k=tuple(sorted(set(grid["block_k"]) | {128})) if regime == "prefill"
                               else grid["block_k"]) for regime, grid in grids.items()}
         print(f"FP8 experts, scales per {args.fp8}")
@@ -133,7 +131,7 @@ def main():
     for n in DECODE_BATCHES + PREFILL_TOKENS:
         _, x, router, w, ids = case(n, args.inter, weights)
         t, achieved = figures(n, args.inter, weights, x, w, ids)
-        tiles = fm.choose_tiles(n * K, E, FP8_GROUP)
+        tiles = fm.choose_tiles(n * K, E, fm.fp8_group_of(SCALES, H, args.inter))
         shown = f"{tiles.block_m},{tiles.block_n},{tiles.block_k},{tiles.num_warps},{tiles.num_stages}"
         split = parts(n, args.inter, weights, x, router, w, ids)
         print(f"{n:6d}  {shown:<20}  {t:8.4f}  {achieved}   {split}")

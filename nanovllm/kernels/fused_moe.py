@@ -76,6 +76,14 @@ def choose_tiles(num_pairs: int, num_experts: int, fp8_group: int = 0) -> Tiles:
     return Tiles(PREFILL_BLOCK_M, PREFILL_BLOCK_N, block_k, PREFILL_WARPS, PREFILL_STAGES)
 
 
+def fp8_group_of(scales, hidden: int, inter: int) -> int:
+    """choose_tiles' fp8_group for fused_moe_triton's scales: the block's width, per channel all of K
+    (the larger of hidden and inter), 0 without FP8."""
+    if scales is None:
+        return 0
+    return scales[2][1] if scales[2] is not None else max(hidden, inter)
+
+
 # ---- the two grouped GEMMs ---------------------------------------------------------------------
 
 @triton.jit
@@ -244,8 +252,7 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
     num_pairs = num_tokens * top_k
     if num_pairs == 0:
         return torch.zeros_like(x)
-    fp8_group = 0 if scales is None else scales[2][1] if scales[2] is not None else max(hidden, inter)
-    tiles = tiles or choose_tiles(num_pairs, num_experts, fp8_group)
+    tiles = tiles or choose_tiles(num_pairs, num_experts, fp8_group_of(scales, hidden, inter))
     align = align_by_expert(topk_ids, num_experts, tiles.block_m)
     blocks_m = align.block_expert.numel()
     weights = topk_weights.reshape(-1).to(x.dtype).contiguous()
