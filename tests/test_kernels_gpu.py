@@ -390,17 +390,14 @@ def test_fused_moe_matches_reference(moe_weights, num_tokens, skewed):
     assert_moe_close(fused_moe_triton(x, w13, w2, weights, ids), x, w13, w2, weights, ids)
 
 
-@pytest.mark.parametrize("one_program,min_block", [(True, 1), (True, 4096), (False, 1)],
-                         ids=["one-program", "one-program-4096-wide", "three-kernels"])
+@pytest.mark.parametrize("one_program", [True, False], ids=["one-program", "three-kernels"])
 @pytest.mark.parametrize("num_tokens,skewed", [(1, False), (64, False), (256, False), (512, True)])
-def test_fused_moe_with_either_sort(moe_weights, num_tokens, skewed, one_program, min_block, monkeypatch):
-    """Decode's pairs sorted in one program (moe_routing.ONE_PROGRAM_MAX_PAIRS, the default; its vector
-    at least ONE_PROGRAM_MIN_BLOCK wide) or by the three kernels prefill uses: the same output, eager
-    and replayed."""
+def test_fused_moe_with_either_sort(moe_weights, num_tokens, skewed, one_program, monkeypatch):
+    """Decode's pairs sorted in one program (moe_routing.ONE_PROGRAM_MAX_PAIRS, the default) or by the
+    three kernels prefill uses: the same output, eager and replayed."""
     from nanovllm.kernels import moe_routing
     from nanovllm.kernels.fused_moe import fused_moe_triton
     monkeypatch.setattr(moe_routing, "ONE_PROGRAM_MAX_PAIRS", 4096 if one_program else 0)
-    monkeypatch.setattr(moe_routing, "ONE_PROGRAM_MIN_BLOCK", min_block)
     w13, w2 = moe_weights
     x, weights, ids = moe_case(num_tokens, seed=num_tokens, skewed=skewed)
     assert_moe_close(fused_moe_triton(x, w13, w2, weights, ids), x, w13, w2, weights, ids)

@@ -245,17 +245,13 @@ def test_triton_moe_under_interpreter():
 
 
 @interp
-@pytest.mark.parametrize("one_program,min_block", [(False, 1), (True, 1), (True, 4096)],
-                         ids=["three-kernels", "one-program", "one-program-4096-wide"])
+@pytest.mark.parametrize("one_program", [False, True], ids=["three-kernels", "one-program"])
 @pytest.mark.parametrize("num_tokens,experts,top_k", [(1, 8, 2), (13, 8, 2), (40, 4, 3), (9, 6, 2)])
-def test_interp_align_by_expert_groups_every_pair_once(num_tokens, experts, top_k, one_program, min_block,
-                                                       monkeypatch):
-    """one_program: moe_routing.ONE_PROGRAM_MAX_PAIRS above the pairs (the single-launch path), its
-    vector min_block pairs wide or more (ONE_PROGRAM_MIN_BLOCK)."""
+def test_interp_align_by_expert_groups_every_pair_once(num_tokens, experts, top_k, one_program, monkeypatch):
+    """one_program: moe_routing.ONE_PROGRAM_MAX_PAIRS above the pairs (the single-launch path)."""
     from nanovllm.kernels import moe_routing
     from nanovllm.kernels.moe_routing import align_by_expert
     monkeypatch.setattr(moe_routing, "ONE_PROGRAM_MAX_PAIRS", 4096 if one_program else 0)
-    monkeypatch.setattr(moe_routing, "ONE_PROGRAM_MIN_BLOCK", min_block)
     g = torch.Generator().manual_seed(num_tokens)
     ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(num_tokens)])
     a = align_by_expert(ids, experts, 16)

@@ -10,10 +10,6 @@ import triton.language as tl
 # two fills and three kernels (30B-A3B FP8 shapes, H100: 6,809 and 6,829 tok/s against 6,752 and 6,754
 # with 0, a variant compiled per power-of-two pair count). A knob for bench_with.py (0: off).
 ONE_PROGRAM_MAX_PAIRS = 4096
-# The smallest vector (pairs) that program is compiled for; every smaller step shares it. 1 (the timed
-# default): a variant per power of two, 10 for decode's batch sizes, 1.8 s of a cold start-up on the
-# 30B shapes; 4096 would compile one (untimed: its start-up and small-batch cost).
-ONE_PROGRAM_MIN_BLOCK = 1
 
 # ---- the router's choice -----------------------------------------------------------------------
 
@@ -172,7 +168,7 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> A
         counts = torch.empty(block_e, dtype=torch.int32, device=device)
         _align_one_program_kernel[(1,)](ids, counts, starts, sorted_pairs, block_expert, num_padded,
                                         num_pairs, blocks,
-                                        BLOCK_P=max(triton.next_power_of_2(num_pairs), ONE_PROGRAM_MIN_BLOCK),
+                                        BLOCK_P=triton.next_power_of_2(num_pairs),
                                         **layout, num_warps=8)
         return Alignment(sorted_pairs, block_expert, num_padded)
     counts = torch.zeros(num_experts, dtype=torch.int32, device=device)
