@@ -1,4 +1,4 @@
-"""FP8 weights on CPU: tiny random Qwen3 and Qwen3-MoE models saved as the real FP8 checkpoints are
+"""FP8 weights on CPU: tiny random Qwen3, Llama and Qwen3-MoE models saved as the real FP8 checkpoints are
 (HF's quant_method 'fp8' with [128, 128] blocks and weight_scale_inv, as Qwen3-*-FP8 ship; and
 compressed-tensors FP8_DYNAMIC with per-channel weight_scale), then every greedy token must be an
 argmax of transformers' logits on the dequantized model; TP=2 gives TP=1's tokens; quantization='fp8'
@@ -96,11 +96,13 @@ def save_fp8(src: str, dst: str, fmt: str) -> str:
 @pytest.fixture(scope="module")
 def bf16_dirs(tmp_path_factory):
     return {"qwen3": make_model(str(tmp_path_factory.mktemp("qwen3-fp8-src")), "qwen3", **SHAPES),
+            "llama": make_model(str(tmp_path_factory.mktemp("llama-fp8-src")), "llama", **SHAPES),
             "qwen3_moe": make_model(str(tmp_path_factory.mktemp("moe-fp8-src")), "qwen3_moe",
                                     **MOE_SHAPES)}
 
 
-@pytest.fixture(scope="module", params=[(arch, fmt) for arch in ("qwen3", "qwen3_moe") for fmt in FORMATS],
+@pytest.fixture(scope="module", params=[(arch, fmt) for arch in ("qwen3", "llama", "qwen3_moe")
+                                                for fmt in FORMATS],
                 ids=lambda p: f"{p[0]}-{p[1]}")
 def fp8_dir(request, bf16_dirs, tmp_path_factory):
     arch, fmt = request.param
