@@ -1,6 +1,7 @@
 """FP8 weights on CPU: tiny random Qwen3, Llama and Qwen3-MoE models saved as the real FP8 checkpoints are
-(HF's quant_method 'fp8' with [128, 128] blocks and weight_scale_inv, as Qwen3-*-FP8 ship; and
-compressed-tensors FP8_DYNAMIC with per-channel weight_scale), then every greedy token must be an
+(HF's quant_method 'fp8' with [128, 128] blocks and weight_scale_inv, as Qwen3-*-FP8 ship;
+compressed-tensors FP8_DYNAMIC with per-channel weight_scale; and per-tensor weight scales with static
+input scales, as AutoFP8 and compressed-tensors' FP8 scheme write them), then every greedy token must be an
 argmax of transformers' logits on the dequantized model; TP=2 gives TP=1's tokens; quantization='fp8'
 on a bf16 checkpoint quantizes at load; formats nanovllm does not read are clear errors."""
 import json
@@ -39,17 +40,37 @@ CT_CONFIG = {
         "input_activations": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "token",
                               "dynamic": True, "group_size": None, "block_structure": None,
                               "observer": None}}}}
-FORMATS = {"block": (BLOCK_CONFIG, (128, 128), "weight_scale_inv", torch.float32),
-           "compressed-tensors": (CT_CONFIG, None, "weight_scale", torch.bfloat16)}
+# AutoFP8's static scheme: one weight_scale and one input_scale a projection, both 0-dim
+AUTOFP8_CONFIG = {"quant_method": "fp8", "activation_scheme": "static", "ignored_layers": ["lm_head"]}
+# llm-compressor's FP8 scheme: per-tensor weights and static per-tensor activations, scales of shape [1]
+_CT_GROUP = CT_CONFIG["config_groups"]["group_0"]
+CT_STATIC_CONFIG = {**CT_CONFIG, "config_groups": {"group_0": {
+    **_CT_GROUP, "weights": {**_CT_GROUP["weights"], "strategy": "tensor"},
+    "input_activations": {**_CT_GROUP["input_activations"], "strategy": "tensor", "dynamic": False,
+                          "observer": "minmax"}}}}
+PER_TENSOR = "tensor"
+# format -> (quantization_config, weight block (None: per channel), scale name, scale dtype, shape of a
+# per-tensor scale and its input_scale (None: no input_scale))
+FORMATS = {"block": (BLOCK_CONFIG, (128, 128), "weight_scale_inv", torch.float32, None),
+           "compressed-tensors": (CT_CONFIG, None, "weight_scale", torch.bfloat16, None),
+           "autofp8-static": (AUTOFP8_CONFIG, PER_TENSOR, "weight_scale", torch.float32, ()),
+           "compressed-tensors-static": (CT_STATIC_CONFIG, PER_TENSOR, "weight_scale", torch.float32, (1,))}
 
 
 def _is_projection(name: str) -> bool:
     return name.endswith(".weight") and name.split(".")[-2] in PROJECTIONS
 
 
+def _quantize(w: torch.Tensor, block) -> tuple[torch.Tensor, torch.Tensor]:
+    if block == PER_TENSOR:   # one scale, the whole tensor's amax / 448
+        q, s = quantize_weight(w.reshape(1, -1), None)
+        return q.reshape(w.shape), s.reshape(())
+    return quantize_weight(w, block)
+
+
 def _dequantize(w: torch.Tensor, scale: torch.Tensor, block) -> torch.Tensor:
-    """The format's definition, written out: each block (row) of w times its scale."""
-    if block is None:
+    """The format's definition, written out: each block (row, or the tensor) of w times its scale."""
+    if block in (None, PER_TENSOR):
         return w.float() * scale.float()
     ones = torch.ones(block)
     return w.float() * torch.kron(scale.float(), ones)[:w.shape[0], :w.shape[1]]
@@ -62,7 +83,7 @@ def dequantized_copy(src: str, dst: str, block, scale_dtype) -> str:
 
     def dequantize(tensors):
         for name in [n for n in tensors if _is_projection(n)]:
-            w, s = quantize_weight(tensors[name], block)
+            w, s = _quantize(tensors[name], block)
             tensors[name] = _dequantize(w, s.to(scale_dtype), block)
     edit_checkpoint(dst, dequantize)
     return dst
@@ -80,13 +101,17 @@ def _set_quantization_config(folder: str, qconfig: dict):
 
 def save_fp8(src: str, dst: str, fmt: str) -> str:
     """dst: src's model in FP8 format fmt; dst + '-dequantized': its dequantized copy. Returns dst."""
-    qconfig, block, scale_name, scale_dtype = FORMATS[fmt]
+    qconfig, block, scale_name, scale_dtype, scalar_shape = FORMATS[fmt]
     shutil.copytree(src, dst)
 
     def quantize(tensors):
         for name in [n for n in tensors if _is_projection(n)]:
-            w, s = quantize_weight(tensors[name], block)
-            tensors[name], tensors[name.removesuffix("weight") + scale_name] = w, s.to(scale_dtype)
+            w, s = _quantize(tensors[name], block)
+            prefix = name.removesuffix("weight")
+            if scalar_shape is not None:   # static input scales: stored, never read (per-token instead)
+                s = s.reshape(scalar_shape)
+                tensors[prefix + "input_scale"] = torch.full(scalar_shape, 0.05, dtype=torch.float32)
+            tensors[name], tensors[prefix + scale_name] = w, s.to(scale_dtype)
     edit_checkpoint(dst, quantize)
     dequantized_copy(src, dst + "-dequantized", block, scale_dtype)
     _set_quantization_config(dst, qconfig)
@@ -171,7 +196,8 @@ def _with_quantization_config(src: str, dst: str, qconfig: dict) -> str:
 @pytest.mark.parametrize("qconfig, message", [
     ({"quant_method": "awq", "bits": 4}, "quant_method 'awq'"),
     ({"quant_method": "fp8", "activation_scheme": "static", "weight_block_size": [128, 128]}, "static"),
-    ({"quant_method": "fp8", "activation_scheme": "dynamic"}, "weight_block_size"),
+    ({"quant_method": "fp8", "weight_block_size": [128]}, "weight_block_size"),
+    ({**AUTOFP8_CONFIG, "kv_cache_scheme": "static"}, "kv_cache_scheme"),
     ({**CT_CONFIG, "config_groups": {"g": {**CT_CONFIG["config_groups"]["group_0"],
                                            "input_activations": None}}}, "not supported"),
 ])

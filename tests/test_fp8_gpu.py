@@ -157,7 +157,7 @@ def test_fused_moe_fp8_matches_reference(block, num_tokens):
     assert _relative_error(out, ref) < 2e-2
 
 
-@pytest.mark.parametrize("fmt", ["block", "compressed-tensors"])
+@pytest.mark.parametrize("fmt", ["block", "compressed-tensors", "autofp8-static"])
 def test_fp8_checkpoint_on_cuda_stays_near_transformers(fmt, tmp_path):
     """bf16 activations quantized per token group: each greedy token within 0.75 logits of
     transformers' maximum on the dequantized model (fp32; logits about 7: the CPU emulation of the

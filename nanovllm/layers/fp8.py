@@ -2,9 +2,10 @@
 
 A quantized layer's `weight` is float8_e4m3fn and `weight_scale` (w13_scale / w2_scale for the
 experts) holds its float32 dequantization scales: per block [ceil(N/bn), ceil(K/bk)] or per output
-channel [N, 1]. `layer.quant` runs the GEMM: on CUDA the FP8 kernels (kernels/fp8_gemm.py; the
-experts in kernels/fused_moe.py), elsewhere the weight dequantized into the activations' dtype and
-a plain GEMM (what transformers computes on the dequantized model; activations stay unrounded).
+channel [N, 1] (a checkpoint's per-tensor scale is loaded onto every row). `layer.quant` runs the
+GEMM: on CUDA the FP8 kernels (kernels/fp8_gemm.py; the experts in kernels/fused_moe.py), elsewhere
+the weight dequantized into the activations' dtype and a plain GEMM (what transformers computes on
+the dequantized model; activations stay unrounded).
 
 Tensor parallelism shards the scales with their weights: a block scale row (column) covers bn rows
 (bk columns) of W, so a shard or a packed projection (q/k/v, gate/up) must start and end on a
@@ -101,6 +102,8 @@ def prepare_fp8(model: nn.Module, scheme: Fp8Scheme | None, load_format: str) ->
     loaders that shard them. Returns whether it did (else finish_loading quantizes after loading)."""
     if scheme is None or scheme.online or load_format == "dummy":
         return False
+    if scheme.input_scales:   # static activation scales: activations are quantized per token instead
+        model.unread_tensors = (".input_scale",)
     for _, module in quantized_modules(model, scheme):
         if isinstance(module, FusedMoE):
             _prepare_moe(module, scheme.block)
@@ -192,7 +195,9 @@ def _load_linear_scale(layer: LinearBase, block, param: torch.Tensor, loaded: to
             if value % rows_per:
                 raise _block_error(what, value, rows_per)
         dest = dest.narrow(0, offset // rows_per, size // rows_per)
-    if split_rows:
+    if block is None and loaded.numel() == 1:   # a per-tensor scale: the same on every row
+        loaded = loaded.reshape(1, 1).expand_as(dest)
+    elif split_rows:
         loaded = _shard(loaded, 0, dest.shape[0], layer.tp_rank, layer.tp_size)
     elif layer.tp_dim == 1 and layer.tp_size > 1 and block is not None:
         k_local = layer.weight.shape[1]
@@ -235,9 +240,12 @@ def _load_expert_scale(moe: FusedMoE, block, param, loaded: torch.Tensor, shard_
     if param is moe.w13_scale:   # gate or up, split along the intermediate rows
         rows = moe.inter // rows_per
         dest = param.data[expert].narrow(0, index * rows, rows)
-        loaded = _shard(loaded, 0, rows, moe.tp_rank, moe.tp_size)
     else:                        # down, split along the intermediate columns (per channel: whole)
         dest = param.data[expert]
-        if block is not None:
-            loaded = _shard(loaded, 1, moe.inter // cols_per, moe.tp_rank, moe.tp_size)
+    if block is None and loaded.numel() == 1:   # a per-tensor scale: the same on every row
+        loaded = loaded.reshape(1, 1).expand_as(dest)
+    elif param is moe.w13_scale:
+        loaded = _shard(loaded, 0, rows, moe.tp_rank, moe.tp_size)
+    elif block is not None:
+        loaded = _shard(loaded, 1, moe.inter // cols_per, moe.tp_rank, moe.tp_size)
     default_weight_loader(dest, loaded)

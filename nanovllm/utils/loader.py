@@ -55,9 +55,12 @@ def load_model(model: nn.Module, path: str):
     mapping = getattr(model, "packed_modules_mapping", {})
     expected = {name: expert_shards(name, p) or _shards_of(name, mapping) for name, p in params.items()}
     loaded: dict[str, set] = {name: set() for name in params}
+    unread = getattr(model, "unread_tensors", ())   # suffixes the model does not use (layers/fp8.py)
     for file in files:
         with safe_open(file, "pt", "cpu") as f:
             for ckpt_name in f.keys():
+                if ckpt_name.endswith(unread):
+                    continue
                 name, shard_id = _target(ckpt_name, mapping)
                 if name not in params:
                     if _tied_duplicate(model, ckpt_name):

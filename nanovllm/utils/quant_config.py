@@ -8,6 +8,12 @@ Formats read (weights float8_e4m3fn, dequantized as w * scale):
   quant_method 'compressed-tensors' (llm-compressor's FP8_DYNAMIC): `weight_scale` [N, 1], one per
       output channel; activations quantized per token at run time. Its FP8_BLOCK export
       (strategy 'block' / 'group') reads as the block format.
+  Per-tensor weights (quant_method 'fp8' without weight_block_size, as AutoFP8 writes it, or
+      compressed-tensors strategy 'tensor', its FP8 scheme): one `weight_scale` a projection, loaded
+      as per-channel scales (the same value on every row). Their static per-tensor `input_scale`s
+      (activation_scheme 'static', or activations 'tensor' not dynamic) are not read: activations
+      are quantized per token at run time, as for every format here (at least as accurate as one
+      calibrated scale; vLLM uses the static scales).
   quantization='fp8' on a bf16/fp16/fp32 checkpoint: the per-channel format, quantized at load.
 """
 import re
@@ -16,8 +22,9 @@ from dataclasses import dataclass
 from transformers import PretrainedConfig
 
 SUPPORTED = ("fp8", "compressed-tensors")
-_FORMATS = ("'fp8' with weight_block_size and activation_scheme 'dynamic' (Qwen3-*-FP8), "
-            "'compressed-tensors' FP8 with channel weights and dynamic token activations (FP8_DYNAMIC) "
+_FORMATS = ("'fp8' with weight_block_size and activation_scheme 'dynamic' (Qwen3-*-FP8), or without it "
+            "(per-tensor weight scales, dynamic or static activations), 'compressed-tensors' FP8 with "
+            "channel or tensor weights and dynamic token or static tensor activations (FP8_DYNAMIC, FP8) "
             "or block weights and dynamic group activations (FP8_BLOCK)")
 
 
@@ -27,6 +34,7 @@ class Fp8Scheme:
     scale_name: str                 # the checkpoint's name of the scale beside each `weight`
     ignore: tuple[str, ...] = ()    # modules left unquantized: names, or 're:' + a pattern
     online: bool = False            # an unquantized checkpoint: quantize the weights at load
+    input_scales: bool = False      # the checkpoint has static `input_scale`s, which are not read
 
     def ignores(self, module_name: str) -> bool:
         """A module the checkpoint keeps unquantized (HF's modules_to_not_convert or compressed-tensors'
@@ -68,40 +76,54 @@ def fp8_scheme(hf_config: PretrainedConfig, quantization: str | None) -> Fp8Sche
 
 
 def _hf_fp8(qc: dict) -> Fp8Scheme:
-    if qc.get("activation_scheme", "dynamic") != "dynamic":
-        raise ValueError(f"quant_method 'fp8' with activation_scheme {qc.get('activation_scheme')!r} (static "
-                         f"input scales) is not supported; supported: {_FORMATS}")
+    activations = qc.get("activation_scheme", "dynamic")
+    if activations not in ("dynamic", "static"):
+        raise ValueError(f"quant_method 'fp8' with activation_scheme {activations!r} is not supported; "
+                         f"supported: {_FORMATS}")
     if qc.get("fmt", "e4m3") != "e4m3":
         raise ValueError(f"quant_method 'fp8' with fmt {qc.get('fmt')!r} is not supported (only e4m3)")
+    if qc.get("kv_cache_scheme"):
+        raise ValueError("quant_method 'fp8' with a kv_cache_scheme (static KV scales) is not read: export "
+                         "without it and pass kv_cache_dtype='fp8' for an FP8 KV cache")
+    ignore = tuple(qc.get("modules_to_not_convert") or qc.get("ignored_layers") or ())
     block = qc.get("weight_block_size")
+    if block is None:   # per-tensor weight scales (AutoFP8)
+        return Fp8Scheme(block=None, scale_name="weight_scale", ignore=ignore,
+                         input_scales=activations == "static")
     if not (isinstance(block, (list, tuple)) and len(block) == 2 and all(isinstance(b, int) and b > 0
                                                                           for b in block)):
-        raise ValueError(f"quant_method 'fp8' without a weight_block_size [rows, cols] (per-tensor weight "
-                         f"scales) is not supported; supported: {_FORMATS}")
-    return Fp8Scheme(block=tuple(block), scale_name="weight_scale_inv",
-                     ignore=tuple(qc.get("modules_to_not_convert") or ()))
+        raise ValueError(f"quant_method 'fp8' with weight_block_size {block!r}: expected [rows, cols]")
+    if activations != "dynamic":
+        raise ValueError(f"quant_method 'fp8' with weight_block_size and activation_scheme {activations!r} "
+                         f"is not supported; supported: {_FORMATS}")
+    return Fp8Scheme(block=tuple(block), scale_name="weight_scale_inv", ignore=ignore)
 
 
 def _compressed_tensors(qc: dict) -> Fp8Scheme:
     groups = list((qc.get("config_groups") or {}).values())
-    schemes = set()
+    schemes, static = set(), set()
     for g in groups:
         w, a = g.get("weights") or {}, g.get("input_activations") or {}
         fp8_w = w.get("type") == "float" and w.get("num_bits") == 8 and w.get("symmetric", True)
-        fp8_a = a.get("type") == "float" and a.get("num_bits") == 8 and a.get("dynamic") is True
-        if fp8_w and fp8_a and w.get("strategy") == "channel" and a.get("strategy") == "token":
+        fp8_a = a.get("type") == "float" and a.get("num_bits") == 8 and a.get("symmetric", True)
+        dynamic = a.get("dynamic") is True
+        is_static = a.get("dynamic") is False and a.get("strategy") == "tensor"   # input_scale tensors
+        static.add(is_static)
+        if (fp8_w and fp8_a and w.get("strategy") in ("channel", "tensor")
+                and (is_static or (dynamic and a.get("strategy") in ("token", "tensor")))):
             schemes.add(None)
-        elif (fp8_w and fp8_a and w.get("strategy") == "block" and a.get("strategy") == "group"
+        elif (fp8_w and fp8_a and dynamic and w.get("strategy") == "block" and a.get("strategy") == "group"
               and isinstance(w.get("block_structure"), (list, tuple)) and len(w["block_structure"]) == 2
               and a.get("group_size") == w["block_structure"][1]):
             schemes.add(tuple(w["block_structure"]))
         else:
             raise ValueError(f"compressed-tensors group with weights {w} and input_activations {a} is not "
                              f"supported; supported: {_FORMATS}")
-    if len(schemes) != 1:
+    if len(schemes) != 1 or len(static) != 1:
         raise ValueError(f"compressed-tensors: expected one FP8 config group, got {len(groups)} "
                          f"({len(schemes)} schemes); supported: {_FORMATS}")
     if qc.get("kv_cache_scheme"):
         raise ValueError("compressed-tensors kv_cache_scheme (static KV scales) is not read: export without "
                          "it and pass kv_cache_dtype='fp8' for an FP8 KV cache")
-    return Fp8Scheme(block=schemes.pop(), scale_name="weight_scale", ignore=tuple(qc.get("ignore") or ()))
+    return Fp8Scheme(block=schemes.pop(), scale_name="weight_scale", ignore=tuple(qc.get("ignore") or ()),
+                     input_scales=static.pop())
