@@ -40,21 +40,26 @@ CT_CONFIG = {
         "input_activations": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "token",
                               "dynamic": True, "group_size": None, "block_structure": None,
                               "observer": None}}}}
-# AutoFP8's static scheme: one weight_scale and one input_scale a projection, both 0-dim
-AUTOFP8_CONFIG = {"quant_method": "fp8", "activation_scheme": "static", "ignored_layers": ["lm_head"]}
-# llm-compressor's FP8 scheme: per-tensor weights and static per-tensor activations, scales of shape [1]
+# AutoFP8's static scheme with its KV cache scales: one weight_scale and one input_scale a projection,
+# k_proj / v_proj an output_scale, all 0-dim
+AUTOFP8_CONFIG = {"quant_method": "fp8", "activation_scheme": "static", "ignored_layers": ["lm_head"],
+                  "kv_cache_scheme": "static"}
+# llm-compressor's FP8 scheme: per-tensor weights and static per-tensor activations, scales of shape [1];
+# with a kv_cache_scheme, self_attn.k_scale / v_scale
 _CT_GROUP = CT_CONFIG["config_groups"]["group_0"]
-CT_STATIC_CONFIG = {**CT_CONFIG, "config_groups": {"group_0": {
+_STATIC_TENSOR = {**_CT_GROUP["input_activations"], "strategy": "tensor", "dynamic": False,
+                  "observer": "minmax"}
+CT_STATIC_CONFIG = {**CT_CONFIG, "kv_cache_scheme": _STATIC_TENSOR, "config_groups": {"group_0": {
     **_CT_GROUP, "weights": {**_CT_GROUP["weights"], "strategy": "tensor"},
-    "input_activations": {**_CT_GROUP["input_activations"], "strategy": "tensor", "dynamic": False,
-                          "observer": "minmax"}}}}
+    "input_activations": _STATIC_TENSOR}}}
 PER_TENSOR = "tensor"
 # format -> (quantization_config, weight block (None: per channel), scale name, scale dtype, shape of a
-# per-tensor scale and its input_scale (None: no input_scale))
-FORMATS = {"block": (BLOCK_CONFIG, (128, 128), "weight_scale_inv", torch.float32, None),
-           "compressed-tensors": (CT_CONFIG, None, "weight_scale", torch.bfloat16, None),
-           "autofp8-static": (AUTOFP8_CONFIG, PER_TENSOR, "weight_scale", torch.float32, ()),
-           "compressed-tensors-static": (CT_STATIC_CONFIG, PER_TENSOR, "weight_scale", torch.float32, (1,))}
+# per-tensor scale and its input_scale (None: no input_scale), where the KV scales are stored)
+FORMATS = {"block": (BLOCK_CONFIG, (128, 128), "weight_scale_inv", torch.float32, None, None),
+           "compressed-tensors": (CT_CONFIG, None, "weight_scale", torch.bfloat16, None, None),
+           "autofp8-static": (AUTOFP8_CONFIG, PER_TENSOR, "weight_scale", torch.float32, (), "output_scale"),
+           "compressed-tensors-static": (CT_STATIC_CONFIG, PER_TENSOR, "weight_scale", torch.float32, (1,),
+                                         "attention")}
 
 
 def _is_projection(name: str) -> bool:
@@ -101,16 +106,22 @@ def _set_quantization_config(folder: str, qconfig: dict):
 
 def save_fp8(src: str, dst: str, fmt: str) -> str:
     """dst: src's model in FP8 format fmt; dst + '-dequantized': its dequantized copy. Returns dst."""
-    qconfig, block, scale_name, scale_dtype, scalar_shape = FORMATS[fmt]
+    qconfig, block, scale_name, scale_dtype, scalar_shape, kv_scales = FORMATS[fmt]
     shutil.copytree(src, dst)
 
     def quantize(tensors):
         for name in [n for n in tensors if _is_projection(n)]:
             w, s = _quantize(tensors[name], block)
             prefix = name.removesuffix("weight")
-            if scalar_shape is not None:   # static input scales: stored, never read (per-token instead)
+            if scalar_shape is not None:   # static input and KV scales: stored, never read
                 s = s.reshape(scalar_shape)
-                tensors[prefix + "input_scale"] = torch.full(scalar_shape, 0.05, dtype=torch.float32)
+                unread = torch.full(scalar_shape, 0.05, dtype=torch.float32)
+                tensors[prefix + "input_scale"] = unread
+                proj = name.split(".")[-2]
+                if proj in ("k_proj", "v_proj"):
+                    kv_name = (prefix + "output_scale" if kv_scales == "output_scale"
+                               else prefix.removesuffix(f"{proj}.") + f"{proj[0]}_scale")
+                    tensors[kv_name] = unread.clone()
             tensors[name], tensors[prefix + scale_name] = w, s.to(scale_dtype)
     edit_checkpoint(dst, quantize)
     dequantized_copy(src, dst + "-dequantized", block, scale_dtype)
@@ -118,12 +129,21 @@ def save_fp8(src: str, dst: str, fmt: str) -> str:
     return dst
 
 
+def _distinct_projection_scales(path: str) -> str:
+    """v_proj and up_proj weights 4x and 1/4 as large: each packed projection's own scale differs, so a
+    scale loaded onto the wrong projection's rows changes the tokens."""
+    edit_checkpoint(path, lambda t: t.update({n: w * (4.0 if ".v_proj." in n else 0.25)
+                                              for n, w in t.items() if ".v_proj." in n or ".up_proj." in n}))
+    return path
+
+
 @pytest.fixture(scope="module")
 def bf16_dirs(tmp_path_factory):
-    return {"qwen3": make_model(str(tmp_path_factory.mktemp("qwen3-fp8-src")), "qwen3", **SHAPES),
+    dirs = {"qwen3": make_model(str(tmp_path_factory.mktemp("qwen3-fp8-src")), "qwen3", **SHAPES),
             "llama": make_model(str(tmp_path_factory.mktemp("llama-fp8-src")), "llama", **SHAPES),
             "qwen3_moe": make_model(str(tmp_path_factory.mktemp("moe-fp8-src")), "qwen3_moe",
                                     **MOE_SHAPES)}
+    return {arch: _distinct_projection_scales(path) for arch, path in dirs.items()}
 
 
 @pytest.fixture(scope="module", params=[(arch, fmt) for arch in ("qwen3", "llama", "qwen3_moe")
@@ -197,7 +217,10 @@ def _with_quantization_config(src: str, dst: str, qconfig: dict) -> str:
     ({"quant_method": "awq", "bits": 4}, "quant_method 'awq'"),
     ({"quant_method": "fp8", "activation_scheme": "static", "weight_block_size": [128, 128]}, "static"),
     ({"quant_method": "fp8", "weight_block_size": [128]}, "weight_block_size"),
-    ({**AUTOFP8_CONFIG, "kv_cache_scheme": "static"}, "kv_cache_scheme"),
+    ({**CT_CONFIG, "config_groups": {"g": {**_CT_GROUP, "weights": {**_CT_GROUP["weights"],
+                                                                    "dynamic": True}}}}, "not supported"),
+    ({**CT_CONFIG, "config_groups": {"g": {**_CT_GROUP, "input_activations": _STATIC_TENSOR, "weights": {
+        **_CT_GROUP["weights"], "strategy": "block", "block_structure": [128, 128]}}}}, "not supported"),
     ({**CT_CONFIG, "config_groups": {"g": {**CT_CONFIG["config_groups"]["group_0"],
                                            "input_activations": None}}}, "not supported"),
 ])
@@ -205,6 +228,45 @@ def test_unsupported_quantization_configs_are_clear_errors(bf16_dirs, tmp_path, 
     path = _with_quantization_config(bf16_dirs["qwen3"], str(tmp_path / "m"), qconfig)
     with pytest.raises(ValueError, match=message):
         Config(path)
+
+
+def test_config_groups_and_static_scales_read_as_vllm_does(bf16_dirs, tmp_path, caplog):
+    """Several compressed-tensors groups of one weight format (one static, one dynamic) read as one; the
+    static input and KV scales are the tensors the loader skips, with a warning for the KV ones."""
+    groups = {"static": CT_STATIC_CONFIG["config_groups"]["group_0"], "dynamic": _CT_GROUP}
+    path = _with_quantization_config(bf16_dirs["qwen3"], str(tmp_path / "m"),
+                                     {**CT_STATIC_CONFIG, "config_groups": groups})
+    with caplog.at_level("WARNING"):
+        scheme = Config(path).fp8
+    assert scheme.block is None and ".input_scale" in scheme.unread and ".k_scale" in scheme.unread
+    assert "kv_cache_scheme" in caplog.text
+    assert Config(save_fp8(bf16_dirs["qwen3"], str(tmp_path / "c"), "compressed-tensors")).fp8.unread == ()
+
+
+def test_an_ignored_layer_stays_unquantized(bf16_dirs, tmp_path):
+    """AutoFP8's ignored_layers naming one projection: the checkpoint keeps it in bf16, and so does the
+    model; the tokens are transformers' argmax on the model with that layer unquantized."""
+    layer = "model.layers.0.mlp.down_proj"
+    path = save_fp8(bf16_dirs["qwen3"], str(tmp_path / "m"), "autofp8-static")
+    _set_quantization_config(path, {**AUTOFP8_CONFIG, "ignored_layers": ["lm_head", layer]})
+    from safetensors.torch import load_file
+    original = {n: t for f in sorted(os.listdir(bf16_dirs["qwen3"])) if f.endswith(".safetensors")
+                for n, t in load_file(os.path.join(bf16_dirs["qwen3"], f)).items() if n.startswith(layer)}
+
+    def restore(tensors):
+        for name in [n for n in tensors if n.startswith(layer + ".")]:
+            del tensors[name]
+        tensors.update(original)
+    edit_checkpoint(path, restore)
+    edit_checkpoint(path + "-dequantized", lambda t: t.update(original))
+    llm = LLM(path, **OPTIONS)
+    mlp = llm.model_runner.model.model.layers[0].mlp
+    assert mlp.down_proj.weight.dtype != torch.float8_e4m3fn and mlp.down_proj.quant is None
+    assert mlp.gate_up_proj.weight.dtype == torch.float8_e4m3fn
+    oracle = HFOracle(path + "-dequantized")
+    prompts = random_prompts(2, [5, 17], seed=4)
+    for prompt, out in zip(prompts, llm.generate(prompts, GREEDY, use_tqdm=False)):
+        oracle.assert_greedy(prompt, out.outputs[0].token_ids)
 
 
 def test_unsupported_quantization_option_names_the_supported_ones(bf16_dirs):

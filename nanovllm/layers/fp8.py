@@ -102,8 +102,7 @@ def prepare_fp8(model: nn.Module, scheme: Fp8Scheme | None, load_format: str) ->
     loaders that shard them. Returns whether it did (else finish_loading quantizes after loading)."""
     if scheme is None or scheme.online or load_format == "dummy":
         return False
-    if scheme.input_scales:   # static activation scales: activations are quantized per token instead
-        model.unread_tensors = (".input_scale",)
+    model.unread_tensors = scheme.unread   # static input (per token instead) and KV scales: skipped
     for _, module in quantized_modules(model, scheme):
         if isinstance(module, FusedMoE):
             _prepare_moe(module, scheme.block)

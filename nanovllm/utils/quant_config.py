@@ -14,8 +14,12 @@ Formats read (weights float8_e4m3fn, dequantized as w * scale):
       (activation_scheme 'static', or activations 'tensor' not dynamic) are not read: activations
       are quantized per token at run time, as for every format here (at least as accurate as one
       calibrated scale; vLLM uses the static scales).
+  Static KV scales (kv_cache_scheme: AutoFP8's k_proj/v_proj `output_scale`, llm-compressor's
+      `k_scale` / `v_scale`) are not read either, with a warning: kv_cache_dtype='fp8' scales the cache
+      its own way (docs: README, FP8 KV cache).
   quantization='fp8' on a bf16/fp16/fp32 checkpoint: the per-channel format, quantized at load.
 """
+import logging
 import re
 from dataclasses import dataclass
 
@@ -26,6 +30,9 @@ _FORMATS = ("'fp8' with weight_block_size and activation_scheme 'dynamic' (Qwen3
             "(per-tensor weight scales, dynamic or static activations), 'compressed-tensors' FP8 with "
             "channel or tensor weights and dynamic token or static tensor activations (FP8_DYNAMIC, FP8) "
             "or block weights and dynamic group activations (FP8_BLOCK)")
+INPUT_SCALES = (".input_scale",)
+KV_SCALES = (".output_scale", ".k_scale", ".v_scale", ".kv_scale")
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -34,7 +41,7 @@ class Fp8Scheme:
     scale_name: str                 # the checkpoint's name of the scale beside each `weight`
     ignore: tuple[str, ...] = ()    # modules left unquantized: names, or 're:' + a pattern
     online: bool = False            # an unquantized checkpoint: quantize the weights at load
-    input_scales: bool = False      # the checkpoint has static `input_scale`s, which are not read
+    unread: tuple[str, ...] = ()    # suffixes of checkpoint tensors not read (static input / KV scales)
 
     def ignores(self, module_name: str) -> bool:
         """A module the checkpoint keeps unquantized (HF's modules_to_not_convert or compressed-tensors'
@@ -51,7 +58,7 @@ class Fp8Scheme:
 
 def fp8_scheme(hf_config: PretrainedConfig, quantization: str | None) -> Fp8Scheme | None:
     """The FP8 format the model runs in, or None (unquantized). A ValueError naming what is supported
-    for any other method or an FP8 variant (static activation scales, per-tensor weights) not read."""
+    for any other method or FP8 variant (e.g. static activation scales with block weights)."""
     if quantization is not None and quantization not in SUPPORTED:
         raise ValueError(f"quantization={quantization!r} is not supported: pass None, 'fp8' (an FP8 "
                          f"checkpoint, or a bf16 one quantized at load) or 'compressed-tensors'")
@@ -82,33 +89,41 @@ def _hf_fp8(qc: dict) -> Fp8Scheme:
                          f"supported: {_FORMATS}")
     if qc.get("fmt", "e4m3") != "e4m3":
         raise ValueError(f"quant_method 'fp8' with fmt {qc.get('fmt')!r} is not supported (only e4m3)")
-    if qc.get("kv_cache_scheme"):
-        raise ValueError("quant_method 'fp8' with a kv_cache_scheme (static KV scales) is not read: export "
-                         "without it and pass kv_cache_dtype='fp8' for an FP8 KV cache")
     ignore = tuple(qc.get("modules_to_not_convert") or qc.get("ignored_layers") or ())
     block = qc.get("weight_block_size")
     if block is None:   # per-tensor weight scales (AutoFP8)
         return Fp8Scheme(block=None, scale_name="weight_scale", ignore=ignore,
-                         input_scales=activations == "static")
+                         unread=(INPUT_SCALES if activations == "static" else ()) + _kv_scales(qc))
     if not (isinstance(block, (list, tuple)) and len(block) == 2 and all(isinstance(b, int) and b > 0
                                                                           for b in block)):
         raise ValueError(f"quant_method 'fp8' with weight_block_size {block!r}: expected [rows, cols]")
     if activations != "dynamic":
         raise ValueError(f"quant_method 'fp8' with weight_block_size and activation_scheme {activations!r} "
                          f"is not supported; supported: {_FORMATS}")
-    return Fp8Scheme(block=tuple(block), scale_name="weight_scale_inv", ignore=ignore)
+    return Fp8Scheme(block=tuple(block), scale_name="weight_scale_inv", ignore=ignore, unread=_kv_scales(qc))
+
+
+def _kv_scales(qc: dict) -> tuple[str, ...]:
+    """The static KV scales' tensor suffixes when the checkpoint has them (not read: a warning)."""
+    if not qc.get("kv_cache_scheme"):
+        return ()
+    logger.warning("the checkpoint's static KV cache scales (kv_cache_scheme) are not read: the KV cache "
+                   "is in the model's dtype unless kv_cache_dtype='fp8', which scales K and V by 1.0 or, "
+                   "with calculate_kv_scales=True, from the first prefill")
+    return KV_SCALES
 
 
 def _compressed_tensors(qc: dict) -> Fp8Scheme:
     groups = list((qc.get("config_groups") or {}).values())
-    schemes, static = set(), set()
+    schemes, static = set(), False
     for g in groups:
         w, a = g.get("weights") or {}, g.get("input_activations") or {}
-        fp8_w = w.get("type") == "float" and w.get("num_bits") == 8 and w.get("symmetric", True)
+        fp8_w = (w.get("type") == "float" and w.get("num_bits") == 8 and w.get("symmetric", True)
+                 and w.get("dynamic") is not True)
         fp8_a = a.get("type") == "float" and a.get("num_bits") == 8 and a.get("symmetric", True)
         dynamic = a.get("dynamic") is True
         is_static = a.get("dynamic") is False and a.get("strategy") == "tensor"   # input_scale tensors
-        static.add(is_static)
+        static |= is_static
         if (fp8_w and fp8_a and w.get("strategy") in ("channel", "tensor")
                 and (is_static or (dynamic and a.get("strategy") in ("token", "tensor")))):
             schemes.add(None)
@@ -119,11 +134,9 @@ def _compressed_tensors(qc: dict) -> Fp8Scheme:
         else:
             raise ValueError(f"compressed-tensors group with weights {w} and input_activations {a} is not "
                              f"supported; supported: {_FORMATS}")
-    if len(schemes) != 1 or len(static) != 1:
-        raise ValueError(f"compressed-tensors: expected one FP8 config group, got {len(groups)} "
-                         f"({len(schemes)} schemes); supported: {_FORMATS}")
-    if qc.get("kv_cache_scheme"):
-        raise ValueError("compressed-tensors kv_cache_scheme (static KV scales) is not read: export without "
-                         "it and pass kv_cache_dtype='fp8' for an FP8 KV cache")
+    if len(schemes) != 1:
+        raise ValueError(f"compressed-tensors: {len(groups)} config groups with {len(schemes)} weight "
+                         f"formats (one is read: per channel or tensor, or one block size); supported: "
+                         f"{_FORMATS}")
     return Fp8Scheme(block=schemes.pop(), scale_name="weight_scale", ignore=tuple(qc.get("ignore") or ()),
-                     input_scales=static.pop())
+                     unread=(INPUT_SCALES if static else ()) + _kv_scales(qc))
