@@ -10,6 +10,7 @@ import shutil
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from conftest import HFOracle, edit_checkpoint, make_model, random_prompts
 
 from nanovllm import LLM, SamplingParams
@@ -249,7 +250,6 @@ def test_an_ignored_layer_stays_unquantized(bf16_dirs, tmp_path):
     layer = "model.layers.0.mlp.down_proj"
     path = save_fp8(bf16_dirs["qwen3"], str(tmp_path / "m"), "autofp8-static")
     _set_quantization_config(path, {**AUTOFP8_CONFIG, "ignored_layers": ["lm_head", layer]})
-    from safetensors.torch import load_file
     original = {n: t for f in sorted(os.listdir(bf16_dirs["qwen3"])) if f.endswith(".safetensors")
                 for n, t in load_file(os.path.join(bf16_dirs["qwen3"], f)).items() if n.startswith(layer)}
 
