@@ -6,6 +6,7 @@ argmax of transformers' logits on the dequantized model; TP=2 gives TP=1's token
 on a bf16 checkpoint quantizes at load; formats nanovllm does not read are clear errors."""
 import json
 import os
+import re
 import shutil
 
 import pytest
@@ -53,6 +54,10 @@ _STATIC_TENSOR = {**_CT_GROUP["input_activations"], "strategy": "tensor", "dynam
 CT_STATIC_CONFIG = {**CT_CONFIG, "kv_cache_scheme": _STATIC_TENSOR, "config_groups": {"group_0": {
     **_CT_GROUP, "weights": {**_CT_GROUP["weights"], "strategy": "tensor"},
     "input_activations": _STATIC_TENSOR}}}
+# transformers' FbgemmFp8Config (Meta's Llama-3.1-*-FP8): per-channel float32 scales on the linear
+# layers; the experts stay bf16
+FBGEMM_CONFIG = {"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0,
+                 "modules_to_not_convert": ["lm_head"]}
 PER_TENSOR = "tensor"
 # format -> (quantization_config, weight block (None: per channel), scale name, scale dtype, shape of a
 # per-tensor scale and its input_scale (None: no input_scale), where the KV scales are stored)
@@ -60,11 +65,14 @@ FORMATS = {"block": (BLOCK_CONFIG, (128, 128), "weight_scale_inv", torch.float32
            "compressed-tensors": (CT_CONFIG, None, "weight_scale", torch.bfloat16, None, None),
            "autofp8-static": (AUTOFP8_CONFIG, PER_TENSOR, "weight_scale", torch.float32, (), "output_scale"),
            "compressed-tensors-static": (CT_STATIC_CONFIG, PER_TENSOR, "weight_scale", torch.float32, (1,),
-                                         "attention")}
+                                         "attention"),
+           "fbgemm": (FBGEMM_CONFIG, None, "weight_scale", torch.float32, None, None)}
+BF16_EXPERTS = ("fbgemm",)   # formats whose experts are not quantized
 
 
-def _is_projection(name: str) -> bool:
-    return name.endswith(".weight") and name.split(".")[-2] in PROJECTIONS
+def _is_projection(name: str, experts: bool = True) -> bool:
+    return (name.endswith(".weight") and name.split(".")[-2] in PROJECTIONS
+            and (experts or ".experts." not in name))
 
 
 def _quantize(w: torch.Tensor, block) -> tuple[torch.Tensor, torch.Tensor]:
@@ -82,13 +90,13 @@ def _dequantize(w: torch.Tensor, scale: torch.Tensor, block) -> torch.Tensor:
     return w.float() * torch.kron(scale.float(), ones)[:w.shape[0], :w.shape[1]]
 
 
-def dequantized_copy(src: str, dst: str, block, scale_dtype) -> str:
+def dequantized_copy(src: str, dst: str, block, scale_dtype, experts: bool = True) -> str:
     """src's model with every projection replaced by its quantized-then-dequantized values (fp32,
     unquantized): transformers' oracle of an FP8 model."""
     shutil.copytree(src, dst)
 
     def dequantize(tensors):
-        for name in [n for n in tensors if _is_projection(n)]:
+        for name in [n for n in tensors if _is_projection(n, experts)]:
             w, s = _quantize(tensors[name], block)
             tensors[name] = _dequantize(w, s.to(scale_dtype), block)
     edit_checkpoint(dst, dequantize)
@@ -108,10 +116,11 @@ def _set_quantization_config(folder: str, qconfig: dict):
 def save_fp8(src: str, dst: str, fmt: str) -> str:
     """dst: src's model in FP8 format fmt; dst + '-dequantized': its dequantized copy. Returns dst."""
     qconfig, block, scale_name, scale_dtype, scalar_shape, kv_scales = FORMATS[fmt]
+    experts = fmt not in BF16_EXPERTS
     shutil.copytree(src, dst)
 
     def quantize(tensors):
-        for name in [n for n in tensors if _is_projection(n)]:
+        for name in [n for n in tensors if _is_projection(n, experts)]:
             w, s = _quantize(tensors[name], block)
             prefix = name.removesuffix("weight")
             if scalar_shape is not None:   # static input and KV scales: stored, never read
@@ -125,7 +134,7 @@ def save_fp8(src: str, dst: str, fmt: str) -> str:
                     tensors[kv_name] = unread.clone()
             tensors[name], tensors[prefix + scale_name] = w, s.to(scale_dtype)
     edit_checkpoint(dst, quantize)
-    dequantized_copy(src, dst + "-dequantized", block, scale_dtype)
+    dequantized_copy(src, dst + "-dequantized", block, scale_dtype, experts)
     _set_quantization_config(dst, qconfig)
     return dst
 
@@ -233,15 +242,41 @@ def test_unsupported_quantization_configs_are_clear_errors(bf16_dirs, tmp_path, 
 
 def test_config_groups_and_static_scales_read_as_vllm_does(bf16_dirs, tmp_path, caplog):
     """Several compressed-tensors groups of one weight format (one static, one dynamic) read as one; the
-    static input and KV scales are the tensors the loader skips, with a warning for the KV ones."""
+    static input scales are the tensors the loader skips; the KV scales are kept, with a warning."""
     groups = {"static": CT_STATIC_CONFIG["config_groups"]["group_0"], "dynamic": _CT_GROUP}
     path = _with_quantization_config(bf16_dirs["qwen3"], str(tmp_path / "m"),
                                      {**CT_STATIC_CONFIG, "config_groups": groups})
     with caplog.at_level("WARNING"):
         scheme = Config(path).fp8
-    assert scheme.block is None and ".input_scale" in scheme.unread and ".k_scale" in scheme.unread
+    assert scheme.block is None and scheme.unread == (".input_scale",) and ".k_scale" in scheme.kv_scales
     assert "kv_cache_scheme" in caplog.text
     assert Config(save_fp8(bf16_dirs["qwen3"], str(tmp_path / "c"), "compressed-tensors")).fp8.unread == ()
+
+
+@pytest.mark.parametrize("fmt", ["autofp8-static", "compressed-tensors-static"])
+def test_static_kv_scales_scale_an_fp8_cache(bf16_dirs, tmp_path, fmt):
+    """The checkpoint's KV scales (AutoFP8's k/v_proj.output_scale, llm-compressor's self_attn.k_scale /
+    v_scale) are the FP8 cache's per-layer scales, as vLLM uses them: each layer's K and V its own, the
+    tokens still near transformers' argmax; a scale that is not one positive number is refused."""
+    from test_fp8_kv import check_close
+    path = save_fp8(bf16_dirs["qwen3"], str(tmp_path / fmt), fmt)
+    kv_name = re.compile(r"layers\.(\d+)\.self_attn\.([kv])(_proj\.output)?_scale$")
+
+    def distinct(tensors):   # layer i: K 0.02 (i + 1), V 0.15 (i + 1) (its |V| reaches 40: v_proj x4)
+        for name in tensors:
+            if m := kv_name.search(name):
+                per_layer = 0.02 if m[2] == "k" else 0.15
+                tensors[name] = torch.full_like(tensors[name], per_layer * (int(m[1]) + 1))
+    edit_checkpoint(path, distinct)
+    llm = LLM(path, kv_cache_dtype="fp8", **OPTIONS)
+    layers = torch.arange(1, len(llm.model_runner.attention_layers) + 1)
+    expected = torch.stack([0.02 * layers, 0.15 * layers])
+    torch.testing.assert_close(llm.model_runner.kv_scales[..., 0], expected)
+    prompts = random_prompts(3, [5, 17, 40], seed=6)
+    check_close(HFOracle(path + "-dequantized"), prompts, llm.generate(prompts, GREEDY, use_tqdm=False))
+    edit_checkpoint(path, lambda t: t.update({n: -v for n, v in t.items() if kv_name.search(n)}))
+    with pytest.raises(ValueError, match="KV cache scale is one positive number"):
+        LLM(path, kv_cache_dtype="fp8", **OPTIONS)
 
 
 def test_an_ignored_layer_stays_unquantized(bf16_dirs, tmp_path):
@@ -267,6 +302,17 @@ def test_an_ignored_layer_stays_unquantized(bf16_dirs, tmp_path):
     prompts = random_prompts(2, [5, 17], seed=4)
     for prompt, out in zip(prompts, llm.generate(prompts, GREEDY, use_tqdm=False)):
         oracle.assert_greedy(prompt, out.outputs[0].token_ids)
+
+
+def test_fbgemm_fp8_keeps_the_experts_in_bf16(bf16_dirs, tmp_path):
+    """fbgemm_fp8 quantizes the linear layers only (as vLLM reads it): a Qwen3-MoE checkpoint's experts
+    are bf16 tensors, loaded unquantized beside FP8 attention projections; a bf16 expert is not refused."""
+    path = save_fp8(bf16_dirs["qwen3_moe"], str(tmp_path / "m"), "fbgemm")
+    assert not Config(path).fp8.experts
+    llm = LLM(path, **OPTIONS)
+    layer = llm.model_runner.model.model.layers[0]
+    assert layer.self_attn.qkv_proj.weight.dtype == torch.float8_e4m3fn
+    assert layer.mlp.experts.quant is None and layer.mlp.experts.w13.dtype != torch.float8_e4m3fn
 
 
 def test_unsupported_quantization_option_names_the_supported_ones(bf16_dirs):

@@ -17,7 +17,7 @@ from nanovllm.engine.sampling_prep import SamplingPrep
 from nanovllm.engine.scheduler import ScheduledBatch
 from nanovllm.engine.step_input import StepInput
 from nanovllm.kernels import paged_kv_slots
-from nanovllm.layers.attention import Attention, warm_up_store
+from nanovllm.layers.attention import Attention, kv_scale_rows, warm_up_store
 from nanovllm.layers.prefill_attention import select_prefill_attention
 from nanovllm.layers.fp8 import finish_loading, prepare_fp8
 from nanovllm.layers.sampler import Sampler
@@ -207,10 +207,10 @@ class ModelRunner:
         for i, layer in enumerate(self.attention_layers):
             layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
         if self.kv_cache_dtype == torch.float8_e4m3fn:
-            # kv_scales: [2 (k, v), num_layers, 1] fp32, read by the kernels on the device: the first
-            # column of 16-byte rows, so every layer's scale is 16-byte aligned (Triton specialises
-            # pointers on that: packed scales gave each FP8 kernel two variants to compile).
-            rows = torch.ones(2, len(self.attention_layers), 4, device=self.device)
+            # kv_scales: [2 (k, v), num_layers, 1] fp32 (1.0, or the checkpoint's), read by the kernels on
+            # the device: the first column of 16-byte rows, so every layer's scale is 16-byte aligned
+            # (Triton specialises pointers on that: packed scales gave each FP8 kernel two variants).
+            rows = kv_scale_rows(self.model, len(self.attention_layers)).to(self.device)
             self.kv_scales = rows[:, :, :1]
             for i, layer in enumerate(self.attention_layers):
                 layer.k_scale, layer.v_scale = self.kv_scales[0, i], self.kv_scales[1, i]

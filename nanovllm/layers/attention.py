@@ -1,3 +1,4 @@
+import re
 from contextlib import contextmanager
 
 import torch
@@ -84,6 +85,28 @@ class Attention(nn.Module):
         store_kvcache_ref(k, v, self.k_cache, self.v_cache, ctx.slot_mapping, self.k_scale, self.v_scale)
         self.calculate_kv_scales = False
         return q, k, v
+
+
+# A checkpoint's static KV cache scales (loaded into model.kv_scale_tensors by utils/loader.py): layer
+# i's K and V scale, one scalar each (AutoFP8's k/v_proj.output_scale; llm-compressor's k_scale /
+# v_scale; the older kv_scale, both).
+_KV_SCALE_NAME = re.compile(r"layers\.(\d+)\.self_attn\.(?:([kv])_proj\.output_scale|([kv]|kv)_scale)$")
+
+
+def kv_scale_rows(model: nn.Module, num_layers: int) -> torch.Tensor:
+    """[2 (k, v), num_layers, 4] fp32 (CPU) for the ModelRunner's FP8 cache scales, each layer's in
+    column 0: 1.0, or the checkpoint's static scale where it has one (as vLLM uses them)."""
+    rows = torch.ones(2, num_layers, 4)
+    for name, tensor in getattr(model, "kv_scale_tensors", {}).items():
+        if (m := _KV_SCALE_NAME.search(name)) is None:
+            continue   # another projection's output_scale
+        layer, value = int(m[1]), tensor.float().reshape(-1)
+        if layer >= num_layers or value.numel() != 1 or not value.item() > 0:
+            raise ValueError(f"checkpoint tensor {name!r} ({tensor.tolist()}): a KV cache scale is one "
+                             f"positive number for one of the model's {num_layers} layers")
+        for kind in m[2] or m[3]:
+            rows["kv".index(kind), layer, 0] = value.item()
+    return rows
 
 
 @contextmanager

@@ -12,8 +12,9 @@ Tensor parallelism shards the scales with their weights: a block scale row (colu
 block; anything else is a ValueError naming the sizes. Per-channel scales follow the output rows
 (row-parallel layers keep them whole).
 
-Which layers: every sharded linear layer and every FusedMoE, except those the checkpoint's ignore
-list names; replicated layers (the MoE router), embeddings and lm_head stay unquantized."""
+Which layers: every sharded linear layer and every FusedMoE (not in fbgemm_fp8), except those the
+checkpoint's ignore list names; replicated layers (the MoE router), embeddings and lm_head stay
+unquantized."""
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -83,7 +84,7 @@ def quantized_modules(model: nn.Module, scheme: Fp8Scheme) -> list[tuple[str, nn
     chosen = []
     for name, module in model.named_modules():
         if isinstance(module, FusedMoE):
-            if not scheme.ignores(name):
+            if scheme.experts and not scheme.ignores(name):
                 chosen.append((name, module))
         elif isinstance(module, LinearBase) and not isinstance(module, ReplicatedLinear):
             prefix, _, leaf = name.rpartition(".")
@@ -102,7 +103,8 @@ def prepare_fp8(model: nn.Module, scheme: Fp8Scheme | None, load_format: str) ->
     loaders that shard them. Returns whether it did (else finish_loading quantizes after loading)."""
     if scheme is None or scheme.online or load_format == "dummy":
         return False
-    model.unread_tensors = scheme.unread   # static input (per token instead) and KV scales: skipped
+    model.unread_tensors = scheme.unread   # static input scales: skipped (per token instead)
+    model.kv_scale_names = scheme.kv_scales   # static KV scales: kept (layers/attention.py: kv_scale_rows)
     for _, module in quantized_modules(model, scheme):
         if isinstance(module, FusedMoE):
             _prepare_moe(module, scheme.block)

@@ -56,10 +56,15 @@ def load_model(model: nn.Module, path: str):
     expected = {name: expert_shards(name, p) or _shards_of(name, mapping) for name, p in params.items()}
     loaded: dict[str, set] = {name: set() for name in params}
     unread = getattr(model, "unread_tensors", ())   # suffixes the model does not use (layers/fp8.py)
+    kv_names = getattr(model, "kv_scale_names", ())   # static KV scales, for an FP8 cache (layers/fp8.py)
+    model.kv_scale_tensors = {}
     for file in files:
         with safe_open(file, "pt", "cpu") as f:
             for ckpt_name in f.keys():
                 if ckpt_name.endswith(unread):
+                    continue
+                if ckpt_name.endswith(kv_names):
+                    model.kv_scale_tensors[ckpt_name] = f.get_tensor(ckpt_name)
                     continue
                 name, shard_id = _target(ckpt_name, mapping)
                 if name not in params:

@@ -15,8 +15,13 @@ Formats read (weights float8_e4m3fn, dequantized as w * scale):
       are quantized per token at run time, as for every format here (at least as accurate as one
       calibrated scale; vLLM uses the static scales).
   Static KV scales (kv_cache_scheme: AutoFP8's k_proj/v_proj `output_scale`, llm-compressor's
-      `k_scale` / `v_scale`) are not read either, with a warning: kv_cache_dtype='fp8' scales the cache
-      its own way (docs: README, FP8 KV cache).
+      `k_scale` / `v_scale`, the older `kv_scale`) become an FP8 KV cache's per-layer scales with
+      kv_cache_dtype='fp8', as vLLM uses them (layers/attention.py: kv_scale_rows); with the cache in
+      the model's dtype they are not used (a warning says so).
+  quant_method 'fbgemm_fp8' (Meta's Llama-3.1-*-FP8, transformers' FbgemmFp8Config): `weight_scale`
+      [N, 1], one per output channel, on the linear layers; the experts stay unquantized (as vLLM
+      reads it; transformers' quantizer converts nn.Linear modules only). Its `activation_scale_ub`
+      (an upper bound vLLM clamps each token's scale to) is not applied: per-token scales unbounded.
   quantization='fp8' on a bf16/fp16/fp32 checkpoint: the per-channel format, quantized at load.
 """
 import logging
@@ -25,11 +30,11 @@ from dataclasses import dataclass
 
 from transformers import PretrainedConfig
 
-SUPPORTED = ("fp8", "compressed-tensors")
+SUPPORTED = ("fp8", "compressed-tensors", "fbgemm_fp8")
 _FORMATS = ("'fp8' with weight_block_size and activation_scheme 'dynamic' (Qwen3-*-FP8), or without it "
             "(per-tensor weight scales, dynamic or static activations), 'compressed-tensors' FP8 with "
             "channel or tensor weights and dynamic token or static tensor activations (FP8_DYNAMIC, FP8) "
-            "or block weights and dynamic group activations (FP8_BLOCK)")
+            "or block weights and dynamic group activations (FP8_BLOCK), 'fbgemm_fp8' (channel weights)")
 INPUT_SCALES = (".input_scale",)
 KV_SCALES = (".output_scale", ".k_scale", ".v_scale", ".kv_scale")
 logger = logging.getLogger(__name__)
@@ -41,7 +46,9 @@ class Fp8Scheme:
     scale_name: str                 # the checkpoint's name of the scale beside each `weight`
     ignore: tuple[str, ...] = ()    # modules left unquantized: names, or 're:' + a pattern
     online: bool = False            # an unquantized checkpoint: quantize the weights at load
-    unread: tuple[str, ...] = ()    # suffixes of checkpoint tensors not read (static input / KV scales)
+    unread: tuple[str, ...] = ()    # suffixes of checkpoint tensors not read (static input scales)
+    kv_scales: tuple[str, ...] = () # suffixes of static KV cache scales (kept for an FP8 cache)
+    experts: bool = True            # the MoE experts are FP8 too (not in fbgemm_fp8)
 
     def ignores(self, module_name: str) -> bool:
         """A module the checkpoint keeps unquantized (HF's modules_to_not_convert or compressed-tensors'
@@ -61,7 +68,8 @@ def fp8_scheme(hf_config: PretrainedConfig, quantization: str | None) -> Fp8Sche
     for any other method or FP8 variant (e.g. static activation scales with block weights)."""
     if quantization is not None and quantization not in SUPPORTED:
         raise ValueError(f"quantization={quantization!r} is not supported: pass None, 'fp8' (an FP8 "
-                         f"checkpoint, or a bf16 one quantized at load) or 'compressed-tensors'")
+                         f"checkpoint, or a bf16 one quantized at load), 'compressed-tensors' or "
+                         f"'fbgemm_fp8'")
     qc = getattr(hf_config, "quantization_config", None)
     if qc is not None and not isinstance(qc, dict):
         qc = qc.to_dict() if hasattr(qc, "to_dict") else vars(qc)
@@ -78,6 +86,9 @@ def fp8_scheme(hf_config: PretrainedConfig, quantization: str | None) -> Fp8Sche
         return _hf_fp8(qc)
     if method == "compressed-tensors":
         return _compressed_tensors(qc)
+    if method == "fbgemm_fp8":
+        return Fp8Scheme(block=None, scale_name="weight_scale", experts=False,
+                         ignore=tuple(qc.get("modules_to_not_convert") or ()))
     raise ValueError(f"the checkpoint's quantization_config has quant_method {method!r}, which nanovllm does "
                      f"not run; supported: {_FORMATS}")
 
@@ -93,23 +104,24 @@ def _hf_fp8(qc: dict) -> Fp8Scheme:
     block = qc.get("weight_block_size")
     if block is None:   # per-tensor weight scales (AutoFP8)
         return Fp8Scheme(block=None, scale_name="weight_scale", ignore=ignore,
-                         unread=(INPUT_SCALES if activations == "static" else ()) + _kv_scales(qc))
+                         unread=INPUT_SCALES if activations == "static" else (), kv_scales=_kv_scales(qc))
     if not (isinstance(block, (list, tuple)) and len(block) == 2 and all(isinstance(b, int) and b > 0
                                                                           for b in block)):
         raise ValueError(f"quant_method 'fp8' with weight_block_size {block!r}: expected [rows, cols]")
     if activations != "dynamic":
         raise ValueError(f"quant_method 'fp8' with weight_block_size and activation_scheme {activations!r} "
                          f"is not supported; supported: {_FORMATS}")
-    return Fp8Scheme(block=tuple(block), scale_name="weight_scale_inv", ignore=ignore, unread=_kv_scales(qc))
+    return Fp8Scheme(block=tuple(block), scale_name="weight_scale_inv", ignore=ignore,
+                     kv_scales=_kv_scales(qc))
 
 
 def _kv_scales(qc: dict) -> tuple[str, ...]:
-    """The static KV scales' tensor suffixes when the checkpoint has them (not read: a warning)."""
+    """The static KV scales' tensor suffixes when the checkpoint has them."""
     if not qc.get("kv_cache_scheme"):
         return ()
-    logger.warning("the checkpoint's static KV cache scales (kv_cache_scheme) are not read: the KV cache "
-                   "is in the model's dtype unless kv_cache_dtype='fp8', which scales K and V by 1.0 or, "
-                   "with calculate_kv_scales=True, from the first prefill")
+    logger.warning("the checkpoint's static KV cache scales (kv_cache_scheme) scale an FP8 KV cache "
+                   "(kv_cache_dtype='fp8'; calculate_kv_scales=True replaces them at the first prefill); "
+                   "with the cache in the model's dtype they are not used")
     return KV_SCALES
 
 
@@ -139,4 +151,4 @@ def _compressed_tensors(qc: dict) -> Fp8Scheme:
                          f"formats (one is read: per channel or tensor, or one block size); supported: "
                          f"{_FORMATS}")
     return Fp8Scheme(block=schemes.pop(), scale_name="weight_scale", ignore=tuple(qc.get("ignore") or ()),
-                     unread=(INPUT_SCALES if static else ()) + _kv_scales(qc))
+                     unread=INPUT_SCALES if static else (), kv_scales=_kv_scales(qc))
