@@ -46,7 +46,8 @@ class Config:
                                                 # also "half", "float16", "bfloat16", "float", "float32",
                                                 # or a torch.dtype
     kv_cache_dtype: str = "auto"                # "auto": the model's dtype; "fp8" = "fp8_e4m3" (1 byte)
-    calculate_kv_scales: bool = False           # fp8: K/V scales from the first prefill's amax (else 1.0)
+    calculate_kv_scales: bool = False           # fp8: K/V scales from the first prefill's amax (else 1.0,
+                                                # or an FP8 checkpoint's static KV scales)
     prefill_attention: str = "auto"             # "auto" (FlashAttention-4 where it runs, else our Triton
                                                 # kernel on sm90/sm100), or force "flash_attn_4", "triton" or
                                                 # "torch_flash" (torch's FlashAttention-2)
@@ -74,8 +75,8 @@ class Config:
     swap_space: float = 4                       # GiB of CPU swap in vLLM; preempted sequences are recomputed
     max_seq_len_to_capture: int = 8192          # CUDA graphs are captured per batch size, for any length
     enable_chunked_prefill: bool | None = None  # prefill is always chunked: None or True
-    quantization: str | None = None             # None: as the checkpoint's quantization_config says;
-                                                # "fp8": also quantizes a bf16 checkpoint at load
+    quantization: str | None = None             # None: as the checkpoint's quantization_config says (or
+                                                # its quant_method); "fp8": also quantizes a bf16 checkpoint
     task: str = "auto"                          # "auto" or "generate": text generation
     hf_config: PretrainedConfig = field(init=False, repr=False)
     fp8: Fp8Scheme | None = field(init=False, repr=False)   # the weights' FP8 format (None: unquantized)
@@ -193,6 +194,9 @@ class Config:
         self.max_model_len = min(self.max_model_len, self.hf_config.max_position_embeddings)
         _check_tp_divides(self.hf_config, self.tensor_parallel_size)
         self.fp8 = fp8_scheme(self.hf_config, self.quantization)
+        if self.fp8 is not None and self.fp8.kv_scales and self.kv_cache_dtype == "auto":
+            logger.warning("the checkpoint's static KV cache scales (kv_cache_scheme) are not used: they "
+                           "scale an FP8 KV cache, kv_cache_dtype='fp8'")
 
 
 _warned_attention_backend = False

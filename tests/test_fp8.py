@@ -1,7 +1,8 @@
 """FP8 weights on CPU: tiny random Qwen3, Llama and Qwen3-MoE models saved as the real FP8 checkpoints are
 (HF's quant_method 'fp8' with [128, 128] blocks and weight_scale_inv, as Qwen3-*-FP8 ship;
-compressed-tensors FP8_DYNAMIC with per-channel weight_scale; and per-tensor weight scales with static
-input scales, as AutoFP8 and compressed-tensors' FP8 scheme write them), then every greedy token must be an
+compressed-tensors FP8_DYNAMIC with per-channel weight_scale; per-tensor weight scales with static
+input and KV scales, as AutoFP8 and compressed-tensors' FP8 scheme write them; fbgemm_fp8, per channel
+with bf16 experts), then every greedy token must be an
 argmax of transformers' logits on the dequantized model; TP=2 gives TP=1's tokens; quantization='fp8'
 on a bf16 checkpoint quantizes at load; formats nanovllm does not read are clear errors."""
 import json
@@ -123,9 +124,9 @@ def save_fp8(src: str, dst: str, fmt: str) -> str:
         for name in [n for n in tensors if _is_projection(n, experts)]:
             w, s = _quantize(tensors[name], block)
             prefix = name.removesuffix("weight")
-            if scalar_shape is not None:   # static input and KV scales: stored, never read
+            if scalar_shape is not None:   # static input scales (never read) and KV scales
                 s = s.reshape(scalar_shape)
-                unread = torch.full(scalar_shape, 0.05, dtype=torch.float32)
+                unread = torch.full(scalar_shape, 0.05, dtype=torch.float32)   # KV ones read by an FP8 cache
                 tensors[prefix + "input_scale"] = unread
                 proj = name.split(".")[-2]
                 if proj in ("k_proj", "v_proj"):
@@ -233,6 +234,8 @@ def _with_quantization_config(src: str, dst: str, qconfig: dict) -> str:
         **_CT_GROUP["weights"], "strategy": "block", "block_structure": [128, 128]}}}}, "not supported"),
     ({**CT_CONFIG, "config_groups": {"g": {**CT_CONFIG["config_groups"]["group_0"],
                                            "input_activations": None}}}, "not supported"),
+    ({**CT_STATIC_CONFIG, "kv_cache_scheme": {**_STATIC_TENSOR, "type": "int"}}, "kv_cache_scheme"),
+    ({**CT_STATIC_CONFIG, "kv_cache_scheme": {**_STATIC_TENSOR, "strategy": "attn_head"}}, "kv_cache_scheme"),
 ])
 def test_unsupported_quantization_configs_are_clear_errors(bf16_dirs, tmp_path, qconfig, message):
     path = _with_quantization_config(bf16_dirs["qwen3"], str(tmp_path / "m"), qconfig)
@@ -272,10 +275,17 @@ def test_static_kv_scales_scale_an_fp8_cache(bf16_dirs, tmp_path, fmt):
     layers = torch.arange(1, len(llm.model_runner.attention_layers) + 1)
     expected = torch.stack([0.02 * layers, 0.15 * layers])
     torch.testing.assert_close(llm.model_runner.kv_scales[..., 0], expected)
+    for i, attn in enumerate(llm.model_runner.attention_layers):   # what the kernels read
+        assert (attn.k_scale.item(), attn.v_scale.item()) == pytest.approx(expected[:, i].tolist())
     prompts = random_prompts(3, [5, 17, 40], seed=6)
     check_close(HFOracle(path + "-dequantized"), prompts, llm.generate(prompts, GREEDY, use_tqdm=False))
+    # Layer 0's K in the cache: its values / 0.02 (the largest |K| is about 3.5: 170 of e4m3's 448).
+    assert 100 < llm.model_runner.kv_cache[0, 0].float().abs().max() < 448
     edit_checkpoint(path, lambda t: t.update({n: -v for n, v in t.items() if kv_name.search(n)}))
-    with pytest.raises(ValueError, match="KV cache scale is one positive number"):
+    with pytest.raises(ValueError, match="KV cache scale is one positive finite number"):
+        LLM(path, kv_cache_dtype="fp8", **OPTIONS)
+    edit_checkpoint(path, lambda t: t.update({"model.layers.0.self_attn.attn.k_scale": torch.tensor(0.1)}))
+    with pytest.raises(ValueError, match="attn.k_scale.*does not know where"):
         LLM(path, kv_cache_dtype="fp8", **OPTIONS)
 
 
@@ -315,9 +325,38 @@ def test_fbgemm_fp8_keeps_the_experts_in_bf16(bf16_dirs, tmp_path):
     assert layer.mlp.experts.quant is None and layer.mlp.experts.w13.dtype != torch.float8_e4m3fn
 
 
-def test_unsupported_quantization_option_names_the_supported_ones(bf16_dirs):
+def test_fbgemm_fp8_modules_to_not_convert(bf16_dirs, tmp_path):
+    """Meta's list names each projection a layer keeps in bf16 (here layer 0's attention): its packed
+    qkv_proj stays bf16, o_proj too, the rest is FP8; the tokens are transformers' argmax."""
+    kept = [f"model.layers.0.self_attn.{p}_proj" for p in "qkvo"]
+    path = save_fp8(bf16_dirs["llama"], str(tmp_path / "m"), "fbgemm")
+    _set_quantization_config(path, {**FBGEMM_CONFIG, "modules_to_not_convert": kept + ["lm_head"]})
+    original = load_file(os.path.join(bf16_dirs["llama"], "model.safetensors"))
+
+    def restore(tensors):
+        for name in [n for n in tensors if n.startswith(tuple(kept))]:
+            del tensors[name]
+        tensors.update({n: t for n, t in original.items() if n.startswith(tuple(kept))})
+    edit_checkpoint(path, restore)
+    edit_checkpoint(path + "-dequantized", restore)
+    llm = LLM(path, **OPTIONS)
+    layer = llm.model_runner.model.model.layers[0]
+    assert layer.self_attn.qkv_proj.quant is None and layer.self_attn.o_proj.quant is None
+    assert layer.mlp.gate_up_proj.weight.dtype == torch.float8_e4m3fn
+    oracle = HFOracle(path + "-dequantized")
+    prompts = random_prompts(2, [5, 17], seed=4)
+    for prompt, out in zip(prompts, llm.generate(prompts, GREEDY, use_tqdm=False)):
+        oracle.assert_greedy(prompt, out.outputs[0].token_ids)
+
+
+def test_unsupported_quantization_option_names_the_supported_ones(bf16_dirs, tmp_path):
     with pytest.raises(ValueError, match="'fp8'"):
         Config(bf16_dirs["qwen3"], quantization="gptq")
+    path = save_fp8(bf16_dirs["qwen3"], str(tmp_path / "ct"), "compressed-tensors")
+    with pytest.raises(ValueError, match="quantization='fp8', but the checkpoint's quantization_config says "
+                                         "'compressed-tensors'"):
+        Config(path, quantization="fp8")
+    assert Config(path, quantization="compressed-tensors").fp8.block is None
     assert Config(bf16_dirs["qwen3"]).fp8 is None
     assert Config(bf16_dirs["qwen3"], quantization="fp8").fp8.online
 

@@ -38,8 +38,8 @@ class Attention(nn.Module):
         # Bound by the ModelRunner to this layer's slice of the cache:
         # [num_blocks, block_size, num_kv_heads, head_dim]. Empty during the warm-up run.
         self.k_cache = self.v_cache = torch.tensor([])
-        # An FP8 cache's scales, [1] fp32 on the cache's device (bound by the ModelRunner; 1.0 unless
-        # calculate_kv_scales, which sets them at this layer's first prefill into the cache).
+        # An FP8 cache's scales, [1] fp32 on the cache's device (bound by the ModelRunner; 1.0 or the
+        # checkpoint's static scales, unless calculate_kv_scales sets them at the first prefill).
         self.k_scale = self.v_scale = None
         self.calculate_kv_scales = False
         self.prefill_attention = prefill_attention   # kernels.prefill_attention's interface
@@ -99,11 +99,15 @@ def kv_scale_rows(model: nn.Module, num_layers: int) -> torch.Tensor:
     rows = torch.ones(2, num_layers, 4)
     for name, tensor in getattr(model, "kv_scale_tensors", {}).items():
         if (m := _KV_SCALE_NAME.search(name)) is None:
-            continue   # another projection's output_scale
+            if name.endswith(".output_scale"):
+                continue   # another projection's output_scale (q_proj, o_proj)
+            raise ValueError(f"checkpoint tensor {name!r}: a KV cache scale nanovllm does not know where "
+                             "to put (expected layers.N.self_attn.k_scale / v_scale / kv_scale or "
+                             "k_proj / v_proj.output_scale)")
         layer, value = int(m[1]), tensor.float().reshape(-1)
-        if layer >= num_layers or value.numel() != 1 or not value.item() > 0:
+        if layer >= num_layers or value.numel() != 1 or not 0 < value.item() < float("inf"):
             raise ValueError(f"checkpoint tensor {name!r} ({tensor.tolist()}): a KV cache scale is one "
-                             f"positive number for one of the model's {num_layers} layers")
+                             f"positive finite number for one of the model's {num_layers} layers")
         for kind in m[2] or m[3]:
             rows["kv".index(kind), layer, 0] = value.item()
     return rows

@@ -17,14 +17,14 @@ Formats read (weights float8_e4m3fn, dequantized as w * scale):
   Static KV scales (kv_cache_scheme: AutoFP8's k_proj/v_proj `output_scale`, llm-compressor's
       `k_scale` / `v_scale`, the older `kv_scale`) become an FP8 KV cache's per-layer scales with
       kv_cache_dtype='fp8', as vLLM uses them (layers/attention.py: kv_scale_rows); with the cache in
-      the model's dtype they are not used (a warning says so).
+      the model's dtype they are not used (config.py warns). A scheme other than 8-bit float per
+      tensor (int8, per head) is a ValueError.
   quant_method 'fbgemm_fp8' (Meta's Llama-3.1-*-FP8, transformers' FbgemmFp8Config): `weight_scale`
       [N, 1], one per output channel, on the linear layers; the experts stay unquantized (as vLLM
       reads it; transformers' quantizer converts nn.Linear modules only). Its `activation_scale_ub`
       (an upper bound vLLM clamps each token's scale to) is not applied: per-token scales unbounded.
   quantization='fp8' on a bf16/fp16/fp32 checkpoint: the per-channel format, quantized at load.
 """
-import logging
 import re
 from dataclasses import dataclass
 
@@ -37,7 +37,6 @@ _FORMATS = ("'fp8' with weight_block_size and activation_scheme 'dynamic' (Qwen3
             "or block weights and dynamic group activations (FP8_BLOCK), 'fbgemm_fp8' (channel weights)")
 INPUT_SCALES = (".input_scale",)
 KV_SCALES = (".output_scale", ".k_scale", ".v_scale", ".kv_scale")
-logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -82,6 +81,9 @@ def fp8_scheme(hf_config: PretrainedConfig, quantization: str | None) -> Fp8Sche
                              "an unquantized checkpoint at load)")
         return Fp8Scheme(block=None, scale_name="weight_scale", online=True)
     method = qc.get("quant_method")
+    if quantization is not None and quantization != method:
+        raise ValueError(f"quantization={quantization!r}, but the checkpoint's quantization_config says "
+                         f"{method!r}: pass quantization=None (or {method!r}) to read it as it is")
     if method == "fp8":
         return _hf_fp8(qc)
     if method == "compressed-tensors":
@@ -116,12 +118,15 @@ def _hf_fp8(qc: dict) -> Fp8Scheme:
 
 
 def _kv_scales(qc: dict) -> tuple[str, ...]:
-    """The static KV scales' tensor suffixes when the checkpoint has them."""
-    if not qc.get("kv_cache_scheme"):
+    """The static KV scales' tensor suffixes when the checkpoint has them: one e4m3 scale per layer's
+    K and V (AutoFP8 writes the string 'static'; compressed-tensors a quantization scheme)."""
+    scheme = qc.get("kv_cache_scheme")
+    if not scheme:
         return ()
-    logger.warning("the checkpoint's static KV cache scales (kv_cache_scheme) scale an FP8 KV cache "
-                   "(kv_cache_dtype='fp8'; calculate_kv_scales=True replaces them at the first prefill); "
-                   "with the cache in the model's dtype they are not used")
+    if isinstance(scheme, dict) and (scheme.get("type"), scheme.get("num_bits"), scheme.get("strategy"),
+                                     scheme.get("symmetric", True)) != ("float", 8, "tensor", True):
+        raise ValueError(f"kv_cache_scheme {scheme} is not supported: the KV cache scales read are 8-bit "
+                         "float, symmetric, one per tensor (a layer's K or V)")
     return KV_SCALES
 
 
