@@ -81,7 +81,7 @@ def fp8_scheme(hf_config: PretrainedConfig, quantization: str | None) -> Fp8Sche
                              "an unquantized checkpoint at load)")
         return Fp8Scheme(block=None, scale_name="weight_scale", online=True)
     method = qc.get("quant_method")
-    if quantization is not None and quantization != method:
+    if quantization is not None and method in SUPPORTED and quantization != method:
         raise ValueError(f"quantization={quantization!r}, but the checkpoint's quantization_config says "
                          f"{method!r}: pass quantization=None (or {method!r}) to read it as it is")
     if method == "fp8":
