@@ -289,21 +289,28 @@ def test_static_kv_scales_scale_an_fp8_cache(bf16_dirs, tmp_path, fmt):
         LLM(path, kv_cache_dtype="fp8", **OPTIONS)
 
 
+def _keep_unquantized(src: str, path: str, modules: list[str]):
+    """path (save_fp8's checkpoint) and its dequantized copy with these modules' tensors back to src's
+    bf16 ones, as a checkpoint whose ignore list names them stores them."""
+    prefixes = tuple(m + "." for m in modules)
+    original = {n: t for n, t in load_file(os.path.join(src, "model.safetensors")).items()
+                if n.startswith(prefixes)}
+
+    def restore(tensors):
+        for name in [n for n in tensors if n.startswith(prefixes)]:
+            del tensors[name]
+        tensors.update(original)
+    edit_checkpoint(path, restore)
+    edit_checkpoint(path + "-dequantized", restore)
+
+
 def test_an_ignored_layer_stays_unquantized(bf16_dirs, tmp_path):
     """AutoFP8's ignored_layers naming one projection: the checkpoint keeps it in bf16, and so does the
     model; the tokens are transformers' argmax on the model with that layer unquantized."""
     layer = "model.layers.0.mlp.down_proj"
     path = save_fp8(bf16_dirs["qwen3"], str(tmp_path / "m"), "autofp8-static")
     _set_quantization_config(path, {**AUTOFP8_CONFIG, "ignored_layers": ["lm_head", layer]})
-    original = {n: t for n, t in load_file(os.path.join(bf16_dirs["qwen3"], "model.safetensors")).items()
-                if n.startswith(layer)}
-
-    def restore(tensors):
-        for name in [n for n in tensors if n.startswith(layer + ".")]:
-            del tensors[name]
-        tensors.update(original)
-    edit_checkpoint(path, restore)
-    edit_checkpoint(path + "-dequantized", lambda t: t.update(original))
+    _keep_unquantized(bf16_dirs["qwen3"], path, [layer])
     llm = LLM(path, **OPTIONS)
     mlp = llm.model_runner.model.model.layers[0].mlp
     assert mlp.down_proj.weight.dtype != torch.float8_e4m3fn and mlp.down_proj.quant is None
@@ -331,14 +338,7 @@ def test_fbgemm_fp8_modules_to_not_convert(bf16_dirs, tmp_path):
     kept = [f"model.layers.0.self_attn.{p}_proj" for p in "qkvo"]
     path = save_fp8(bf16_dirs["llama"], str(tmp_path / "m"), "fbgemm")
     _set_quantization_config(path, {**FBGEMM_CONFIG, "modules_to_not_convert": kept + ["lm_head"]})
-    original = load_file(os.path.join(bf16_dirs["llama"], "model.safetensors"))
-
-    def restore(tensors):
-        for name in [n for n in tensors if n.startswith(tuple(kept))]:
-            del tensors[name]
-        tensors.update({n: t for n, t in original.items() if n.startswith(tuple(kept))})
-    edit_checkpoint(path, restore)
-    edit_checkpoint(path + "-dequantized", restore)
+    _keep_unquantized(bf16_dirs["llama"], path, kept)
     llm = LLM(path, **OPTIONS)
     layer = llm.model_runner.model.model.layers[0]
     assert layer.self_attn.qkv_proj.quant is None and layer.self_attn.o_proj.quant is None
