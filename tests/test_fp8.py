@@ -236,6 +236,8 @@ def _with_quantization_config(src: str, dst: str, qconfig: dict) -> str:
                                            "input_activations": None}}}, "not supported"),
     ({**CT_STATIC_CONFIG, "kv_cache_scheme": {**_STATIC_TENSOR, "type": "int"}}, "kv_cache_scheme"),
     ({**CT_STATIC_CONFIG, "kv_cache_scheme": {**_STATIC_TENSOR, "strategy": "attn_head"}}, "kv_cache_scheme"),
+    ({**FBGEMM_CONFIG, "activation_scale_ub": 0}, "activation_scale_ub"),
+    ({**FBGEMM_CONFIG, "activation_scale_ub": "1200"}, "activation_scale_ub"),
 ])
 def test_unsupported_quantization_configs_are_clear_errors(bf16_dirs, tmp_path, qconfig, message):
     path = _with_quantization_config(bf16_dirs["qwen3"], str(tmp_path / "m"), qconfig)
@@ -347,6 +349,30 @@ def test_fbgemm_fp8_modules_to_not_convert(bf16_dirs, tmp_path):
     prompts = random_prompts(2, [5, 17], seed=4)
     for prompt, out in zip(prompts, llm.generate(prompts, GREEDY, use_tqdm=False)):
         oracle.assert_greedy(prompt, out.outputs[0].token_ids)
+
+
+def test_fbgemm_fp8_activation_scale_ub_bounds_each_tokens_scale(bf16_dirs, tmp_path):
+    """fbgemm_fp8's activation_scale_ub: no token's activations scaled past it, larger values saturate
+    (vLLM, FBGEMM's quantize_fp8_per_row). At 0.25 it clips most inputs of every FP8 projection: the
+    tokens are transformers' argmax on the dequantized model whose projections see their inputs clipped
+    to +-0.25, and not the tokens of the same checkpoint without the bound."""
+    ub = 0.25
+    path = save_fp8(bf16_dirs["llama"], str(tmp_path / "m"), "fbgemm")
+    assert Config(path).fp8.activation_scale_ub == 1200.0
+    prompts = random_prompts(3, [5, 17, 30], seed=6)
+    unbounded = [o.outputs[0].token_ids
+                 for o in LLM(path, **OPTIONS).generate(prompts, GREEDY, use_tqdm=False)]
+    _set_quantization_config(path, {**FBGEMM_CONFIG, "activation_scale_ub": ub})
+    llm = LLM(path, **OPTIONS)
+    assert llm.model_runner.model.model.layers[0].mlp.down_proj.quant.scale_ub == ub
+    bounded = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    assert bounded != unbounded
+    oracle = HFOracle(path + "-dequantized")
+    for name, module in oracle.model.named_modules():
+        if name.split(".")[-1] in PROJECTIONS:
+            module.register_forward_pre_hook(lambda m, args: (args[0].clamp(-ub, ub),))
+    for prompt, out in zip(prompts, bounded):
+        oracle.assert_greedy(prompt, out)
 
 
 def test_unsupported_quantization_option_names_the_supported_ones(bf16_dirs, tmp_path):

@@ -38,15 +38,17 @@ def _relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 @pytest.mark.parametrize("m,k,group,m_major", [(1, 4096, 128, True), (300, 12288, 128, False),
                                                (33, 12288, 128, True), (64, 4096, 4096, False),
                                                (7, 12288, 12288, False)])
-def test_activation_quantization_is_the_reference_bit_for_bit(m, k, group, m_major):
-    """m_major: cuBLASLt's block scales, rows padded to a multiple of 4 (the padding unwritten)."""
+@pytest.mark.parametrize("ub", [None, 4.0])
+def test_activation_quantization_is_the_reference_bit_for_bit(m, k, group, m_major, ub):
+    """m_major: cuBLASLt's block scales, rows padded to a multiple of 4 (the padding unwritten); ub:
+    fbgemm_fp8's activation_scale_ub, under most groups' amax (about 12)."""
     from nanovllm.kernels.fp8_gemm import quantize_activations as quantize_triton
     x = (torch.randn(m, k, device="cuda") * 3).to(torch.bfloat16)
     rows = -(-m // 4) * 4 if m_major else m
-    q, s = quantize_triton(x, group, m_major=m_major, rows=rows)
+    q, s = quantize_triton(x, group, m_major=m_major, rows=rows, scale_ub=ub)
     assert q.shape[0] == s.shape[0] == rows and (not m_major or s.stride() == (1, rows))
     q, s = q[:m], s[:m]
-    want_q, want_s = quantize_activations(x, group)
+    want_q, want_s = quantize_activations(x, group, ub)
     assert torch.equal(s, want_s)
     assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
 
@@ -158,22 +160,30 @@ def test_fused_moe_fp8_matches_reference(block, num_tokens):
 
 
 @pytest.mark.parametrize("fmt,kv", [("block", "auto"), ("compressed-tensors", "auto"), ("fbgemm", "auto"),
-                                    ("autofp8-static", "auto"), ("autofp8-static", "fp8")])
+                                    ("fbgemm-ub", "auto"), ("autofp8-static", "auto"),
+                                    ("autofp8-static", "fp8")])
 def test_fp8_checkpoint_on_cuda_stays_near_transformers(fmt, kv, tmp_path):
     """bf16 activations quantized per token group: each greedy token within 0.75 logits of
     transformers' maximum on the dequantized model (fp32; logits about 7: the CPU emulation of the
     kernels' roundings in bf16, fp8_linear_ref, stays within 0.31); with an FP8 cache scaled by the
-    checkpoint's static KV scales (0.05), within 0.25 more (test_fp8_kv's tolerance)."""
-    from test_fp8 import SHAPES, save_fp8
+    checkpoint's static KV scales (0.05), within 0.25 more (test_fp8_kv's tolerance). fbgemm-ub: an
+    activation_scale_ub of 0.25, the oracle's projections seeing their inputs clipped to +-0.25."""
+    from test_fp8 import FBGEMM_CONFIG, PROJECTIONS, SHAPES, _set_quantization_config, save_fp8
 
     from nanovllm import LLM, SamplingParams
     src = make_model(str(tmp_path / "src"), "qwen3", **SHAPES)
-    path = save_fp8(src, str(tmp_path / fmt), fmt)
+    path = save_fp8(src, str(tmp_path / fmt), fmt.removesuffix("-ub"))
+    ub = 0.25 if fmt.endswith("-ub") else None
+    if ub:
+        _set_quantization_config(path, {**FBGEMM_CONFIG, "activation_scale_ub": ub})
     llm = LLM(path, device="cuda", dtype="bfloat16", kvcache_block_size=16, num_kvcache_blocks=64,
               gpu_memory_utilization=0.3, kv_cache_dtype=kv)
     if kv == "fp8":
         assert torch.allclose(llm.model_runner.kv_scales, torch.full_like(llm.model_runner.kv_scales, 0.05))
     oracle = HFOracle(path + "-dequantized")
+    for name, module in oracle.model.named_modules():
+        if ub and name.split(".")[-1] in PROJECTIONS:
+            module.register_forward_pre_hook(lambda m, args: (args[0].clamp(-ub, ub),))
     prompts = random_prompts(4, [1, 9, 17, 40], seed=3)
     greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     try:

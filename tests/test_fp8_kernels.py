@@ -30,14 +30,14 @@ def test_interp_activation_quantization_is_the_reference_bit_for_bit(m, k, group
     check_quantization(x, group)
 
 
-def check_quantization(x, group, m_major=False, rows=None):
+def check_quantization(x, group, m_major=False, rows=None, scale_ub=None):
     from nanovllm.kernels.fp8_gemm import quantize_activations as quantize_triton
     m = x.shape[0]
-    q, s = quantize_triton(x, group, m_major=m_major, rows=rows)
+    q, s = quantize_triton(x, group, m_major=m_major, rows=rows, scale_ub=scale_ub)
     assert q.shape[0] == s.shape[0] == (rows or m)
     assert not m_major or s.stride() == (1, rows or m)
     q, s = q[:m], s[:m]
-    want_q, want_s = quantize_activations(x, group)
+    want_q, want_s = quantize_activations(x, group, scale_ub)
     assert torch.equal(s, want_s)
     # The interpreter's fp32 -> e4m3 cast is off for a value just under a power of two (-7.95 to -4)
     # and for subnormals: those few may differ, by at most half the value or a subnormal step (the
@@ -46,6 +46,27 @@ def check_quantization(x, group, m_major=False, rows=None):
     bad = q != want_q
     assert bad.float().mean() < 0.1
     assert ((q - want_q).abs()[bad] <= 0.5 * want_q.abs()[bad] + 2 ** -8).all()
+
+
+@interp
+@pytest.mark.parametrize("one_pass_max", [16384, 0], ids=["one-pass", "two-pass"])
+def test_interp_activation_scale_ub_bounds_the_scales_and_saturates(one_pass_max, monkeypatch):
+    """fbgemm_fp8's activation_scale_ub: a token whose amax passes it gets the scale ub / 448, and its
+    values past ub saturate at +-448; a token under it is quantized as without it."""
+    from nanovllm.kernels import fp8_gemm
+    from nanovllm.kernels.fp8_gemm import quantize_activations as quantize_triton
+    monkeypatch.setattr(fp8_gemm, "ONE_PASS_MAX", one_pass_max)
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(1))
+    x[:2] *= 100.0   # amax far past the bound
+    x[2] *= 0.01     # under it
+    ub = 8.0
+    check_quantization(x, 256, scale_ub=ub)
+    q, s = quantize_triton(x, 256, scale_ub=ub)
+    assert s[0, 0] == torch.tensor(ub) / 448 and s[1, 0] == s[0, 0]
+    assert q[0].float().abs().max() == 448 and (q[0].float().abs() == 448).sum() > 10
+    unbounded_q, unbounded_s = quantize_triton(x, 256)
+    assert torch.equal(s[2], unbounded_s[2]) and torch.equal(q[2].float(), unbounded_q[2].float())
+    assert (s[:2] < unbounded_s[:2]).all()
 
 
 @interp
@@ -96,13 +117,13 @@ def test_interp_cublas_block_path_pads_rows_and_lays_scales_out_as_cublaslt_take
         a_deq = (a.float().view(rows, -1, 128) * scale_a[:, :, None]).view(rows, k)
         calls.append(rows)
         return (a_deq @ dequantize_weight(b.t(), scale_b.t(), (128, 128), torch.float32).t()).to(out_dtype)
-    def reference_quantization(x, group, m_major=False, rows=None):
+    def reference_quantization(x, group, m_major=False, rows=None, scale_ub=None):
         # (the interpreter's FP8 cast is off for a few values: see check_quantization, which tests the
         # kernel's m_major and rows layouts)
         if not len(x):
             groups = -(-x.shape[1] // group)
             return torch.empty(0, x.shape[1], dtype=torch.float8_e4m3fn), torch.empty(0, groups)
-        q, s = quantize_activations(x, group)
+        q, s = quantize_activations(x, group, scale_ub)
         q, s = (F.pad(t.float(), (0, 0, 0, (rows or len(x)) - len(x))) for t in (q, s))
         return q.to(torch.float8_e4m3fn), (s.t().contiguous().t() if m_major else s)
     monkeypatch.setattr(fp8_gemm, "quantize_activations", reference_quantization)
@@ -132,7 +153,8 @@ def cublas_stand_in(monkeypatch):
         assert scale_a.dim() != 0 or (scale_a.item() == scale_b.item() == 1.0 and scale_b.dim() == 0)
         return ((a.float() * scale_a) @ (w_t.float() * scale_b)).to(out_dtype)
     monkeypatch.setattr(fp8_gemm, "quantize_activations",   # the reference's (see above)
-                        lambda x, group: quantize_activations(x, group) if len(x) else
+                        lambda x, group, scale_ub=None: quantize_activations(x, group, scale_ub)
+                        if len(x) else
                         (x.to(torch.float8_e4m3fn), torch.empty(0, 1)))
     monkeypatch.setattr(fp8_gemm, "_DOT_F32", False)   # the cuBLASLt branch
     monkeypatch.setattr(fp8_gemm, "_unit_scale", lambda device: torch.ones(()))
@@ -144,11 +166,13 @@ def cublas_stand_in(monkeypatch):
 @pytest.mark.parametrize("m,n,bias,residual", [(0, 48, False, True), (1, 48, True, False),
                                               (5, 2112, False, True), (3, 2112, True, False),
                                               (4, 64, False, False)])
-def test_interp_unit_scale_path_scales_rows_and_channels_after_the_gemm(m, n, bias, residual, cublas_stand_in,
-                                                                         monkeypatch):
+@pytest.mark.parametrize("ub", [None, 2.0])
+def test_interp_unit_scale_path_scales_rows_and_channels_after_the_gemm(m, n, bias, residual, ub,
+                                                                         cublas_stand_in, monkeypatch):
     """fp8_linear's per-channel path at most UNIT_SCALE_MAX_M rows: the unit-scaled GEMM then
     scale_out, the rows' and channels' scales (and the bias) applied in place, or added into the
-    residual (into=) in place: the reference's output. Above it: row-wise scales."""
+    residual (into=) in place: the reference's output. Above it: row-wise scales. ub: an
+    activation_scale_ub under the rows' amax (about 9), on both paths as in the reference."""
     from nanovllm.kernels import fp8_gemm
     k = 64
     g = torch.Generator().manual_seed(m + n)
@@ -156,14 +180,14 @@ def test_interp_unit_scale_path_scales_rows_and_channels_after_the_gemm(m, n, bi
     x = (torch.randn(m, k, generator=g) * 3).to(torch.bfloat16)
     b = torch.randn(n, generator=g).to(torch.bfloat16) if bias else None
     calls = cublas_stand_in
-    want = (fp8_linear_ref(x.float(), w, scale, None, None if b is None else b.float()) if m
+    want = (fp8_linear_ref(x.float(), w, scale, None, None if b is None else b.float(), ub) if m
             else torch.empty(0, n))
     h = torch.randn(m, n, generator=g).to(torch.bfloat16)
     for max_m, path in ((8, "unit"), (0, "row-wise")):
         monkeypatch.setattr(fp8_gemm, "UNIT_SCALE_MAX_M", max_m)
         calls.clear()
         into = h.clone().view(1, m, n) if residual else None
-        out = fp8_gemm.fp8_linear(x.view(1, m, k), w, scale, None, b, into)
+        out = fp8_gemm.fp8_linear(x.view(1, m, k), w, scale, None, b, into, scale_ub=ub)
         assert out.shape == (1, m, n) and out.dtype == torch.bfloat16
         assert calls == ([path] if m else [])
         assert into is None or out is into
@@ -173,10 +197,10 @@ def test_interp_unit_scale_path_scales_rows_and_channels_after_the_gemm(m, n, bi
         # fp8_linear_unscaled (no bias): on the unit path the scales are left to the caller, and
         # applying them gives fp8_linear's output bit for bit; elsewhere (or DEFER_SCALES off) it is
         # fp8_linear's output, no scales
-        want_unbiased = fp8_gemm.fp8_linear(x.view(1, m, k), w, scale, None)
+        want_unbiased = fp8_gemm.fp8_linear(x.view(1, m, k), w, scale, None, scale_ub=ub)
         for defer in (True, False):
             monkeypatch.setattr(fp8_gemm, "DEFER_SCALES", defer)
-            y, scales = fp8_gemm.fp8_linear_unscaled(x.view(1, m, k), w, scale, None)
+            y, scales = fp8_gemm.fp8_linear_unscaled(x.view(1, m, k), w, scale, None, ub)
             assert (scales is not None) == (defer and path == "unit" and m > 0)
             if scales is not None:
                 assert scales[0].shape == (m, 1) and scales[1].shape == (n,)

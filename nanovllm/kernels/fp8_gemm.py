@@ -16,6 +16,7 @@ Divisions are round-to-nearest (div_rn) and the FP8 cast rounds to nearest, so t
 activations are the reference's bit for bit. Nothing reads a value on the host: CUDA-graph safe.
 """
 import functools
+import math
 import os
 
 import torch
@@ -60,11 +61,12 @@ _DOT_F32 = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
-def _quantize_kernel(x_ptr, q_ptr, s_ptr, K, x_stride, s_stride_m, s_stride_g,
+def _quantize_kernel(x_ptr, q_ptr, s_ptr, K, x_stride, s_stride_m, s_stride_g, ub,
                      GROUP: tl.constexpr, BLOCK: tl.constexpr, GROUPS: tl.constexpr, ONE_PASS: tl.constexpr):
     # program (row, c): x[row, groups c*GROUPS .. (c+1)*GROUPS - 1 of GROUP columns] -> q, s[row, g].
     # ONE_PASS (a group fits one BLOCK): a [GROUPS, BLOCK] tile loaded once and kept in registers;
     # else GROUPS is 1 and the group is read twice, BLOCK columns at a time (its amax, then its values).
+    # ub: the largest amax a scale is taken from (fbgemm_fp8's activation_scale_ub; else inf).
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     if ONE_PASS:
@@ -73,7 +75,7 @@ def _quantize_kernel(x_ptr, q_ptr, s_ptr, K, x_stride, s_stride_m, s_stride_g,
         tile = gs[:, None] * GROUP + cols[None, :]
         in_tile = (cols[None, :] < GROUP) & (tile < K)
         vt = tl.load(x_ptr + row * x_stride + tile, mask=in_tile, other=0.0).to(tl.float32)
-        scales = tl.maximum(tl.div_rn(tl.max(tl.abs(vt), axis=1), FP8_MAX), 1e-12)
+        scales = tl.maximum(tl.div_rn(tl.minimum(tl.max(tl.abs(vt), axis=1), ub), FP8_MAX), 1e-12)
         tl.store(s_ptr + row * s_stride_m + gs * s_stride_g, scales, mask=gs * GROUP < K)
         qt = tl.clamp(tl.div_rn(vt, scales[:, None]), -FP8_MAX, FP8_MAX)
         tl.store(q_ptr + row * K + tile, qt.to(q_ptr.dtype.element_ty), mask=in_tile)
@@ -86,7 +88,7 @@ def _quantize_kernel(x_ptr, q_ptr, s_ptr, K, x_stride, s_stride_m, s_stride_g,
         ok = (c0 + cols < GROUP) & (idx < K)
         v = tl.load(x_ptr + row * x_stride + idx, mask=ok, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(v))
-    scale = tl.maximum(tl.div_rn(tl.max(amax, axis=0), FP8_MAX), 1e-12)
+    scale = tl.maximum(tl.div_rn(tl.minimum(tl.max(amax, axis=0), ub), FP8_MAX), 1e-12)
     tl.store(s_ptr + row * s_stride_m + g * s_stride_g, scale)
     for c0 in range(0, GROUP, BLOCK):
         idx = start + c0 + cols
@@ -96,11 +98,12 @@ def _quantize_kernel(x_ptr, q_ptr, s_ptr, K, x_stride, s_stride_m, s_stride_g,
         tl.store(q_ptr + row * K + idx, q.to(q_ptr.dtype.element_ty), mask=ok)
 
 
-def quantize_activations(x: torch.Tensor, group: int, m_major: bool = False, rows: int | None = None
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_activations(x: torch.Tensor, group: int, m_major: bool = False, rows: int | None = None,
+                         scale_ub: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x: [M, K] (last dim contiguous) -> (x_fp8 [rows, K], scale float32 [rows, ceil(K / group)]; m_major:
     stored transposed, stride (1, rows), as cuBLASLt's 1x128 block scales are). rows (default M): more
-    rows than x has are left unwritten (cuBLASLt's block-scaled GEMM needs a multiple of 4)."""
+    rows than x has are left unwritten (cuBLASLt's block-scaled GEMM needs a multiple of 4). scale_ub:
+    an amax above it counts as scale_ub, the values past it saturate (fbgemm_fp8's activation_scale_ub)."""
     m, k = x.shape
     rows = m if rows is None else rows
     assert rows >= m
@@ -119,7 +122,8 @@ def quantize_activations(x: torch.Tensor, group: int, m_major: bool = False, row
             block, groups = min(block, 1024), 1
             one_pass, warps = False, 4 if block >= 512 else 1
         _quantize_kernel[(m, triton.cdiv(num_groups, groups))](
-            x, q, s, k, x.stride(0), s.stride(0), s.stride(1), GROUP=group, BLOCK=block, GROUPS=groups,
+            x, q, s, k, x.stride(0), s.stride(0), s.stride(1), math.inf if scale_ub is None else scale_ub,
+            GROUP=group, BLOCK=block, GROUPS=groups,
             ONE_PASS=one_pass, num_warps=warps)
     return q, s
 
@@ -251,10 +255,11 @@ def _finish(y: torch.Tensor, bias: torch.Tensor | None, into: torch.Tensor | Non
 
 
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block: tuple[int, int] | None,
-               bias: torch.Tensor | None = None, into: torch.Tensor | None = None) -> torch.Tensor:
+               bias: torch.Tensor | None = None, into: torch.Tensor | None = None,
+               scale_ub: float | None = None) -> torch.Tensor:
     """x: [..., K] -> [..., N] in x's dtype: the activations quantized (per token group of bk, or per
-    token), then the FP8 GEMM; into ([..., N], contiguous): the output added into it in place (the
-    residual stream), and returned."""
+    token; scale_ub: quantize_activations'), then the FP8 GEMM; into ([..., N], contiguous): the output
+    added into it in place (the residual stream), and returned."""
     shape, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
     cublas = x.dtype == torch.bfloat16 and x2.shape[0] and not _DOT_F32
@@ -264,10 +269,10 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block: t
         # otherwise): the quantized rows are padded, the padding's output rows dropped.
         # scale_a [M, K/128] stride (1, M); scale_b [K/128, N/128] stride (1, K/128)
         rows = triton.cdiv(x2.shape[0], 4) * 4
-        xq, xs = quantize_activations(x2, 128, m_major=True, rows=rows)
+        xq, xs = quantize_activations(x2, 128, m_major=True, rows=rows, scale_ub=scale_ub)
         y = torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=w_scale.t(), out_dtype=x.dtype)[:x2.shape[0]]
         return _finish(y, bias, into, shape)
-    xq, xs = quantize_activations(x2, k if block is None else block[1])
+    xq, xs = quantize_activations(x2, k if block is None else block[1], scale_ub=scale_ub)
     if _channel_cublas(x2, w, block):
         # (fetched on every call, used or not, so that it is made at the first one: the eager
         # warm-up forward, before any CUDA graph is captured)
@@ -298,7 +303,8 @@ def _unit_scaled_mm(xq: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
                             use_fast_accum=FAST_ACCUM)
 
 
-def fp8_linear_unscaled(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block: tuple[int, int] | None
+def fp8_linear_unscaled(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+                        block: tuple[int, int] | None, scale_ub: float | None = None
                         ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
     """fp8_linear without bias, its scales left to the caller where it takes the unit-scale path (and
     DEFER_SCALES is on): (y unscaled [..., N], (xs [M, 1], ws [N])), y * xs * ws rounded once being
@@ -306,6 +312,6 @@ def fp8_linear_unscaled(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
     if DEFER_SCALES and x2.shape[0] <= UNIT_SCALE_MAX_M and _channel_cublas(x2, w, block):   # the unit path
-        xq, xs = quantize_activations(x2, k)
+        xq, xs = quantize_activations(x2, k, scale_ub=scale_ub)
         return _unit_scaled_mm(xq, w).view(*x.shape[:-1], w.shape[0]), (xs, w_scale.view(-1))
-    return fp8_linear(x, w, w_scale, block), None
+    return fp8_linear(x, w, w_scale, block, scale_ub=scale_ub), None

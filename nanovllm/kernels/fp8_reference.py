@@ -53,12 +53,15 @@ def quantize_weight(w: torch.Tensor, block: tuple[int, int] | None) -> tuple[tor
     return quantize_fp8(w, _expand(scale, w.shape, block)), scale
 
 
-def quantize_activations(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_activations(x: torch.Tensor, group: int, scale_ub: float | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """x: [M, K] -> (x_fp8 [M, K], scale float32 [M, ceil(K / group)]): each token's groups of `group`
-    columns scaled by their amax / 448 (group = K: one scale per token)."""
+    columns scaled by their amax / 448 (group = K: one scale per token); scale_ub (fbgemm_fp8's
+    activation_scale_ub): the amax taken as at most that, so larger values saturate at +-448."""
     m, k = x.shape
     xg = F.pad(x.float(), (0, -k % group)).view(m, -1, group)
-    scale = _over_fp8_max(xg.abs().amax(dim=2))
+    amax = xg.abs().amax(dim=2)
+    scale = _over_fp8_max(amax if scale_ub is None else amax.clamp(max=scale_ub))
     q = quantize_fp8(xg, scale[:, :, None])
     return q.view(m, -1)[:, :k].contiguous(), scale
 
@@ -69,16 +72,16 @@ def dequantize_activations(q: torch.Tensor, scale: torch.Tensor, group: int) -> 
     return (F.pad(q.float(), (0, -k % group)).view(m, -1, group) * scale[:, :, None]).view(m, -1)[:, :k]
 
 
-def round_trip_activations(x: torch.Tensor, group: int) -> torch.Tensor:
+def round_trip_activations(x: torch.Tensor, group: int, scale_ub: float | None = None) -> torch.Tensor:
     """x as the FP8 kernels see it: quantized per token group, back in float32."""
-    return dequantize_activations(*quantize_activations(x, group), group)
+    return dequantize_activations(*quantize_activations(x, group, scale_ub), group)
 
 
 def fp8_linear_ref(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
-                   bias: torch.Tensor | None = None) -> torch.Tensor:
+                   bias: torch.Tensor | None = None, scale_ub: float | None = None) -> torch.Tensor:
     """The GPU kernels' arithmetic: x quantized per token group (block) or per token (per channel), the
     products of the FP8 values summed in fp32 and scaled, the output rounded once to x's dtype."""
-    x_deq = round_trip_activations(x, block[1] if block is not None else x.shape[1])
+    x_deq = round_trip_activations(x, block[1] if block is not None else x.shape[1], scale_ub)
     y = x_deq @ dequantize_weight(w, scale, block, torch.float32).t()
     if bias is not None:
         y = y + bias.float()

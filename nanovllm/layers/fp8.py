@@ -39,16 +39,19 @@ def _on_gpu_kernels(x: torch.Tensor) -> bool:
 
 
 class Fp8Linear:
-    """The GEMM of a linear layer whose weight is FP8."""
+    """The GEMM of a linear layer whose weight is FP8; scale_ub: fbgemm_fp8's activation_scale_ub (no
+    token's activations scaled past it: larger values saturate, on the CPU path clipped to +-scale_ub)."""
 
-    def __init__(self, block: tuple[int, int] | None):
-        self.block = block
+    def __init__(self, block: tuple[int, int] | None, scale_ub: float | None = None):
+        self.block, self.scale_ub = block, scale_ub
 
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None,
               into: torch.Tensor | None = None) -> torch.Tensor:
         """x W^T (+ bias); into: added into it in place (the residual stream), and returned."""
         if _on_gpu_kernels(x):
-            return fp8_linear(x, layer.weight, layer.weight_scale, self.block, bias, into)
+            return fp8_linear(x, layer.weight, layer.weight_scale, self.block, bias, into, self.scale_ub)
+        if self.scale_ub is not None:
+            x = x.clamp(-self.scale_ub, self.scale_ub)
         y = F.linear(x, dequantize_weight(layer.weight, layer.weight_scale, self.block, x.dtype), bias)
         return y if into is None else into.add_(y)
 
@@ -56,7 +59,7 @@ class Fp8Linear:
         """(x W^T unscaled, (row scales, column scales)) where fp8_linear_unscaled leaves the scales to
         the caller (CUDA, per channel, decode sizes); else (x W^T, None)."""
         if _on_gpu_kernels(x):
-            return fp8_linear_unscaled(x, layer.weight, layer.weight_scale, self.block)
+            return fp8_linear_unscaled(x, layer.weight, layer.weight_scale, self.block, self.scale_ub)
         return self.apply(layer, x, None), None
 
 
@@ -109,7 +112,7 @@ def prepare_fp8(model: nn.Module, scheme: Fp8Scheme | None, load_format: str) ->
         if isinstance(module, FusedMoE):
             _prepare_moe(module, scheme.block)
         else:
-            _prepare_linear(module, scheme.block)
+            _prepare_linear(module, scheme.block, scheme.activation_scale_ub)
     return True
 
 
@@ -134,7 +137,7 @@ def finish_loading(model: nn.Module, scheme: Fp8Scheme | None, prepared: bool):
                 w, s = quantize_weight(module.weight.data, scheme.block)
                 module.weight = nn.Parameter(w, requires_grad=False)
                 module.weight_scale = nn.Parameter(s, requires_grad=False)
-                module.quant = Fp8Linear(scheme.block)
+                module.quant = Fp8Linear(scheme.block, scheme.activation_scale_ub)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -157,7 +160,7 @@ def _fp8_only(loader):
     return load
 
 
-def _prepare_linear(layer: LinearBase, block):
+def _prepare_linear(layer: LinearBase, block, scale_ub: float | None = None):
     n, k = layer.weight.shape
     layer.weight = _fp8_param((n, k), layer.weight, _fp8_only(layer.weight_loader))
     shape = (n, 1) if block is None else (_cdiv(n, block[0]), _cdiv(k, block[1]))
@@ -165,7 +168,7 @@ def _prepare_linear(layer: LinearBase, block):
     def load(param, loaded, *shard_id):
         _load_linear_scale(layer, block, param, loaded, *shard_id)
     layer.weight_scale = _fp8_param(shape, layer.weight, load, dtype=torch.float32)
-    layer.quant = Fp8Linear(block)
+    layer.quant = Fp8Linear(block, scale_ub)
 
 
 def _output_part(layer: LinearBase, shard_id) -> tuple[int, int]:

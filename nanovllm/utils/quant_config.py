@@ -22,7 +22,8 @@ Formats read (weights float8_e4m3fn, dequantized as w * scale):
   quant_method 'fbgemm_fp8' (Meta's Llama-3.1-*-FP8, transformers' FbgemmFp8Config): `weight_scale`
       [N, 1], one per output channel, on the linear layers; the experts stay unquantized (as vLLM
       reads it; transformers' quantizer converts nn.Linear modules only). Its `activation_scale_ub`
-      (an upper bound vLLM clamps each token's scale to) is not applied: per-token scales unbounded.
+      bounds each token's activation amax: a token's scale is at most activation_scale_ub / 448 and
+      larger values saturate, as in vLLM and FBGEMM's quantize_fp8_per_row.
   quantization='fp8' on a bf16/fp16/fp32 checkpoint: the per-channel format, quantized at load.
 """
 import re
@@ -48,6 +49,7 @@ class Fp8Scheme:
     unread: tuple[str, ...] = ()    # suffixes of checkpoint tensors not read (static input scales)
     kv_scales: tuple[str, ...] = () # suffixes of static KV cache scales (kept for an FP8 cache)
     experts: bool = True            # the MoE experts are FP8 too (not in fbgemm_fp8)
+    activation_scale_ub: float | None = None   # fbgemm_fp8: the largest activation amax a scale takes
 
     def ignores(self, module_name: str) -> bool:
         """A module the checkpoint keeps unquantized (HF's modules_to_not_convert or compressed-tensors'
@@ -90,7 +92,8 @@ def fp8_scheme(hf_config: PretrainedConfig, quantization: str | None) -> Fp8Sche
         return _compressed_tensors(qc)
     if method == "fbgemm_fp8":
         return Fp8Scheme(block=None, scale_name="weight_scale", experts=False,
-                         ignore=tuple(qc.get("modules_to_not_convert") or ()))
+                         ignore=tuple(qc.get("modules_to_not_convert") or ()),
+                         activation_scale_ub=_scale_ub(qc.get("activation_scale_ub")))
     raise ValueError(f"the checkpoint's quantization_config has quant_method {method!r}, which nanovllm does "
                      f"not run; supported: {_FORMATS}")
 
@@ -115,6 +118,16 @@ def _hf_fp8(qc: dict) -> Fp8Scheme:
                          f"is not supported; supported: {_FORMATS}")
     return Fp8Scheme(block=tuple(block), scale_name="weight_scale_inv", ignore=ignore,
                      kv_scales=_kv_scales(qc))
+
+
+def _scale_ub(value) -> float | None:
+    """fbgemm_fp8's activation_scale_ub: None, or a positive finite number."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+        raise ValueError(f"quant_method 'fbgemm_fp8' with activation_scale_ub {value!r}: expected a positive "
+                         "finite number (the largest per-token activation amax), or none")
+    return float(value)
 
 
 def _kv_scales(qc: dict) -> tuple[str, ...]:
