@@ -236,8 +236,8 @@ def _with_quantization_config(src: str, dst: str, qconfig: dict) -> str:
                                            "input_activations": None}}}, "not supported"),
     ({**CT_STATIC_CONFIG, "kv_cache_scheme": {**_STATIC_TENSOR, "type": "int"}}, "kv_cache_scheme"),
     ({**CT_STATIC_CONFIG, "kv_cache_scheme": {**_STATIC_TENSOR, "strategy": "attn_head"}}, "kv_cache_scheme"),
-    ({**FBGEMM_CONFIG, "activation_scale_ub": 0}, "activation_scale_ub"),
-    ({**FBGEMM_CONFIG, "activation_scale_ub": "1200"}, "activation_scale_ub"),
+    *[({**FBGEMM_CONFIG, "activation_scale_ub": ub}, "activation_scale_ub")
+      for ub in (0, -1.0, "1200", True, float("inf"), float("nan"), 1e39, 10 ** 400)],
 ])
 def test_unsupported_quantization_configs_are_clear_errors(bf16_dirs, tmp_path, qconfig, message):
     path = _with_quantization_config(bf16_dirs["qwen3"], str(tmp_path / "m"), qconfig)

@@ -3,6 +3,7 @@
 
     quantize kernel   x [M, K] -> x_fp8 [M, K], scale [M, K / group]: per token and group of `group`
                       columns (the weight block's bk; per channel: the whole row), scale = amax / 448
+                      (amax taken as at most scale_ub: fbgemm_fp8's activation_scale_ub)
     block format      torch._scaled_mm with 1x128 x 128x128 block scales (cuBLASLt, Hopper, bf16);
                       else the Triton GEMM below
     per channel       bf16 output: up to UNIT_SCALE_MAX_M rows torch._scaled_mm per tensor with unit
@@ -121,8 +122,9 @@ def quantize_activations(x: torch.Tensor, group: int, m_major: bool = False, row
         else:   # two passes, as before ONE_PASS_MAX (0 restores them for every group)
             block, groups = min(block, 1024), 1
             one_pass, warps = False, 4 if block >= 512 else 1
+        ub = math.inf if scale_ub is None else float(scale_ub)
         _quantize_kernel[(m, triton.cdiv(num_groups, groups))](
-            x, q, s, k, x.stride(0), s.stride(0), s.stride(1), math.inf if scale_ub is None else scale_ub,
+            x, q, s, k, x.stride(0), s.stride(0), s.stride(1), ub,
             GROUP=group, BLOCK=block, GROUPS=groups,
             ONE_PASS=one_pass, num_warps=warps)
     return q, s

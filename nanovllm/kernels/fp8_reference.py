@@ -1,7 +1,8 @@
 """FP8 (e4m3) weights in plain torch: quantizing a weight (block or per-channel scales), dequantizing
 it, and quantizing activations per token group. The CPU path runs dequantize_weight + F.linear on
-unquantized activations (what transformers computes on the dequantized model); fp8_linear_ref adds
-the activation rounding of the GPU kernels and is their oracle.
+unquantized activations (what transformers computes on the dequantized model; fbgemm_fp8's
+activation_scale_ub clips them); fp8_linear_ref adds the activation rounding of the GPU kernels and is
+their oracle.
 
 Scales are dequantization factors (w = w_fp8 * scale; HF names them weight_scale_inv). Shapes:
   block (bn, bk):  scale [ceil(N / bn), ceil(K / bk)], one per block of W [N, K]

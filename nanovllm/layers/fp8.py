@@ -5,7 +5,7 @@ experts) holds its float32 dequantization scales: per block [ceil(N/bn), ceil(K/
 channel [N, 1] (a checkpoint's per-tensor scale is loaded onto every row). `layer.quant` runs the
 GEMM: on CUDA the FP8 kernels (kernels/fp8_gemm.py; the experts in kernels/fused_moe.py), elsewhere
 the weight dequantized into the activations' dtype and a plain GEMM (what transformers computes on
-the dequantized model; activations stay unrounded).
+the dequantized model; activations stay unrounded, clipped to +-activation_scale_ub for fbgemm_fp8).
 
 Tensor parallelism shards the scales with their weights: a block scale row (column) covers bn rows
 (bk columns) of W, so a shard or a packed projection (q/k/v, gate/up) must start and end on a
@@ -43,6 +43,7 @@ class Fp8Linear:
     token's activations scaled past it: larger values saturate, on the CPU path clipped to +-scale_ub)."""
 
     def __init__(self, block: tuple[int, int] | None, scale_ub: float | None = None):
+        assert block is None or scale_ub is None, "activation_scale_ub bounds a token, not a group"
         self.block, self.scale_ub = block, scale_ub
 
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None,
@@ -50,7 +51,7 @@ class Fp8Linear:
         """x W^T (+ bias); into: added into it in place (the residual stream), and returned."""
         if _on_gpu_kernels(x):
             return fp8_linear(x, layer.weight, layer.weight_scale, self.block, bias, into, self.scale_ub)
-        if self.scale_ub is not None:
+        if self.scale_ub is not None and self.scale_ub < torch.finfo(x.dtype).max:
             x = x.clamp(-self.scale_ub, self.scale_ub)
         y = F.linear(x, dequantize_weight(layer.weight, layer.weight_scale, self.block, x.dtype), bias)
         return y if into is None else into.add_(y)
