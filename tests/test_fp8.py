@@ -351,6 +351,15 @@ def test_fbgemm_fp8_modules_to_not_convert(bf16_dirs, tmp_path):
         oracle.assert_greedy(prompt, out.outputs[0].token_ids)
 
 
+def clip_projection_inputs(oracle: HFOracle, bound: float) -> HFOracle:
+    """The oracle with every projection's input clipped to +-bound (fbgemm_fp8's activation_scale_ub,
+    as the CPU path applies it)."""
+    for name, module in oracle.model.named_modules():
+        if name.split(".")[-1] in PROJECTIONS:
+            module.register_forward_pre_hook(lambda m, args: (args[0].clamp(-bound, bound),))
+    return oracle
+
+
 def test_fbgemm_fp8_activation_scale_ub_bounds_each_tokens_scale(bf16_dirs, tmp_path):
     """fbgemm_fp8's activation_scale_ub: no token's activations scaled past it, larger values saturate
     (vLLM, FBGEMM's quantize_fp8_per_row). At 0.25 it clips most inputs of every FP8 projection: the
@@ -367,10 +376,7 @@ def test_fbgemm_fp8_activation_scale_ub_bounds_each_tokens_scale(bf16_dirs, tmp_
     assert llm.model_runner.model.model.layers[0].mlp.down_proj.quant.scale_ub == ub
     bounded = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
     assert bounded != unbounded
-    oracle = HFOracle(path + "-dequantized")
-    for name, module in oracle.model.named_modules():
-        if name.split(".")[-1] in PROJECTIONS:
-            module.register_forward_pre_hook(lambda m, args: (args[0].clamp(-ub, ub),))
+    oracle = clip_projection_inputs(HFOracle(path + "-dequantized"), ub)
     for prompt, out in zip(prompts, bounded):
         oracle.assert_greedy(prompt, out)
 

@@ -172,7 +172,7 @@ def test_fp8_checkpoint_on_cuda_stays_near_transformers(fmt, kv, tmp_path):
     kernels' roundings in bf16, fp8_linear_ref, stays within 0.31); with an FP8 cache scaled by the
     checkpoint's static KV scales (0.05), within 0.25 more (test_fp8_kv's tolerance). fbgemm-ub: an
     activation_scale_ub of 0.25, the oracle's projections seeing their inputs clipped to +-0.25."""
-    from test_fp8 import FBGEMM_CONFIG, PROJECTIONS, SHAPES, _set_quantization_config, save_fp8
+    from test_fp8 import FBGEMM_CONFIG, SHAPES, _set_quantization_config, clip_projection_inputs, save_fp8
 
     from nanovllm import LLM, SamplingParams
     src = make_model(str(tmp_path / "src"), "qwen3", **SHAPES)
@@ -185,9 +185,8 @@ def test_fp8_checkpoint_on_cuda_stays_near_transformers(fmt, kv, tmp_path):
     if kv == "fp8":
         assert torch.allclose(llm.model_runner.kv_scales, torch.full_like(llm.model_runner.kv_scales, 0.05))
     oracle = HFOracle(path + "-dequantized")
-    for name, module in oracle.model.named_modules():
-        if ub and name.split(".")[-1] in PROJECTIONS:
-            module.register_forward_pre_hook(lambda m, args: (args[0].clamp(-ub, ub),))
+    if ub:
+        clip_projection_inputs(oracle, ub)
     prompts = random_prompts(4, [1, 9, 17, 40], seed=3)
     greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     try:

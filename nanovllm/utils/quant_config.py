@@ -29,6 +29,7 @@ Formats read (weights float8_e4m3fn, dequantized as w * scale):
 import re
 from dataclasses import dataclass
 
+import torch
 from transformers import PretrainedConfig
 
 SUPPORTED = ("fp8", "compressed-tensors", "fbgemm_fp8")
@@ -38,7 +39,7 @@ _FORMATS = ("'fp8' with weight_block_size and activation_scheme 'dynamic' (Qwen3
             "or block weights and dynamic group activations (FP8_BLOCK), 'fbgemm_fp8' (channel weights)")
 INPUT_SCALES = (".input_scale",)
 KV_SCALES = (".output_scale", ".k_scale", ".v_scale", ".kv_scale")
-FLOAT32_MAX = 3.4028234663852886e38
+FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 @dataclass(frozen=True)
@@ -125,14 +126,11 @@ def _scale_ub(value) -> float | None:
     """fbgemm_fp8's activation_scale_ub: None, or a positive finite number."""
     if value is None:
         return None
-    try:
-        bound = None if isinstance(value, bool) else float(value) if isinstance(value, (int, float)) else None
-    except OverflowError:   # an int past float's range
-        bound = None
-    if bound is None or not 0 < bound <= FLOAT32_MAX:
+    # (Python compares an int with a float exactly: an int past float's range is refused, not an overflow)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= FLOAT32_MAX:
         raise ValueError(f"quant_method 'fbgemm_fp8' with activation_scale_ub {value!r}: expected a positive "
                          "number a float32 holds (the largest per-token activation amax), or none")
-    return bound
+    return float(value)
 
 
 def _kv_scales(qc: dict) -> tuple[str, ...]:
