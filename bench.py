@@ -9,10 +9,14 @@ overlap bound no engine can pass. The timed run is cold: its prompts are new to 
 --ttft-32k also times the first token of one 32,768-token prompt; --prefill-attention picks the
 prefill attention kernel (auto, flash_attn_4, triton, torch_flash; --attention-backend is its
 deprecated former name, whose "triton" meant torch_flash).
+--workload streams: per-stream decode speed at batch 1, 4 and 16 (128-token prompts, 512 output tokens
+each): (seconds of 512 tokens - seconds of 1 token) per 511 tokens, medians of 3, against the bound of
+one step's weight and K/V reads at the copy bandwidth (roofline.decode_seconds).
 --lora N then runs the workload again on an engine with LoRA on, N random rank-16 adapters on every
 linear layer spread round-robin over the requests, against the base run (against vLLM with the same
 adapters and requests: benchmarks/vs_vllm.py --lora N)."""
 import argparse
+import dataclasses
 import glob
 import json
 import os
@@ -271,6 +275,37 @@ class LogProgress:
         pass
 
 
+STREAM_BATCHES, STREAM_PROMPT_LEN, STREAM_TOKENS = (1, 4, 16), 128, 512
+
+
+def stream_runs(llm, args, gpu: roofline.DeviceLimits) -> dict:
+    """--workload streams: each batch size's per-stream decode tokens/s (the first token's time taken
+    out: (N - 1) / (t(N tokens) - t(1 token)), medians of 3) and its bound at `gpu`'s figures."""
+    seed(3)
+    config, rows = model_config(args), []
+    for batch in STREAM_BATCHES:
+        prompts = [[randint(0, 10000) for _ in range(STREAM_PROMPT_LEN)] for _ in range(batch)]
+
+        first, whole = (sorted(timed_generate(llm, prompts, SamplingParams(
+            temperature=args.temperature, ignore_eos=True, max_tokens=n)) for _ in range(3))[1]
+            for n in (1, STREAM_TOKENS))
+        per_stream = (STREAM_TOKENS - 1) / (whole - first)
+        row = dict(batch=batch, first_token_s=round(first, 4), seconds=round(whole, 3),
+                   per_stream_tokens_per_s=round(per_stream, 1))
+        if config is not None:
+            shapes = dataclasses.replace(roofline.ModelShapes.from_config(config),
+                                         weight_bytes=weight_bytes(args))
+            steps = roofline.decode_seconds(shapes, [STREAM_PROMPT_LEN] * batch, [STREAM_TOKENS] * batch, gpu,
+                                            kv_bytes(args)) / args.tensor_parallel_size
+            row.update(bound_per_stream_tokens_per_s=round(STREAM_TOKENS / steps, 1),
+                       fraction_of_bound=round(per_stream * steps / STREAM_TOKENS, 3))
+        rows.append(row)
+        bound = (f", {row['fraction_of_bound']:.1%} of the bound {row['bound_per_stream_tokens_per_s']:,.0f}"
+                 if "fraction_of_bound" in row else "")
+        print(f"Batch {batch}: {per_stream:,.1f} tok/s per stream{bound} (first token {first * 1000:.1f} ms)")
+    return dict(streams=rows)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--model", default=DEFAULT_MODEL, help="model folder (default: Qwen3-0.6B shapes)")
@@ -301,8 +336,9 @@ def main():
     p.add_argument("--tokenizer", help="tokenizer folder, for a model folder without one (--structured-json "
                                        "needs one no wider than the model's vocabulary: Qwen3-0.6B's, "
                                        "SmolLM2's)")
-    p.add_argument("--workload", default="default", choices=["default", "long"],
-                   help="long: 256 prompts of 4,000-8,000 tokens, 64 output tokens each")
+    p.add_argument("--workload", default="default", choices=["default", "long", "streams"],
+                   help="long: 256 prompts of 4,000-8,000 tokens, 64 output tokens each; streams: per-stream "
+                        "decode at batch 1, 4, 16")
     p.add_argument("--ttft-32k", action="store_true",
                    help=f"also time the first token of one {TTFT_PROMPT_LEN:,}-token prompt (median of 3)")
     p.add_argument("--prefill-attention", default="auto",
@@ -342,6 +378,13 @@ def main():
         prompts, params = workload(args.num_seqs, args.max_input_len, args.max_output_len, args.temperature)
     # Warm-up: one prompt per replica (equal prompts are spread one to each).
     llm.generate([[1, 2, 3]] * args.data_parallel_size, SamplingParams(max_tokens=8), use_tqdm=False)
+    if args.workload == "streams":
+        record = dict(model=args.model, workload="streams", temperature=args.temperature,
+                      startup_s=round(startup, 2), **stream_runs(llm, args, roofline.device_limits()))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(record, f, indent=1)
+        return
     seconds = timed_generate(llm, prompts, params)
     tokens = sum(sp.max_tokens for sp in params)
     # This GPU's figures, measured after the run, in the memory the engine leaves free.

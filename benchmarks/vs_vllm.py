@@ -33,6 +33,7 @@ import contextlib
 import gzip
 import json
 import os
+import random
 import re
 import signal
 import subprocess
@@ -69,9 +70,18 @@ def batch_bucket(n: int) -> str:
 
 # ---- the workload ---------------------------------------------------------------------------------
 
+STREAM_KINDS = ("batch1", "batch4", "batch16")
+
+
 def workload(kind: str, num_seqs: int = 256):
-    """bench.py's prompts and output lengths (seed 0)."""
-    from bench import long_workload, workload as default_workload
+    """bench.py's prompts and output lengths (seed 0); batchB: bench.py --workload streams' B prompts of
+    128 tokens, 512 output tokens each (tok/s / B: per-stream speed, the first token included)."""
+    from bench import STREAM_PROMPT_LEN, STREAM_TOKENS, long_workload, workload as default_workload
+    if kind in STREAM_KINDS:
+        rng = random.Random(3)
+        batch = int(kind.removeprefix("batch"))
+        return ([[rng.randint(0, 10000) for _ in range(STREAM_PROMPT_LEN)] for _ in range(batch)],
+                [STREAM_TOKENS] * batch)
     prompts, params = (long_workload(num_seqs, 0.6) if kind == "long"
                        else default_workload(num_seqs, 1024, 1024, 0.6))
     return prompts, [sp.max_tokens for sp in params]
@@ -463,7 +473,7 @@ def best(record: dict | None, runs: slice) -> float | None:
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="configs/qwen3-0.6b")
-    p.add_argument("--workload", default="default", choices=["default", "long"])
+    p.add_argument("--workload", default="default", choices=["default", "long", *STREAM_KINDS])
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--num-seqs", type=int, default=256,
