@@ -4,6 +4,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanovllm.kernels.gemv import gemv, gemv_config
 from nanovllm.parallel.parallel_state import all_reduce, tp_rank, tp_size
 from nanovllm.utils.loader import default_weight_loader
 
@@ -55,6 +56,8 @@ class LinearBase(nn.Module):
         assert into is None or bias is None
         if self.quant is not None:
             return self.quant.apply(self, x, bias, into)
+        if bias is None and (config := gemv_config(x, self.weight)) is not None:   # decode at batch 1-4
+            return gemv(x, self.weight, into, config)
         return F.linear(x, self.weight, bias) if into is None else into.addmm_(x, self.weight.t())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
