@@ -190,7 +190,8 @@ class Config:
         if self.device == "cuda" and self.kvcache_block_size % 16:
             raise ValueError("kvcache_block_size must be a multiple of 16 on CUDA, "
                              f"got {self.kvcache_block_size}")
-        self.hf_config = apply_hf_overrides(load_hf_config(self.model), self.hf_overrides)
+        from nanovllm.models import language_model_config   # (nanovllm.models imports this module)
+        self.hf_config = language_model_config(apply_hf_overrides(load_hf_config(self.model), self.hf_overrides))
         self.max_model_len = min(self.max_model_len, self.hf_config.max_position_embeddings)
         _check_tp_divides(self.hf_config, self.tensor_parallel_size)
         self.fp8 = fp8_scheme(self.hf_config, self.quantization)
@@ -265,6 +266,8 @@ def _check_tp_divides(hf_config: PretrainedConfig, tp: int):
         sizes["moe_intermediate_size"] = getattr(hf_config, "moe_intermediate_size", None)
     if not sparse or not all(sparse):   # a dense model, or dense layers beside the experts
         sizes["intermediate_size"] = getattr(hf_config, "intermediate_size", None)
+    for name in ("linear_num_key_heads", "linear_num_value_heads", "shared_expert_intermediate_size"):
+        sizes[name] = getattr(hf_config, name, None)   # linear attention (Qwen3.5), a shared expert
     for name, n in sizes.items():
         if isinstance(n, int) and n % tp:
             raise ValueError(f"the model's {name} ({n}) is not divisible by tensor_parallel_size ({tp}): "

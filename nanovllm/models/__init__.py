@@ -4,6 +4,7 @@ from transformers import PretrainedConfig
 
 from nanovllm.models.llama import LlamaForCausalLM, Qwen2ForCausalLM
 from nanovllm.models.qwen3 import Qwen3ForCausalLM
+from nanovllm.models.qwen3_5 import MULTIMODAL, Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, text_config_of
 from nanovllm.models.qwen3_moe import Qwen3MoeForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
@@ -11,12 +12,24 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
+    "Qwen3_5MoeForCausalLM": Qwen3_5MoeForCausalLM,
+    **MULTIMODAL,   # their text model
 }
 
 
-def get_model_class(hf_config: PretrainedConfig) -> type[nn.Module]:
+def _architecture(hf_config: PretrainedConfig) -> str | None:
     archs = getattr(hf_config, "architectures", None) or []
-    arch = archs[0] if archs else None
+    return archs[0] if archs else None
+
+
+def language_model_config(hf_config: PretrainedConfig) -> PretrainedConfig:
+    """The config the model is built from: a multimodal checkpoint's text config, else hf_config."""
+    return text_config_of(hf_config) if _architecture(hf_config) in MULTIMODAL else hf_config
+
+
+def get_model_class(hf_config: PretrainedConfig) -> type[nn.Module]:
+    arch = _architecture(hf_config)
     if arch not in MODEL_REGISTRY:
         raise ValueError(f"model architecture {arch!r} is not supported; "
                          f"supported: {', '.join(MODEL_REGISTRY)}")
