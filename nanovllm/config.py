@@ -191,7 +191,8 @@ class Config:
             raise ValueError("kvcache_block_size must be a multiple of 16 on CUDA, "
                              f"got {self.kvcache_block_size}")
         from nanovllm.models import language_model_config   # (nanovllm.models imports this module)
-        self.hf_config = language_model_config(apply_hf_overrides(load_hf_config(self.model), self.hf_overrides))
+        hf_config = apply_hf_overrides(load_hf_config(self.model), self.hf_overrides)
+        self.hf_config = language_model_config(hf_config)
         self.max_model_len = min(self.max_model_len, self.hf_config.max_position_embeddings)
         _check_tp_divides(self.hf_config, self.tensor_parallel_size)
         self.fp8 = fp8_scheme(self.hf_config, self.quantization)

@@ -70,8 +70,8 @@ class LLMEngine:
         num_state_slots = self.model_runner.num_state_slots
         prefix_caching = c.enable_prefix_caching and not num_state_slots
         if c.enable_prefix_caching and num_state_slots:
-            logger.info("prefix caching is off for this hybrid model: a cached KV block would come without the "
-                        "linear-attention state at its end, which is not cached")
+            logger.info("prefix caching is off for this hybrid model: a cached KV block would come "
+                        "without the linear-attention state at its end, which is not cached")
         self.scheduler = Scheduler(c.max_num_seqs, c.max_num_batched_tokens, c.max_model_len,
                                    self.model_runner.num_kvcache_blocks, c.kvcache_block_size,
                                    eos_ids, prefix_caching, self.tokenizer,

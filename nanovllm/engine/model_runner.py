@@ -235,13 +235,15 @@ class ModelRunner:
             return c.num_kvcache_blocks, min(c.max_num_seqs, c.num_kvcache_blocks) if self.state_layers else 0
         if not self.state_layers:
             return self.kv_cache_budget() // block_bytes, 0
-        slots, blocks = split_budget(self.kv_cache_budget(), block_bytes, self.state_slot_bytes, c.max_num_seqs)
+        slots, blocks = split_budget(self.kv_cache_budget(), block_bytes, self.state_slot_bytes,
+                                     c.max_num_seqs)
         return blocks, slots
 
     def allocate_state_cache(self, num_slots: int):
         if num_slots < 1:
-            raise ValueError(f"no memory left for one sequence's linear-attention state ({self.state_slot_bytes} "
-                             "bytes) and a KV block: raise kv_cache_memory_bytes / gpu_memory_utilization")
+            raise ValueError(f"no memory left for one sequence's linear-attention state "
+                             f"({self.state_slot_bytes} bytes) and a KV block: raise kv_cache_memory_bytes "
+                             "or gpu_memory_utilization")
         self.state_cache = StateCache(self.state_layers, num_slots, self.dtype, self.device)
 
     @property
@@ -389,7 +391,7 @@ class ModelRunner:
                 self.kv_cache[:, :, dst, :n] = self.kv_cache[:, :, src, :n]
             if step.is_prefill:
                 if step.state_slots:   # a sequence's first prefill step starts from a zero state
-                    self.state_cache.zero([slot for slot, start in zip(step.state_slots, step.starts) if not start])
+                    self.state_cache.zero([s for s, start in zip(step.state_slots, step.starts) if not start])
                 input_ids, positions, ctx, logits_indices = self.prepare_prefill(step)
                 with forward_context(ctx):
                     hidden = self.model(input_ids, positions)

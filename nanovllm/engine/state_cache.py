@@ -23,10 +23,11 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 
 def split_budget(budget: int, block_bytes: int, slot_bytes: int, max_num_seqs: int) -> tuple[int, int]:
-    """(state slots, KV blocks) from one budget of bytes: max_num_seqs slots (a running sequence
-    needs one) when every slot can still have a block of its own, else as many slots as fit with
-    one block each; the KV blocks get the rest."""
-    slots = min(max_num_seqs, budget // (slot_bytes + block_bytes))
+    """(state slots, KV blocks) from one budget of bytes. The slots (a running sequence holds one)
+    take at most half of it: max_num_seqs of them when they fit there, else as many as do (at least
+    one, with a block beside it); the KV blocks get the rest."""
+    fit = max(budget // 2 // slot_bytes, 1 if budget >= slot_bytes + block_bytes else 0)
+    slots = min(max_num_seqs, fit)
     return slots, (budget - slots * slot_bytes) // block_bytes
 
 

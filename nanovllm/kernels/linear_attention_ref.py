@@ -31,7 +31,8 @@ def conv_window_index(cu_seqlens: torch.Tensor, num_tokens: int, width: int) -> 
 
 
 def causal_conv_varlen(x: torch.Tensor, weight: torch.Tensor, states: torch.Tensor,
-                       cu_seqlens: torch.Tensor, activation: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                       cu_seqlens: torch.Tensor, activation: bool = True
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """Depthwise causal conv of each sequence's tokens after its state (the inputs before them).
     x: [num_tokens, channels] (sequences back to back, cu_seqlens: [num_seqs + 1]);
     weight: [channels, width]; states: [num_seqs, channels, width - 1], oldest first (zeros: none).
@@ -108,7 +109,8 @@ def gated_delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     beta = beta.view(h, -1, CHUNK)
     causal = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=q.device).tril()
     decay = (c[..., :, None] - c[..., None, :]).masked_fill(~causal, float("-inf")).exp()
-    system = (k @ k.transpose(-1, -2)) * decay * beta[..., None]            # row t: beta_t exp(c_t - c_s) k_t.k_s
+    # system[t, s] = beta_t exp(c_t - c_s) (k_t . k_s), strictly below the diagonal
+    system = (k @ k.transpose(-1, -2)) * decay * beta[..., None]
     system = system.masked_fill(causal.logical_not().logical_or(torch.eye(CHUNK, dtype=torch.bool,
                                                                            device=q.device)), 0.0)
     eye = torch.eye(CHUNK, device=q.device)

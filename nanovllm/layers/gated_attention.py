@@ -50,7 +50,8 @@ def rotary_of(config: PretrainedConfig) -> tuple[float, int]:
     params = dict(getattr(config, "rope_parameters", None) or {})
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type != "default":
-        raise ValueError(f"rope_type {rope_type!r} is not supported for {type(config).__name__} (only 'default')")
+        raise ValueError(f"rope_type {rope_type!r} is not supported for {type(config).__name__} "
+                         "(only 'default')")
     theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
     factor = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
     rotary_dim = int(config.head_dim * factor)
@@ -105,8 +106,8 @@ class GatedAttention(nn.Module):
         theta, rotary_dim = rotary_of(config)
         order = rotary_order(d, rotary_dim)
         bias = bool(getattr(config, "attention_bias", False))
-        self.qkv_proj = GatedQKVParallelLinear(hidden, d, config.num_attention_heads, config.num_key_value_heads,
-                                               bias, order)
+        self.qkv_proj = GatedQKVParallelLinear(hidden, d, config.num_attention_heads,
+                                               config.num_key_value_heads, bias, order)
         h, kv = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.qkv_size, self.gate_size = (h + 2 * kv) * d, h * d
         self.o_proj = RowParallelLinear(config.num_attention_heads * d, hidden, bias=bias)

@@ -20,8 +20,9 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
-from nanovllm.kernels.linear_attention_ref import (causal_conv_step, causal_conv_varlen, gated_delta_rule_step,
-                                                   gated_delta_rule_varlen, gated_rms_norm)
+from nanovllm.kernels.linear_attention_ref import (causal_conv_step, causal_conv_varlen,
+                                                   gated_delta_rule_step, gated_delta_rule_varlen,
+                                                   gated_rms_norm)
 from nanovllm.layers.linear import ColumnParallelLinear, RowParallelLinear, _divide, _shard
 from nanovllm.layers.sequence_state import SequenceStateLayer, StateSpec
 from nanovllm.parallel.parallel_state import tp_rank, tp_size

@@ -41,7 +41,8 @@ class SharedExpertMoe(nn.Module):
         hidden, num_experts = config.hidden_size, config.num_experts
         self.top_k = config.num_experts_per_tok
         if not 1 <= self.top_k <= num_experts:
-            raise ValueError(f"num_experts_per_tok ({self.top_k}) must be between 1 and num_experts ({num_experts})")
+            raise ValueError(f"num_experts_per_tok ({self.top_k}) must be between 1 and num_experts "
+                             f"({num_experts})")
         self.gate = ReplicatedLinear(hidden, num_experts)
         self.experts = FusedMoE(num_experts, hidden, config.moe_intermediate_size)
         self.shared_expert = SiluMLP(hidden, config.shared_expert_intermediate_size)
@@ -62,7 +63,8 @@ class Qwen3_5DecoderLayer(nn.Module):
         elif kind == "full_attention":
             self.self_attn = GatedAttention(config)
         else:
-            raise ValueError(f"layer type {kind!r} is not supported (only 'linear_attention', 'full_attention')")
+            raise ValueError(f"layer type {kind!r} is not supported "
+                             "(only 'linear_attention' and 'full_attention')")
         self.is_linear = kind == "linear_attention"
         self.mlp = mlp
         self.input_layernorm = zero_centred_norm(config.hidden_size, config.rms_norm_eps)
@@ -81,7 +83,8 @@ class Qwen3_5Model(nn.Module):
         super().__init__()
         kinds = list(config.layer_types)
         if len(kinds) != config.num_hidden_layers:
-            raise ValueError(f"layer_types lists {len(kinds)} layers, num_hidden_layers is {config.num_hidden_layers}")
+            raise ValueError(f"layer_types lists {len(kinds)} layers, num_hidden_layers is "
+                             f"{config.num_hidden_layers}")
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(Qwen3_5DecoderLayer(config, kind, make_mlp(config)) for kind in kinds)
         self.norm = zero_centred_norm(config.hidden_size, config.rms_norm_eps)
