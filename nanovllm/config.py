@@ -13,6 +13,7 @@ from transformers import PretrainedConfig
 
 from nanovllm.utils.hf_files import load_hf_config
 from nanovllm.utils.quant_config import Fp8Scheme, fp8_scheme
+from nanovllm.utils.text_config import language_model_config
 
 logger = logging.getLogger(__name__)
 # vLLM's spellings of the model dtype -> ours.
@@ -190,7 +191,6 @@ class Config:
         if self.device == "cuda" and self.kvcache_block_size % 16:
             raise ValueError("kvcache_block_size must be a multiple of 16 on CUDA, "
                              f"got {self.kvcache_block_size}")
-        from nanovllm.models import language_model_config   # (nanovllm.models imports this module)
         hf_config = apply_hf_overrides(load_hf_config(self.model), self.hf_overrides)
         self.hf_config = language_model_config(hf_config)
         self.max_model_len = min(self.max_model_len, self.hf_config.max_position_embeddings)

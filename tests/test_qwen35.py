@@ -27,7 +27,8 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 TEXT = dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
             num_attention_heads=4, num_key_value_heads=2, head_dim=32, linear_key_head_dim=16,
             linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
-            max_position_embeddings=1024, rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=EOS, tie_word_embeddings=False)
+            max_position_embeddings=1024, rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=EOS,
+            tie_word_embeddings=False)
 MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
 # 16-token blocks, 48-token steps: the 70-token prompt is prefilled in two chunks and a half
 SMALL = dict(device="cpu", kvcache_block_size=16, max_num_batched_tokens=48, max_num_seqs=4)
@@ -203,7 +204,8 @@ def test_fewer_state_slots_than_max_num_seqs(dense, caplog):
     path, oracle = dense
     probe = LLM(path, num_kvcache_blocks=8, **SMALL)
     runner = probe.model_runner
-    slot, block = runner.state_slot_bytes, runner.kv_bytes_per_block()
+    state = runner.state_cache
+    slot, block = state.nbytes // (state.num_slots + 1), runner.kv_bytes_per_block()
     probe.shutdown()
     with caplog.at_level(logging.INFO):
         llm = LLM(path, kv_cache_memory_bytes=2 * slot + 8 * block, **SMALL)   # < 6 slots' worth

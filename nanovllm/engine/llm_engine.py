@@ -67,7 +67,8 @@ class LLMEngine:
                           else load_tokenizer(c.tokenizer or c.model, c.tokenizer_mode))
         self.executor = Executor(c)   # rank 0's runner here, and the workers under TP
         eos_ids = eos_token_ids(c, self.tokenizer)
-        num_state_slots = self.model_runner.num_state_slots
+        state = self.model_runner.state_cache   # per-sequence state (linear attention), or None
+        num_state_slots = state.num_slots if state is not None else 0
         prefix_caching = c.enable_prefix_caching and not num_state_slots
         if c.enable_prefix_caching and num_state_slots:
             logger.info("prefix caching is off for this hybrid model: a cached KV block would come "

@@ -15,14 +15,13 @@ from nanovllm.engine.decode_graphs import DecodeGraphs, DecodeInputs
 from nanovllm.engine.sampled_tokens import PendingSample, prompt_logprobs
 from nanovllm.engine.sampling_prep import SamplingPrep
 from nanovllm.engine.scheduler import ScheduledBatch
-from nanovllm.engine.state_cache import StateCache, bytes_per_slot, split_budget
+from nanovllm.engine.state_cache import allocate_beside_kv
 from nanovllm.engine.step_input import StepInput
 from nanovllm.kernels import paged_kv_slots
 from nanovllm.layers.attention import Attention, kv_scale_rows, warm_up_store
 from nanovllm.layers.prefill_attention import select_prefill_attention
 from nanovllm.layers.fp8 import finish_loading, prepare_fp8
 from nanovllm.layers.sampler import Sampler
-from nanovllm.layers.sequence_state import state_layers
 from nanovllm.lora.layers import LoRAModel
 from nanovllm.models import get_model_class
 from nanovllm.utils.context import Context, forward_context
@@ -119,9 +118,6 @@ class ModelRunner:
             self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
             for layer in self.attention_layers:
                 layer.prefill_attention = self.prefill_attention.prefill
-            self.state_layers = state_layers(self.model)   # linear attention: state per sequence
-            self.state_slot_bytes = bytes_per_slot(self.state_layers, self.dtype)
-            self.state_cache: StateCache | None = None
             if self.use_cuda:
                 with self._timed("warm-up (and compile)"):
                     self.warmup_model()
@@ -135,8 +131,6 @@ class ModelRunner:
                     self.num_kvcache_blocks, self.block_size, self.num_kvcache_blocks * self.block_size,
                     str(self.kv_cache_dtype).removeprefix("torch."),
                     self.kv_cache.numel() * self.kv_cache.element_size() / 2 ** 30)
-        if self.state_cache is not None:
-            logger.info("%s", self.state_cache.describe())
 
     @contextmanager
     def _timed(self, phase: str):
@@ -145,7 +139,6 @@ class ModelRunner:
         self.startup_seconds[phase] = time.perf_counter() - t
 
     # ---- start-up -------------------------------------------------------------------------
-
     @torch.inference_mode()
     def warmup_model(self):
         """Run the largest prefill once so the KV budget accounts for its peak activations."""
@@ -181,8 +174,7 @@ class ModelRunner:
             return c.kv_cache_memory_bytes
         if not self.use_cuda:
             # Enough for max_num_seqs full-length sequences, but at most CPU_KV_CACHE_BYTES.
-            need = c.max_num_seqs * (cdiv(c.max_model_len, self.block_size) * self.kv_bytes_per_block()
-                                     + self.state_slot_bytes)
+            need = c.max_num_seqs * cdiv(c.max_model_len, self.block_size) * self.kv_bytes_per_block()
             return min(CPU_KV_CACHE_BYTES, need)
         # Memory this process reserved in torch's caching allocator but holds no tensor in (a
         # deleted engine's, say) is ours to use: count only the allocator's peak of live tensors
@@ -194,11 +186,10 @@ class ModelRunner:
         return int(total * c.gpu_memory_utilization - outside_allocator - peak)
 
     def allocate_kv_cache(self) -> int:
-        num_blocks, num_slots = self.kv_and_state_sizes()
+        num_blocks, self.state_cache = allocate_beside_kv(self.model, self.config, self.dtype, self.device,
+                                                          self.kv_cache_budget, self.kv_bytes_per_block())
         # Every rank's scheduler view is rank 0's, so all ranks must hold the same number of blocks.
         num_blocks = min_across_ranks(num_blocks, self.device)
-        if self.state_layers:
-            self.allocate_state_cache(min_across_ranks(num_slots, self.device))
         if num_blocks < 1:
             per_block = f"{self.kv_bytes_per_block()} bytes per block of {self.block_size} tokens"
             if self.config.kv_cache_memory_bytes is not None:
@@ -227,29 +218,6 @@ class ModelRunner:
                 layer.calculate_kv_scales = self.config.calculate_kv_scales
         return num_blocks
 
-    def kv_and_state_sizes(self) -> tuple[int, int]:
-        """(KV blocks, per-sequence state slots; 0 for a model without state) from the budget. A fixed
-        num_kvcache_blocks gets up to one slot per block (a running sequence holds at least one)."""
-        c, block_bytes = self.config, self.kv_bytes_per_block()
-        if c.num_kvcache_blocks:
-            return c.num_kvcache_blocks, min(c.max_num_seqs, c.num_kvcache_blocks) if self.state_layers else 0
-        if not self.state_layers:
-            return self.kv_cache_budget() // block_bytes, 0
-        slots, blocks = split_budget(self.kv_cache_budget(), block_bytes, self.state_slot_bytes,
-                                     c.max_num_seqs)
-        return blocks, slots
-
-    def allocate_state_cache(self, num_slots: int):
-        if num_slots < 1:
-            raise ValueError(f"no memory left for one sequence's linear-attention state "
-                             f"({self.state_slot_bytes} bytes) and a KV block: raise kv_cache_memory_bytes "
-                             "or gpu_memory_utilization")
-        self.state_cache = StateCache(self.state_layers, num_slots, self.dtype, self.device)
-
-    @property
-    def num_state_slots(self) -> int:
-        return 0 if self.state_cache is None else self.state_cache.num_slots
-
     def check_kv_fits(self, num_blocks: int):
         """An explicit num_kvcache_blocks or kv_cache_memory_bytes larger than the device's memory is an
         error before anything is allocated (on CPU, zero-filling it would end in the OOM killer).
@@ -268,7 +236,6 @@ class ModelRunner:
                              f"({self.device}): lower num_kvcache_blocks or kv_cache_memory_bytes")
 
     # ---- inputs ---------------------------------------------------------------------------
-
     def _tensor(self, data, dtype) -> torch.Tensor:
         t = torch.tensor(data, dtype=dtype, pin_memory=self.use_cuda)
         return t.to(self.device, non_blocking=True)
@@ -316,7 +283,6 @@ class ModelRunner:
             return self.model(input_ids, inputs.positions)
 
     # ---- running --------------------------------------------------------------------------
-
     @torch.inference_mode()
     def launch(self, batch: ScheduledBatch, step: StepInput | None = None,
                before_sampling: Callable[[], None] | None = None) -> PendingSample:
@@ -390,8 +356,6 @@ class ModelRunner:
             for src, dst, n in step.kv_copies or ():   # prefix-cache partial hits, before any write
                 self.kv_cache[:, :, dst, :n] = self.kv_cache[:, :, src, :n]
             if step.is_prefill:
-                if step.state_slots:   # a sequence's first prefill step starts from a zero state
-                    self.state_cache.zero([s for s, start in zip(step.state_slots, step.starts) if not start])
                 input_ids, positions, ctx, logits_indices = self.prepare_prefill(step)
                 with forward_context(ctx):
                     hidden = self.model(input_ids, positions)
@@ -418,7 +382,6 @@ class ModelRunner:
                             self.block_size, c.hf_config.hidden_size, self.dtype, self.device, self.group)
 
     # ---- shutdown -------------------------------------------------------------------------
-
     def release(self):
         """Give the device memory back: KV cache, CUDA graphs, model. Idempotent; the runner
         cannot run afterwards. (The group, if any, must be destroyed first: it resets the graphs
@@ -426,10 +389,9 @@ class ModelRunner:
         for layer in self.attention_layers:
             layer.k_cache = layer.v_cache = None
         self.attention_layers = []
-        if getattr(self, "state_cache", None) is not None:
-            self.state_cache.release()
         # the group too: it holds the rendezvous store and gloo's sockets until collected
         self.graphs = self.kv_cache = self.model = self.sampled_tokens = self.group = self.lora = None
+        self.state_cache = None
         # The model's layers and their parameters reference each other (each parameter's
         # weight_loader is a bound method of its layer): only the cycle collector frees them, so
         # collect now, before giving the memory back, and also when automatic collection is off.

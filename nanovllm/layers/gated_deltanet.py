@@ -4,8 +4,8 @@ fixed-size recurrent state per sequence; a gated RMSNorm; the output projection.
 
 State per sequence (SequenceStateLayer): the conv state, the last conv_kernel - 1 conv inputs
 ([conv_channels, kernel - 1], the model's dtype), and the recurrent state ([v_heads, k_dim, v_dim],
-fp32, as fla-core keeps it). A sequence that starts (position 0) starts from zeros: the ModelRunner
-zeroes its slot first.
+fp32, as fla-core keeps it). A prefill from position 0 (no tokens before it in the context) starts
+from zeros, whatever its slot held: the slot's rows are read only after.
 
 Tensor parallelism: each rank holds num_k_heads / tp key heads and num_v_heads / tp value heads (the
 value heads of a key head stay with it), so q, k, v, z, b, a, the conv channels and the states are
@@ -166,14 +166,17 @@ class GatedDeltaNet(SequenceStateLayer):
         return self.out_proj(out.flatten(1))
 
     def _read_states(self, slots, ctx, x) -> tuple[torch.Tensor, torch.Tensor]:
-        """The sequences' conv and recurrent states ([num_seqs, ...] copies); zeros when no slots
-        are bound (the warm-up run)."""
-        if slots is not None:
-            return self.states["conv"][slots], self.states["recurrent"][slots]
-        num_seqs = ctx.cu_seqlens_q.numel() - 1 if ctx.is_prefill else x.shape[0]
-        specs = self.state_specs(x.dtype)
-        return tuple(torch.zeros(num_seqs, *spec.shape, dtype=spec.dtype, device=x.device)
-                     for spec in specs.values())
+        """The sequences' conv and recurrent states ([num_seqs, ...] copies): zeros for a sequence
+        whose prefill starts at position 0, and for all when no slots are bound (the warm-up run)."""
+        if slots is None:
+            num_seqs = ctx.cu_seqlens_q.numel() - 1 if ctx.is_prefill else x.shape[0]
+            return tuple(torch.zeros(num_seqs, *spec.shape, dtype=spec.dtype, device=x.device)
+                         for spec in self.state_specs(x.dtype).values())
+        conv, rec = self.states["conv"][slots], self.states["recurrent"][slots]
+        if ctx.is_prefill:   # no tokens before this chunk: its keys are all new
+            fresh = (ctx.cu_seqlens_k.diff() == ctx.cu_seqlens_q.diff())[:, None, None]
+            conv, rec = conv.masked_fill(fresh, 0), rec.masked_fill(fresh[..., None], 0)
+        return conv, rec
 
     def _delta_rule(self, q, k, v, g, beta, state, ctx) -> tuple[torch.Tensor, torch.Tensor]:
         # q, k: [num_tokens, k_heads, k_dim]; v: [num_tokens, v_heads, v_dim]; g, beta: [num_tokens,

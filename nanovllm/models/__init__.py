@@ -4,7 +4,7 @@ from transformers import PretrainedConfig
 
 from nanovllm.models.llama import LlamaForCausalLM, Qwen2ForCausalLM
 from nanovllm.models.qwen3 import Qwen3ForCausalLM
-from nanovllm.models.qwen3_5 import MULTIMODAL, Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, text_config_of
+from nanovllm.models.qwen3_5 import MULTIMODAL, Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM
 from nanovllm.models.qwen3_moe import Qwen3MoeForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
@@ -14,22 +14,13 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
     "Qwen3_5MoeForCausalLM": Qwen3_5MoeForCausalLM,
-    **MULTIMODAL,   # their text model
+    **MULTIMODAL,   # their text model (utils/text_config.py)
 }
 
 
-def _architecture(hf_config: PretrainedConfig) -> str | None:
-    archs = getattr(hf_config, "architectures", None) or []
-    return archs[0] if archs else None
-
-
-def language_model_config(hf_config: PretrainedConfig) -> PretrainedConfig:
-    """The config the model is built from: a multimodal checkpoint's text config, else hf_config."""
-    return text_config_of(hf_config) if _architecture(hf_config) in MULTIMODAL else hf_config
-
-
 def get_model_class(hf_config: PretrainedConfig) -> type[nn.Module]:
-    arch = _architecture(hf_config)
+    archs = getattr(hf_config, "architectures", None) or []
+    arch = archs[0] if archs else None
     if arch not in MODEL_REGISTRY:
         raise ValueError(f"model architecture {arch!r} is not supported; "
                          f"supported: {', '.join(MODEL_REGISTRY)}")

@@ -144,15 +144,7 @@ class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
         return SharedExpertMoe(config)
 
 
-# Multimodal checkpoints whose text model runs as the causal LM (config: their text_config).
+# Multimodal checkpoints whose text model runs as the causal LM (config: their text_config, see
+# utils/text_config.py).
 MULTIMODAL = {"Qwen3_5ForConditionalGeneration": Qwen3_5ForCausalLM,
               "Qwen3_5MoeForConditionalGeneration": Qwen3_5MoeForCausalLM}
-
-
-def text_config_of(config: PretrainedConfig) -> PretrainedConfig:
-    """A multimodal config's text_config, named by the multimodal architecture (the registry's key);
-    the top level decides whether the LM head is tied, as in transformers' multimodal model."""
-    text = config.text_config
-    text.architectures = list(config.architectures)
-    text.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", text.tie_word_embeddings))
-    return text
