@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM
 from transformers.models.qwen3_5 import Qwen3_5Config, Qwen3_5ForConditionalGeneration, Qwen3_5TextConfig
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 from transformers.models.qwen3_5_moe import Qwen3_5MoeTextConfig
+from transformers.models.qwen3_next import Qwen3NextConfig
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine.block_manager import BlockManager
@@ -231,6 +232,20 @@ def test_fewer_state_slots_than_max_num_seqs(dense, caplog):
 
 def test_moe_matches_transformers(tmp_path):
     path = make_qwen35(str(tmp_path), Qwen3_5MoeTextConfig(**TEXT, **MOE))
+    oracle = HFOracle(path)
+    llm = LLM(path, num_kvcache_blocks=16, **SMALL)
+    for prompt, out in zip(PROMPTS, greedy(llm)):
+        oracle.assert_greedy(prompt, out)
+    llm.shutdown()
+
+
+def test_qwen3_next_matches_transformers(tmp_path):
+    """Qwen3-Next: fused in_proj_qkvz / in_proj_ba tensors (each key head's rows together), experts in
+    layers 0 and 2 (decoder_sparse_step 2 would put them in 1 and 3; mlp_only_layers drops 3), dense
+    MLPs elsewhere."""
+    config = Qwen3NextConfig(**TEXT, **MOE, decoder_sparse_step=1, mlp_only_layers=[1, 3],
+                             norm_topk_prob=False)
+    path = make_qwen35(str(tmp_path), config)
     oracle = HFOracle(path)
     llm = LLM(path, num_kvcache_blocks=16, **SMALL)
     for prompt, out in zip(PROMPTS, greedy(llm)):

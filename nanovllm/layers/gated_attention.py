@@ -38,7 +38,7 @@ class PartialRotary(nn.Module):
 
     def __init__(self, head_dim: int, rotary_dim: int, max_position: int, theta: float):
         super().__init__()
-        inv_freq = torch.zeros(head_dim // 2)
+        inv_freq = torch.zeros(head_dim // 2, dtype=torch.float32)   # fp32 whatever the default dtype
         inv_freq[:rotary_dim // 2] = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim))
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float), inv_freq)
         self.register_buffer("cos_sin_cache", torch.cat((freqs.cos(), freqs.sin()), dim=-1), persistent=False)

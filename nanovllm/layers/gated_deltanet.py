@@ -62,13 +62,18 @@ def load_parts(dest: torch.Tensor, loaded: torch.Tensor, sizes: list[int], rank:
 
 class PartsColumnParallelLinear(ColumnParallelLinear):
     """Several checkpoint tensors in one column-parallel matrix, each made of parts (q | k | v) that
-    are split over the ranks one by one. parts: shard id -> its tensor's part sizes, in packed order."""
+    are split over the ranks one by one. parts: shard id -> its tensor's part sizes, in packed order.
+    groups (Qwen3-Next's one fused tensor, no shard id): (number of key heads, the rows each key head
+    has of every part, in parts' order), the parts interleaved key head by key head."""
 
-    def __init__(self, input_size: int, parts: dict[str, list[int]]):
-        self.parts = parts
+    def __init__(self, input_size: int, parts: dict[str, list[int]],
+                 groups: tuple[int, list[int]] | None = None):
+        self.parts, self.groups = parts, groups
         super().__init__(input_size, sum(sum(sizes) for sizes in parts.values()))
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str):
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None = None):
+        if shard_id is None:
+            return self._load_grouped(param, loaded)
         offset = 0
         for name, sizes in self.parts.items():
             if name == shard_id:
@@ -77,6 +82,20 @@ class PartsColumnParallelLinear(ColumnParallelLinear):
         size = sum(self.parts[shard_id]) // self.tp_size
         load_parts(param.data.narrow(0, offset, size), loaded, self.parts[shard_id], self.tp_rank,
                    self.tp_size)
+
+    def _load_grouped(self, param: nn.Parameter, loaded: torch.Tensor):
+        if self.groups is None:
+            raise ValueError(f"a fused checkpoint tensor {tuple(loaded.shape)} where separate ones "
+                             f"({', '.join(self.parts)}) are expected")
+        num_groups, rows = self.groups
+        if loaded.size(0) != num_groups * sum(rows):
+            raise ValueError(f"shape mismatch: checkpoint tensor {tuple(loaded.shape)} should have "
+                             f"{num_groups * sum(rows)} rows")
+        # [groups * sum(rows), ...] -> each part's rows of all groups, back to back
+        split = [p.flatten(0, 1) for p in loaded.unflatten(0, (num_groups, sum(rows))).split(rows, dim=1)]
+        for shard_id, sizes in self.parts.items():
+            self.weight_loader(param, torch.cat(split[:len(sizes)]), shard_id)
+            split = split[len(sizes):]
 
 
 class DepthwiseConv(nn.Module):
@@ -111,7 +130,10 @@ class GatedRMSNorm(nn.Module):
 
 
 class GatedDeltaNet(SequenceStateLayer):
-    def __init__(self, config: PretrainedConfig):
+    """fused_projections: the checkpoint has Qwen3-Next's in_proj_qkvz and in_proj_ba, each key
+    head's q, k, v, z (and b, a) rows together, rather than Qwen3.5's in_proj_qkv, _z, _b, _a."""
+
+    def __init__(self, config: PretrainedConfig, fused_projections: bool = False):
         super().__init__()
         tp = tp_size()
         if getattr(config, "hidden_act", "silu") != "silu":
@@ -125,9 +147,12 @@ class GatedDeltaNet(SequenceStateLayer):
         self.k_dim, self.v_dim = config.linear_key_head_dim, config.linear_value_head_dim
         self.kernel = config.linear_conv_kernel_dim
         key_dim, value_dim = num_k * self.k_dim, num_v * self.v_dim
-        self.in_proj_qkvz = PartsColumnParallelLinear(config.hidden_size, {
-            "qkv": [key_dim, key_dim, value_dim], "z": [value_dim]})
-        self.in_proj_ba = PartsColumnParallelLinear(config.hidden_size, {"b": [num_v], "a": [num_v]})
+        r = num_v // num_k   # value heads per key head
+        self.in_proj_qkvz = PartsColumnParallelLinear(
+            config.hidden_size, {"qkv": [key_dim, key_dim, value_dim], "z": [value_dim]},
+            (num_k, [self.k_dim, self.k_dim, r * self.v_dim, r * self.v_dim]) if fused_projections else None)
+        self.in_proj_ba = PartsColumnParallelLinear(config.hidden_size, {"b": [num_v], "a": [num_v]},
+                                                    (num_k, [r, r]) if fused_projections else None)
         self.conv1d = DepthwiseConv([key_dim, key_dim, value_dim], self.kernel)
         self.A_log = nn.Parameter(torch.empty(self.num_v_heads))
         self.dt_bias = nn.Parameter(torch.empty(self.num_v_heads))

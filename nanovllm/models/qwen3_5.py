@@ -1,15 +1,17 @@
-"""Qwen3.5 / Qwen3.6: a hybrid decoder whose layers (config.layer_types) are Gated DeltaNet linear
-attention (layers/gated_deltanet.py, a state per sequence) or gated full attention
+"""Qwen3.5 / Qwen3.6 and Qwen3-Next: a hybrid decoder whose layers (config.layer_types) are Gated
+DeltaNet linear attention (layers/gated_deltanet.py, a state per sequence) or gated full attention
 (layers/gated_attention.py), each followed by a dense MLP (Qwen3_5ForCausalLM) or a mixture of experts
-with a gated shared expert (Qwen3_5MoeForCausalLM). Every RMSNorm but the gated one is zero-centred
-(it scales by 1 + w). The published checkpoints are the multimodal *ForConditionalGeneration: their
-text model is read (under model.language_model.), the vision tower and the MTP head are skipped."""
+with a gated shared expert (Qwen3_5MoeForCausalLM; Qwen3-Next: in the layers config.py's
+is_sparse_layer picks, dense elsewhere). Every RMSNorm but the gated one is zero-centred (it scales by
+1 + w). The published Qwen3.5 checkpoints are the multimodal *ForConditionalGeneration: their text
+model is read (under model.language_model.), the vision tower and the MTP head are skipped."""
 import logging
 
 import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from nanovllm.config import is_sparse_layer
 from nanovllm.layers.activation import SiluAndMul
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.fused_moe import FusedMoE, route
@@ -43,6 +45,7 @@ class SharedExpertMoe(nn.Module):
         if not 1 <= self.top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok ({self.top_k}) must be between 1 and num_experts "
                              f"({num_experts})")
+        self.renormalize = bool(getattr(config, "norm_topk_prob", True))   # Qwen3.5: always
         self.gate = ReplicatedLinear(hidden, num_experts)
         self.experts = FusedMoE(num_experts, hidden, config.moe_intermediate_size)
         self.shared_expert = SiluMLP(hidden, config.shared_expert_intermediate_size)
@@ -50,16 +53,16 @@ class SharedExpertMoe(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [num_tokens, hidden] -> [num_tokens, hidden]
-        topk_weights, topk_ids = route(self.gate(x), self.top_k, renormalize=True)
+        topk_weights, topk_ids = route(self.gate(x), self.top_k, self.renormalize)
         routed = all_reduce(self.experts(x, topk_weights, topk_ids))
         return routed + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
 
 
 class Qwen3_5DecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, kind: str, mlp: nn.Module):
+    def __init__(self, config: PretrainedConfig, kind: str, mlp: nn.Module, fused_projections: bool):
         super().__init__()
         if kind == "linear_attention":
-            self.linear_attn = GatedDeltaNet(config)
+            self.linear_attn = GatedDeltaNet(config, fused_projections)
         elif kind == "full_attention":
             self.self_attn = GatedAttention(config)
         else:
@@ -79,14 +82,16 @@ class Qwen3_5DecoderLayer(nn.Module):
 
 
 class Qwen3_5Model(nn.Module):
-    def __init__(self, config: PretrainedConfig, make_mlp):
+    def __init__(self, config: PretrainedConfig, make_mlp, fused_projections: bool):
+        """make_mlp(config, layer_index) -> the layer's MLP (dense, or mixture-of-experts)."""
         super().__init__()
         kinds = list(config.layer_types)
         if len(kinds) != config.num_hidden_layers:
             raise ValueError(f"layer_types lists {len(kinds)} layers, num_hidden_layers is "
                              f"{config.num_hidden_layers}")
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(Qwen3_5DecoderLayer(config, kind, make_mlp(config)) for kind in kinds)
+        self.layers = nn.ModuleList(Qwen3_5DecoderLayer(config, kind, make_mlp(config, i), fused_projections)
+                                    for i, kind in enumerate(kinds))
         self.norm = zero_centred_norm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -108,6 +113,7 @@ class Qwen3_5ForCausalLM(nn.Module):
     # saved inside a multimodal one (model.language_model.) is read as the text model.
     skipped_checkpoint_prefixes = ("model.visual.", "mtp.")
     checkpoint_prefix_renames = {"model.language_model.": "model."}
+    fused_projections = False   # see GatedDeltaNet
 
     def __init__(self, config: PretrainedConfig):
         super().__init__()
@@ -115,13 +121,13 @@ class Qwen3_5ForCausalLM(nn.Module):
             raise ValueError(f"{type(self).__name__}: quantized checkpoints (quantization_config) are not "
                              "supported for hybrid linear-attention models yet; use a bf16 checkpoint")
         log_delta_rule_kernels(torch.get_default_device())
-        self.model = Qwen3_5Model(config, self.make_mlp)
+        self.model = Qwen3_5Model(config, self.make_mlp, self.fused_projections)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     @staticmethod
-    def make_mlp(config: PretrainedConfig) -> nn.Module:
+    def make_mlp(config: PretrainedConfig, layer_index: int) -> nn.Module:
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (only 'silu')")
         return SiluMLP(config.hidden_size, config.intermediate_size)
@@ -138,10 +144,25 @@ class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
     """Every layer's MLP is a mixture of experts with a shared expert."""
 
     @staticmethod
-    def make_mlp(config: PretrainedConfig) -> nn.Module:
+    def make_mlp(config: PretrainedConfig, layer_index: int) -> nn.Module:
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (only 'silu')")
         return SharedExpertMoe(config)
+
+
+class Qwen3NextForCausalLM(Qwen3_5ForCausalLM):
+    """Qwen3-Next: the same parts, with fused in_proj_qkvz / in_proj_ba checkpoint tensors and
+    experts in the layers mlp_only_layers and decoder_sparse_step select (top-k renormalised when
+    norm_topk_prob)."""
+    fused_projections = True
+    packed_modules_mapping = {k: v for k, v in Qwen3_5ForCausalLM.packed_modules_mapping.items()
+                              if not k.startswith("in_proj_")}   # its in_proj_qkvz / _ba are whole
+
+    @staticmethod
+    def make_mlp(config: PretrainedConfig, layer_index: int) -> nn.Module:
+        if is_sparse_layer(config, layer_index):
+            return Qwen3_5MoeForCausalLM.make_mlp(config, layer_index)
+        return Qwen3_5ForCausalLM.make_mlp(config, layer_index)
 
 
 # Multimodal checkpoints whose text model runs as the causal LM (config: their text_config, see
