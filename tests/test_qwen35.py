@@ -18,8 +18,10 @@ from transformers.models.qwen3_next import Qwen3NextConfig
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine.block_manager import BlockManager
+from nanovllm.engine.decode_graphs import DecodeInputs
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.state_cache import split_budget
+from nanovllm.engine.step_input import StepInput
 from nanovllm.kernels.linear_attention_ref import (causal_conv_step, causal_conv_varlen,
                                                    gated_delta_rule_step, gated_delta_rule_varlen)
 
@@ -153,6 +155,15 @@ def test_state_slots_are_taken_with_blocks_and_given_back_with_them():
     assert bm.state_slots.num_free == 2
 
 
+def test_decode_inputs_carry_the_state_slots_and_pad_to_the_scratch_row():
+    """The CUDA graphs read each row's state slot from the packed decode inputs; padding rows write
+    into row 0, which no sequence owns."""
+    step = StepInput(is_prefill=False, seq_ids=[0, 1], starts=[5, 3], token_ids=[[7], [8]],
+                     block_tables=[[0], [1]], samples=[True, True], state_slots=[2, 1])
+    inputs = DecodeInputs.view(DecodeInputs.pack(step, 4, 2, 16), 4, 2)
+    assert inputs.state_slots.tolist() == [2, 1, 0, 0]
+
+
 def test_split_budget_gives_the_slots_at_most_half():
     assert split_budget(1000, block_bytes=10, slot_bytes=40, max_num_seqs=4) == (4, 84)
     assert split_budget(200, block_bytes=10, slot_bytes=40, max_num_seqs=4) == (2, 12)
@@ -273,7 +284,7 @@ def test_conditional_generation_reads_the_text_model_and_skips_the_rest(tmp_path
     llm.shutdown()
 
 
-def test_quantized_hybrid_checkpoint_is_refused(tmp_path):
+def test_fp8_and_lora_are_refused_for_hybrid_models(tmp_path):
     path = make_qwen35(str(tmp_path), Qwen3_5TextConfig(**TEXT))
     import json
     import os
@@ -283,8 +294,10 @@ def test_quantized_hybrid_checkpoint_is_refused(tmp_path):
     cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
     with open(cfg_file, "w") as f:
         json.dump(cfg, f)
-    with pytest.raises(ValueError, match="hybrid linear-attention"):
+    with pytest.raises(ValueError, match="FP8 weights .* not supported for hybrid linear-attention"):
         LLM(path, num_kvcache_blocks=16, **SMALL)
+    with pytest.raises(ValueError, match="LoRA is not supported for hybrid"):
+        LLM(make_qwen35(str(tmp_path / "lora"), Qwen3_5TextConfig(**TEXT)), enable_lora=True, **SMALL)
 
 
 # ---- tensor parallelism ----------------------------------------------------------------------------

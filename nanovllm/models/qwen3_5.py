@@ -117,9 +117,6 @@ class Qwen3_5ForCausalLM(nn.Module):
 
     def __init__(self, config: PretrainedConfig):
         super().__init__()
-        if getattr(config, "quantization_config", None) is not None:
-            raise ValueError(f"{type(self).__name__}: quantized checkpoints (quantization_config) are not "
-                             "supported for hybrid linear-attention models yet; use a bf16 checkpoint")
         log_delta_rule_kernels(torch.get_default_device())
         self.model = Qwen3_5Model(config, self.make_mlp, self.fused_projections)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
