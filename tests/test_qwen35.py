@@ -10,6 +10,7 @@ import logging
 import pytest
 import torch
 from conftest import EOS, HFOracle, _tokenizer, edit_checkpoint, random_prompts
+from test_decode_graphs import EagerGraphs
 from transformers import AutoModelForCausalLM
 from transformers.models.qwen3_5 import Qwen3_5Config, Qwen3_5ForConditionalGeneration, Qwen3_5TextConfig
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
@@ -190,6 +191,27 @@ def test_batch_chunked_prefill_and_preemption_match_transformers(dense, dense_ll
     # no state left behind in the reused slots).
     again = greedy(dense_llm, PROMPTS + [PROMPTS[2]])
     assert again == outs + [outs[2]]
+
+
+def test_decode_through_the_graphs_static_inputs(dense):
+    """Decode through DecodeGraphs (replayed eagerly on the CPU: the same static input buffer, the
+    state slots among its fields, batches padded to 2 or 4 whose padding rows write the scratch
+    row): transformers' argmax, as eager decode."""
+    path, oracle = dense
+    llm = LLM(path, num_kvcache_blocks=40, max_model_len=128, **SMALL)
+    runner = llm.model_runner
+    with torch.inference_mode():
+        runner.graphs = EagerGraphs(runner.decode_forward, 4, 128 // 16, 16, TEXT["hidden_size"],
+                                    runner.dtype, runner.device)
+    replays = []
+    for bs, replay in runner.graphs.replays.items():
+        runner.graphs.replays[bs] = lambda bs=bs, replay=replay: replays.append(bs) or replay()
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (4, 8, 12)]
+    outs = [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS[:3], params, use_tqdm=False)]
+    assert set(replays) == {2, 4}   # 3 sequences pad to 4, then 2 and 1 to 2
+    for prompt, out in zip(PROMPTS, outs):
+        oracle.assert_greedy(prompt, out)
+    llm.shutdown()
 
 
 def test_sampling_n_completions_have_transformers_logprobs(dense, dense_llm):

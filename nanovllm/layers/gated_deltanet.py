@@ -218,6 +218,7 @@ class GatedDeltaNet(SequenceStateLayer):
         # one row per sequence (graph-safe: no host sync); g in fp32 and beta in the model's dtype,
         # as transformers passes them.
         args = dict(initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True)
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()   # views of the conv's output
         if ctx.is_prefill:
             o, new = chunk_gated_delta_rule(q[None], k[None], v[None], g[None], beta[None],
                                             cu_seqlens=ctx.cu_seqlens_q.long(), **args)
