@@ -272,18 +272,23 @@ def test_moe_matches_transformers(tmp_path):
     llm.shutdown()
 
 
-def test_qwen3_next_matches_transformers(tmp_path):
+@pytest.fixture(scope="module")
+def qwen3_next(tmp_path_factory):
     """Qwen3-Next: fused in_proj_qkvz / in_proj_ba tensors (each key head's rows together), experts in
-    layers 0 and 2 (decoder_sparse_step 2 would put them in 1 and 3; mlp_only_layers drops 3), dense
-    MLPs elsewhere."""
+    layers 0 and 2 (mlp_only_layers), dense MLPs in 1 and 3."""
     config = Qwen3NextConfig(**TEXT, **MOE, decoder_sparse_step=1, mlp_only_layers=[1, 3],
                              norm_topk_prob=False)
-    path = make_qwen35(str(tmp_path), config)
-    oracle = HFOracle(path)
+    path = make_qwen35(str(tmp_path_factory.mktemp("qwen3_next")), config)
     llm = LLM(path, num_kvcache_blocks=16, **SMALL)
-    for prompt, out in zip(PROMPTS, greedy(llm)):
-        oracle.assert_greedy(prompt, out)
+    yield path, greedy(llm)
     llm.shutdown()
+
+
+def test_qwen3_next_matches_transformers(qwen3_next):
+    path, outs = qwen3_next
+    oracle = HFOracle(path)
+    for prompt, out in zip(PROMPTS, outs):
+        oracle.assert_greedy(prompt, out)
 
 
 def test_conditional_generation_reads_the_text_model_and_skips_the_rest(tmp_path, caplog):
@@ -330,6 +335,17 @@ def test_tp2_matches_tp1(dense, dense_llm):
     path, _ = dense
     expected = greedy(dense_llm)
     llm = LLM(path, tensor_parallel_size=2, num_kvcache_blocks=9, **SMALL)
+    try:
+        assert greedy(llm) == expected
+    finally:
+        llm.shutdown()
+
+
+def test_tp2_matches_tp1_qwen3_next(qwen3_next):
+    """The fused projections are split by key head before they are split over the ranks; experts and
+    shared experts sharded as the dense MLP."""
+    path, expected = qwen3_next
+    llm = LLM(path, tensor_parallel_size=2, num_kvcache_blocks=16, **SMALL)
     try:
         assert greedy(llm) == expected
     finally:
