@@ -193,6 +193,23 @@ def test_batch_chunked_prefill_and_preemption_match_transformers(dense, dense_ll
     assert again == outs + [outs[2]]
 
 
+def test_an_aborted_sequence_gives_its_slot_back(dense, dense_llm):
+    """Aborted part-way through its chunked prefill: its slot is free again, and the sequence that
+    takes it next starts from a zero state (transformers' tokens)."""
+    path, oracle = dense
+    engine = dense_llm.llm_engine
+    long, other = engine.add_request(PROMPTS[4], GREEDY)[0], engine.add_request(PROMPTS[1], GREEDY)[0]
+    engine.step()   # the long prompt's first chunk
+    assert long.state_slot is not None and long.num_computed_tokens < long.num_prompt_tokens
+    engine.abort([long])
+    assert long.state_slot is None and long.finish_reason == "abort"
+    while not engine.is_finished():
+        engine.step()
+    assert_slots_free(dense_llm)
+    oracle.assert_greedy(PROMPTS[1], other.completion_token_ids)
+    oracle.assert_greedy(PROMPTS[0], greedy(dense_llm, PROMPTS[:1])[0])
+
+
 def test_decode_through_the_graphs_static_inputs(dense):
     """Decode through DecodeGraphs (replayed eagerly on the CPU: the same static input buffer, the
     state slots among its fields, batches padded to 2 or 4 whose padding rows write the scratch
