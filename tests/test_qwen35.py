@@ -9,6 +9,8 @@ import logging
 
 import pytest
 import torch
+
+pytest.importorskip("transformers.models.qwen3_5")   # transformers >= 5.2
 from conftest import EOS, HFOracle, _tokenizer, edit_checkpoint, random_prompts
 from test_decode_graphs import EagerGraphs
 from transformers import AutoModelForCausalLM
@@ -191,6 +193,22 @@ def test_batch_chunked_prefill_and_preemption_match_transformers(dense, dense_ll
     # no state left behind in the reused slots).
     again = greedy(dense_llm, PROMPTS + [PROMPTS[2]])
     assert again == outs + [outs[2]]
+
+
+def test_bfloat16_stays_within_transformers_own_bfloat16_error(dense):
+    """bf16 weights and conv states, fp32 recurrent states: each token's logit (in transformers' fp32
+    logits) is within transformers' own bf16 error (its bf16 logits' largest distance from its fp32
+    ones, on the same tokens) of the maximum."""
+    path, oracle = dense
+    hf16 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    llm = LLM(path, dtype="bfloat16", num_kvcache_blocks=9, **SMALL)
+    for prompt, out in zip(PROMPTS, greedy(llm)):
+        rows = oracle.logits(prompt + out)[len(prompt) - 1:-1]
+        with torch.no_grad():
+            rows16 = hf16(torch.tensor([prompt + out])).logits[0, len(prompt) - 1:-1].float()
+        gap = rows.max(-1).values - rows.gather(1, torch.tensor(out)[:, None])[:, 0]
+        assert gap.max() <= (rows16 - rows).abs().max()
+    llm.shutdown()
 
 
 def test_an_aborted_sequence_gives_its_slot_back(dense, dense_llm):
