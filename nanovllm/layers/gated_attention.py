@@ -9,6 +9,8 @@ head's dims are reordered (`rotary_order`) so that the rotated pairs sit at (i, 
 and the cos/sin table gives the other dims frequency 0 (cos 1, sin 0: they pass through exactly).
 Attention scores are dot products of q and k, which the same reordering of both leaves unchanged;
 v and the output are not reordered; the per-head RMSNorm's weights are reordered with their dims."""
+import weakref
+
 import torch
 from torch import nn
 from transformers import PretrainedConfig
@@ -44,6 +46,23 @@ class PartialRotary(nn.Module):
         self.register_buffer("cos_sin_cache", torch.cat((freqs.cos(), freqs.sin()), dim=-1), persistent=False)
 
 
+# One table per setting and device, shared by all layers (262144 positions x 256 dims of fp32 are
+# 256 MiB); held weakly, as layers/rotary_embedding.py's get_rope holds its own.
+_TABLES: "weakref.WeakValueDictionary[tuple, PartialRotary]" = weakref.WeakValueDictionary()
+
+
+def get_partial_rope(head_dim: int, rotary_dim: int, max_position: int, theta: float) -> PartialRotary:
+    key = (head_dim, rotary_dim, max_position, float(theta), torch.get_default_device())
+    rope = _TABLES.get(key)
+    if rope is None:
+        rope = _TABLES[key] = PartialRotary(head_dim, rotary_dim, max_position, theta)
+    return rope
+
+
+def head_dim_of(config: PretrainedConfig) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
 def rotary_of(config: PretrainedConfig) -> tuple[float, int]:
     """(theta, rotary_dim) from rope_parameters (transformers 5) or the older attributes; only the
     default rope (multimodal mrope sections coincide with it for text positions)."""
@@ -54,10 +73,11 @@ def rotary_of(config: PretrainedConfig) -> tuple[float, int]:
                          "(only 'default')")
     theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
     factor = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
-    rotary_dim = int(config.head_dim * factor)
-    if rotary_dim % 2 or not 0 < rotary_dim <= config.head_dim:
+    head_dim = head_dim_of(config)
+    rotary_dim = int(head_dim * factor)
+    if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
         raise ValueError(f"partial_rotary_factor {factor} gives {rotary_dim} rotary dims of head_dim "
-                         f"{config.head_dim}: it must give an even number > 0")
+                         f"{head_dim}: it must give an even number > 0")
     return theta, rotary_dim
 
 
@@ -102,7 +122,7 @@ def zero_centred_norm(size: int, eps: float, order: torch.Tensor | None = None) 
 class GatedAttention(nn.Module):
     def __init__(self, config: PretrainedConfig):
         super().__init__()
-        hidden, d = config.hidden_size, config.head_dim
+        hidden, d = config.hidden_size, head_dim_of(config)
         theta, rotary_dim = rotary_of(config)
         order = rotary_order(d, rotary_dim)
         bias = bool(getattr(config, "attention_bias", False))
@@ -111,7 +131,7 @@ class GatedAttention(nn.Module):
         h, kv = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.qkv_size, self.gate_size = (h + 2 * kv) * d, h * d
         self.o_proj = RowParallelLinear(config.num_attention_heads * d, hidden, bias=bias)
-        self.rotary_emb = PartialRotary(d, rotary_dim, config.max_position_embeddings, theta)
+        self.rotary_emb = get_partial_rope(d, rotary_dim, config.max_position_embeddings, theta)
         self.attn = Attention(h, d, d ** -0.5, kv)
         self.q_norm = zero_centred_norm(d, config.rms_norm_eps, order)
         self.k_norm = zero_centred_norm(d, config.rms_norm_eps, order)
