@@ -33,6 +33,10 @@ class SiluMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's share of forward(x), before the all-reduce (the same under one rank)."""
+        return self.down_proj.matmul(self.act_fn(self.gate_up_proj(x)))
+
 
 class SharedExpertMoe(nn.Module):
     """Top-k experts (the router's softmax renormalised over the k) plus a shared expert scaled by
@@ -54,8 +58,9 @@ class SharedExpertMoe(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [num_tokens, hidden] -> [num_tokens, hidden]
         topk_weights, topk_ids = route(self.gate(x), self.top_k, self.renormalize)
-        routed = all_reduce(self.experts(x, topk_weights, topk_ids))
-        return routed + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        routed, shared = self.experts(x, topk_weights, topk_ids), self.shared_expert.partial(x)
+        # The shared expert's gate is per token and the same on every rank: one all-reduce sums both.
+        return all_reduce(routed + torch.sigmoid(self.shared_expert_gate(x)) * shared)
 
 
 class Qwen3_5DecoderLayer(nn.Module):
