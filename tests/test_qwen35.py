@@ -178,14 +178,16 @@ def test_split_budget_gives_the_slots_at_most_half():
 
 def test_batch_chunked_prefill_and_preemption_match_transformers(dense, dense_llm):
     path, oracle = dense
-    preempted = []
-    original = dense_llm.scheduler._preempt
-    dense_llm.scheduler._preempt = lambda seq: (preempted.append(seq.seq_id), original(seq))
+    sched, preempted, batches = dense_llm.scheduler, [], []
+    preempt, schedule = sched._preempt, sched.schedule
+    sched._preempt = lambda seq: (preempted.append(seq.seq_id), preempt(seq))
+    sched.schedule = lambda: batches.append(schedule()) or batches[-1]
     try:
         outs = greedy(dense_llm)
     finally:
-        dense_llm.scheduler._preempt = original
+        sched._preempt, sched.schedule = preempt, schedule
     assert preempted, "9 blocks should have forced a preemption"
+    assert any(b.is_prefill and not all(b.samples) for b in batches), "a prompt should run in chunks"
     for prompt, out in zip(PROMPTS, outs):
         oracle.assert_greedy(prompt, out)
     assert_slots_free(dense_llm)
