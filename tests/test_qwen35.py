@@ -1,10 +1,12 @@
-"""Qwen3.5 / Qwen3.6 hybrid models (Gated DeltaNet linear attention + gated full attention) against
-transformers on tiny random configs (3 linear-attention layers + 1 full-attention layer): the torch
-conv and delta rule against transformers' torch fallbacks, carried across chunks; the state slots
-with no model; greedy tokens as argmax choices of transformers' logits through the engine (a batch of
-mixed lengths, prompts longer than a step, preemption under a small KV cache, a repeated prompt, n > 1
-sampling, fewer state slots than max_num_seqs); MoE with a shared expert; the multimodal checkpoint
-names; TP=2 on CPU. CUDA (fla-core kernels, decode CUDA graphs): the test at the end, skipped here."""
+"""Qwen3.5 / Qwen3.6 and Qwen3-Next hybrid models (Gated DeltaNet linear attention + gated full
+attention) against transformers on tiny random configs (3 linear-attention layers + 1 full-attention
+layer): the torch conv and delta rule against transformers' torch fallbacks, carried across chunks;
+the state slots and the memory split with no model; greedy tokens as argmax choices of transformers'
+logits through the engine (a batch of mixed lengths, prompts longer than a step, preemption under a
+small KV cache, a repeated prompt, an aborted prompt, decode through the CUDA graphs' static inputs,
+n > 1 sampling, fewer state slots than max_num_seqs, bf16); MoE with a shared expert; Qwen3-Next; the
+multimodal checkpoint names; TP=2 on CPU. CUDA (fla-core kernels when installed, decode CUDA graphs):
+the test at the end, skipped without a GPU."""
 import logging
 
 import pytest
@@ -50,6 +52,8 @@ def _randomize(model: torch.nn.Module, seed: int):
         for name, p in model.named_parameters():
             if p.dim() > 1:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.15)
+            elif name.endswith("dt_bias"):   # per head (HF starts it at ones): a split shows
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
             elif "norm" in name:
                 centre = 1.0 if "linear_attn.norm" in name else 0.0   # the gated norm is not zero-centred
                 p.copy_(torch.randn(p.shape, generator=g) * 0.2 + centre)

@@ -107,14 +107,14 @@ class GatedQKVParallelLinear(ColumnParallelLinear):
             default_weight_loader(param.data.narrow(0, offset, rows.size(0)), rows)
 
 
-def zero_centred_norm(size: int, eps: float, order: torch.Tensor | None = None) -> RMSNorm:
-    """An RMSNorm whose checkpoint weight w scales by 1 + w (Qwen3.5's, Gemma's); 1 + w is stored
-    (in the model's dtype), its dims in `order` when given (a q/k norm of rotary_order heads)."""
+def qk_norm(size: int, eps: float, order: torch.Tensor) -> RMSNorm:
+    """A per-head q or k norm whose checkpoint weight w scales by 1 + w (layers/zero_centred_norm.py),
+    as a plain RMSNorm of weight 1 + w (its dims in rotary_order), so that the fused q/k norm + rotary
+    + KV-store kernel runs it. 1 + w is stored in the model's dtype: in bf16 it is rounded once."""
     norm = RMSNorm(size, eps)
 
     def load(param: nn.Parameter, loaded: torch.Tensor):
-        loaded = loaded.float() + 1.0
-        default_weight_loader(param, loaded if order is None else loaded[order])
+        default_weight_loader(param, (loaded.float() + 1.0)[order])
     norm.weight.weight_loader = load
     return norm
 
@@ -133,8 +133,8 @@ class GatedAttention(nn.Module):
         self.o_proj = RowParallelLinear(config.num_attention_heads * d, hidden, bias=bias)
         self.rotary_emb = get_partial_rope(d, rotary_dim, config.max_position_embeddings, theta)
         self.attn = Attention(h, d, d ** -0.5, kv)
-        self.q_norm = zero_centred_norm(d, config.rms_norm_eps, order)
-        self.k_norm = zero_centred_norm(d, config.rms_norm_eps, order)
+        self.q_norm = qk_norm(d, config.rms_norm_eps, order)
+        self.k_norm = qk_norm(d, config.rms_norm_eps, order)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         # x: [num_tokens, hidden] -> [num_tokens, hidden]

@@ -15,9 +15,10 @@ from nanovllm.config import is_sparse_layer
 from nanovllm.layers.activation import SiluAndMul
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.fused_moe import FusedMoE, route
-from nanovllm.layers.gated_attention import GatedAttention, zero_centred_norm
+from nanovllm.layers.gated_attention import GatedAttention
 from nanovllm.layers.gated_deltanet import GatedDeltaNet, log_delta_rule_kernels
 from nanovllm.layers.linear import MergedColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+from nanovllm.layers.zero_centred_norm import ZeroCentredRMSNorm
 from nanovllm.parallel.parallel_state import all_reduce
 
 logger = logging.getLogger(__name__)
@@ -75,8 +76,8 @@ class Qwen3_5DecoderLayer(nn.Module):
                              "(only 'linear_attention' and 'full_attention')")
         self.is_linear = kind == "linear_attention"
         self.mlp = mlp
-        self.input_layernorm = zero_centred_norm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = zero_centred_norm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = ZeroCentredRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = ZeroCentredRMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, positions, x, residual):
         # The residual stream is carried separately so each RMSNorm fuses the preceding add.
@@ -97,7 +98,7 @@ class Qwen3_5Model(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(Qwen3_5DecoderLayer(config, kind, make_mlp(config, i), fused_projections)
                                     for i, kind in enumerate(kinds))
-        self.norm = zero_centred_norm(config.hidden_size, config.rms_norm_eps)
+        self.norm = ZeroCentredRMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None
