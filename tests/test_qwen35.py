@@ -406,3 +406,27 @@ def test_gpu_graphs_match_transformers(dense):
     for prompt, out in zip(PROMPTS, greedy(llm)):
         oracle.assert_greedy(prompt, out, atol=1e-2)
     llm.shutdown()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_fla_kernels_match_the_torch_reference():
+    """fla-core's chunk (prefill, sequences back to back after their states) and fused-recurrent
+    (decode) kernels as the layer calls them, against the torch reference, in bf16."""
+    pytest.importorskip("fla")
+    from nanovllm.layers.gated_deltanet import GatedDeltaNet
+    from nanovllm.utils.context import Context
+    g = torch.Generator().manual_seed(0)
+    q, k, v, decay, beta = (x.cuda() for x in _delta_inputs(150, g, dk=64, dv=64))
+    q, k, v, beta = (x.bfloat16() for x in (q, k, v, beta))
+    states = (torch.randn(2, 4, 64, 64, generator=g) * 0.3).cuda()
+    cu = [0, 141, 150]
+    ctx = Context(is_prefill=True, cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device="cuda"))
+    out, new = GatedDeltaNet._delta_rule_fla(q, k, v, decay, beta, states, ctx)
+    ref, ref_new = gated_delta_rule_varlen(q, k, v, decay, beta, states, cu)
+    torch.testing.assert_close(out.float(), ref.float(), atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(new, ref_new, atol=3e-2, rtol=3e-2)
+    step = Context(is_prefill=False)
+    out, new = GatedDeltaNet._delta_rule_fla(q[:2], k[:2], v[:2], decay[:2], beta[:2], states, step)
+    ref, ref_new = gated_delta_rule_step(q[:2], k[:2], v[:2], decay[:2], beta[:2], states)
+    torch.testing.assert_close(out.float(), ref.float(), atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(new, ref_new, atol=3e-2, rtol=3e-2)
