@@ -13,6 +13,7 @@ all split by heads; out_proj is row-parallel (one all-reduce).
 
 Kernels: fla-core's chunk / fused-recurrent gated delta rule on CUDA when it is installed, else the
 torch reference (kernels/linear_attention_ref.py). The conv is torch on every device."""
+import functools
 import logging
 
 import torch
@@ -31,19 +32,25 @@ from nanovllm.utils.loader import default_weight_loader
 
 logger = logging.getLogger(__name__)
 
-try:   # optional (the `fla-core` package); CUDA only
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
-    HAVE_FLA = True
-except ImportError:
-    HAVE_FLA = False
+@functools.cache
+def fla_kernels():
+    """fla-core's (chunk, fused_recurrent) gated delta rule, or None where it is not installed (an
+    optional dependency, imported on first use: only CUDA runs it)."""
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+    except ImportError:
+        return None
+    return chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
 
 
 def log_delta_rule_kernels(device: torch.device):
-    """One line at model build: which delta-rule kernels run."""
-    if device.type == "cuda" and not HAVE_FLA:
+    """One line at model build on CUDA: which delta-rule kernels run."""
+    if device.type != "cuda":
+        return
+    if fla_kernels() is None:
         logger.warning("fla-core is not installed: the linear-attention layers run the torch reference "
                        "(slow; `pip install fla-core` for its kernels)")
-    elif device.type == "cuda":
+    else:
         logger.info("linear attention: fla-core's gated delta rule kernels")
 
 
@@ -206,7 +213,7 @@ class GatedDeltaNet(SequenceStateLayer):
     def _delta_rule(self, q, k, v, g, beta, state, ctx) -> tuple[torch.Tensor, torch.Tensor]:
         # q, k: [num_tokens, k_heads, k_dim]; v: [num_tokens, v_heads, v_dim]; g, beta: [num_tokens,
         # v_heads]; state: [num_seqs, v_heads, k_dim, v_dim] fp32 -> (o like v, new state fp32)
-        if q.is_cuda and HAVE_FLA:
+        if q.is_cuda and fla_kernels() is not None:
             return self._delta_rule_fla(q, k, v, g, beta, state, ctx)
         if ctx.is_prefill:
             return gated_delta_rule_varlen(q, k, v, g, beta, state, ctx.cu_seqlens_q.tolist())
@@ -217,6 +224,7 @@ class GatedDeltaNet(SequenceStateLayer):
         # fla takes [batch, tokens, heads, dim]: prefill one batch row of varlen sequences, decode
         # one row per sequence (graph-safe: no host sync); g in fp32 and beta in the model's dtype,
         # as transformers passes them.
+        chunk_gated_delta_rule, fused_recurrent_gated_delta_rule = fla_kernels()
         args = dict(initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True)
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()   # views of the conv's output
         if ctx.is_prefill:
