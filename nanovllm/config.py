@@ -13,6 +13,7 @@ from transformers import PretrainedConfig
 
 from nanovllm.utils.hf_files import load_hf_config
 from nanovllm.utils.quant_config import Fp8Scheme, fp8_scheme
+from nanovllm.utils.text_config import language_model_config
 
 logger = logging.getLogger(__name__)
 # vLLM's spellings of the model dtype -> ours.
@@ -190,10 +191,12 @@ class Config:
         if self.device == "cuda" and self.kvcache_block_size % 16:
             raise ValueError("kvcache_block_size must be a multiple of 16 on CUDA, "
                              f"got {self.kvcache_block_size}")
-        self.hf_config = apply_hf_overrides(load_hf_config(self.model), self.hf_overrides)
+        hf_config = apply_hf_overrides(load_hf_config(self.model), self.hf_overrides)
+        self.hf_config = language_model_config(hf_config)
         self.max_model_len = min(self.max_model_len, self.hf_config.max_position_embeddings)
         _check_tp_divides(self.hf_config, self.tensor_parallel_size)
         self.fp8 = fp8_scheme(self.hf_config, self.quantization)
+        _refuse_for_hybrid(self)
         if self.fp8 is not None and self.fp8.kv_scales and self.kv_cache_dtype == "auto":
             logger.warning("the checkpoint's static KV cache scales (kv_cache_scheme) are not used: they "
                            "scale an FP8 KV cache, kv_cache_dtype='fp8'")
@@ -265,10 +268,24 @@ def _check_tp_divides(hf_config: PretrainedConfig, tp: int):
         sizes["moe_intermediate_size"] = getattr(hf_config, "moe_intermediate_size", None)
     if not sparse or not all(sparse):   # a dense model, or dense layers beside the experts
         sizes["intermediate_size"] = getattr(hf_config, "intermediate_size", None)
+    for name in ("linear_num_key_heads", "linear_num_value_heads", "shared_expert_intermediate_size"):
+        sizes[name] = getattr(hf_config, name, None)   # linear attention (Qwen3.5), a shared expert
     for name, n in sizes.items():
         if isinstance(n, int) and n % tp:
             raise ValueError(f"the model's {name} ({n}) is not divisible by tensor_parallel_size ({tp}): "
                              "choose a tensor_parallel_size that divides it")
+
+
+def _refuse_for_hybrid(cfg: Config):
+    """What hybrid linear-attention models (Qwen3.5, Qwen3-Next) do not run yet: FP8 weights (their
+    fused projections have loaders of their own) and LoRA (their gated q_proj is packed with its gate)."""
+    if "linear_attention" not in (getattr(cfg.hf_config, "layer_types", None) or ()):
+        return
+    if cfg.fp8 is not None:
+        raise ValueError("FP8 weights (a quantization_config, or quantization='fp8') are not supported for "
+                         "hybrid linear-attention models yet; use a bf16 checkpoint and quantization=None")
+    if cfg.enable_lora:
+        raise ValueError("enable_lora: LoRA is not supported for hybrid linear-attention models yet")
 
 
 def _check_int(cfg: Config, name: str, minimum: int):

@@ -71,7 +71,7 @@ def fields(inputs: DecodeInputs) -> torch.Tensor:
 
 
 def test_graphs_pad_to_the_next_size_and_replay_on_the_static_buffer():
-    graphs = EagerGraphs(fields, max_bs=6, max_blocks=3, block_size=BLOCK, hidden_size=10,
+    graphs = EagerGraphs(fields, max_bs=6, max_blocks=3, block_size=BLOCK, hidden_size=11,
                          dtype=torch.float32, device=torch.device("cpu"))
     assert graphs.sizes == [2, 4, 6] and graphs.recorded == 3
     # The last capture (the smallest size) saw padding only: every field holds its padding value.
@@ -84,7 +84,7 @@ def test_graphs_pad_to_the_next_size_and_replay_on_the_static_buffer():
     for step in (decode_step(), decode_step([-1, 4]), three):   # three pads to 4
         n = step.num_seqs
         out = graphs.run(step)
-        assert out.shape == (n, 10) and out.data_ptr() == graphs.outputs.data_ptr()
+        assert out.shape == (n, 11) and out.data_ptr() == graphs.outputs.data_ptr()
         assert torch.equal(out, fields(DecodeInputs.view(DecodeInputs.pack(step, n, 3, BLOCK), n, 3)))
     assert DecodeInputs.view(graphs.inputs, 4, 3).order.tolist() == [2, 0, 1, 3]   # three's, padded
     assert graphs.fits(6) and not graphs.fits(7)

@@ -11,6 +11,8 @@ from typing import NamedTuple
 
 import xxhash
 
+from nanovllm.engine.state_slots import StateSlots
+
 
 # The fewest tokens a partial hit copies (vLLM caches prefixes in blocks of 16 tokens).
 MIN_PARTIAL_HIT = 16
@@ -74,11 +76,17 @@ class Block:
 class BlockManager:
     """Invariants: a block is shared only through ref_count; a block whose count drops to zero goes
     to the free list but keeps its hash and tokens, so a later identical prefix can revive it until
-    the block is handed out for other data (free blocks are reused least recently freed first)."""
+    the block is handed out for other data (free blocks are reused least recently freed first).
+    A model with per-sequence state (linear attention) also has state_slots: a sequence is given one
+    with its blocks and gives it back with them."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 num_state_slots: int = 0):
         self.block_size = block_size
+        # A cached block holds K/V but not the state that belongs to it: no prefix cache with state.
+        assert not (num_state_slots and enable_prefix_caching)
         self.enable_prefix_caching = enable_prefix_caching
+        self.state_slots = StateSlots(num_state_slots) if num_state_slots else None
         self.reset(num_blocks)
 
     def reset(self, num_blocks: int | None = None):
@@ -94,6 +102,8 @@ class BlockManager:
         # blocks (their computed rows).
         self.copy_sources: dict[tuple, OrderedDict[int, None]] = {}
         self.pending_copies: list[KVCopy] = []   # made by allocate; the next prefill step runs them
+        if self.state_slots is not None:
+            self.state_slots.reset()
 
     @property
     def num_blocks(self) -> int:
@@ -142,6 +152,8 @@ class BlockManager:
         # a partial hit's block is a fresh one all the same: no need to look for it here
         cached, _, _ = self._cached_prefix(seq, partial=False)
         in_use = sum(1 for b in cached if self.blocks[b].ref_count > 0)
+        if self.state_slots is not None and not self.state_slots.can_allocate():
+            return False
         return cdiv(seq.num_tokens, self.block_size) - in_use <= self.num_free_blocks
 
     def allocate(self, seq):
@@ -153,6 +165,8 @@ class BlockManager:
         fresh = [self._take_free_block() for _ in range(cdiv(seq.num_tokens, self.block_size) - len(cached))]
         seq.block_table = cached + fresh
         seq.block_hashes = hashes
+        if self.state_slots is not None:
+            self.state_slots.allocate(seq)
         seq.num_computed_tokens = len(cached) * self.block_size
         if partial is not None:
             # The source may have been handed out just now (it was free): its rows are overwritten
@@ -177,6 +191,8 @@ class BlockManager:
         seq.block_table = []
         seq.block_hashes = []
         seq.num_computed_tokens = 0
+        if self.state_slots is not None:
+            self.state_slots.free(seq)
 
     def _keep_tail_as_copy_source(self, seq):
         """The computed rows of seq's first block without a hash (its last full or partial one)

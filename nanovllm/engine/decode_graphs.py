@@ -26,6 +26,8 @@ class DecodeInputs(NamedTuple):
     order: torch.Tensor          # [rows] the rows by context length, longest first, padding last:
                                  # the order the attention kernel starts the sequences in
     lora_slots: torch.Tensor     # [rows] the sequence's LoRA adapter slot; -1: the base model
+    state_slots: torch.Tensor    # [rows] the sequence's state-cache row (0, the scratch row: padding,
+                                 # or a model without per-sequence state)
     block_tables: torch.Tensor   # [rows, width] the sequence's KV blocks
 
     @staticmethod
@@ -48,7 +50,8 @@ class DecodeInputs(NamedTuple):
                    "context_lens": [pos + 1 for pos in starts],
                    "token_rows": step.token_rows or [-1] * n,
                    "order": longest_first(starts) + list(range(n, rows)),
-                   "lora_slots": step.lora_slots or [-1] * n}
+                   "lora_slots": step.lora_slots or [-1] * n,
+                   "state_slots": step.state_slots or [0] * n}
         pad, gap = rows - n, DecodeInputs.stride(rows) - rows
         flat = []
         for name in _VECTORS:
@@ -84,7 +87,7 @@ _ALIGN = 4   # int32 entries in 16 bytes
 # What padding holds, per field: the kernels write no K/V for slot -1 and skip a row of length 0.
 # (order is a permutation: a padding row holds its own index there.)
 PADDING = {"input_ids": 0, "positions": 0, "slots": -1, "context_lens": 0, "token_rows": -1,
-           "lora_slots": -1, "block_tables": 0}
+           "lora_slots": -1, "state_slots": 0, "block_tables": 0}
 
 
 def longest_first(lengths: list[int]) -> list[int]:

@@ -67,11 +67,17 @@ class LLMEngine:
                           else load_tokenizer(c.tokenizer or c.model, c.tokenizer_mode))
         self.executor = Executor(c)   # rank 0's runner here, and the workers under TP
         eos_ids = eos_token_ids(c, self.tokenizer)
+        state = self.model_runner.state_cache   # per-sequence state (linear attention), or None
+        num_state_slots = state.num_slots if state is not None else 0
+        prefix_caching = c.enable_prefix_caching and not num_state_slots
+        if c.enable_prefix_caching and num_state_slots:
+            logger.info("prefix caching is off for this hybrid model: a cached KV block would come "
+                        "without the linear-attention state at its end, which is not cached")
         self.scheduler = Scheduler(c.max_num_seqs, c.max_num_batched_tokens, c.max_model_len,
                                    self.model_runner.num_kvcache_blocks, c.kvcache_block_size,
-                                   eos_ids, c.enable_prefix_caching, self.tokenizer,
+                                   eos_ids, prefix_caching, self.tokenizer,
                                    secondary_eos_token_ids(eos_ids, self.tokenizer),
-                                   c.max_loras if c.enable_lora else 0)
+                                   c.max_loras if c.enable_lora else 0, num_state_slots)
         # SamplingParams fields the model's generation config sets (used when none are given).
         self.default_sampling_overrides = default_sampling_overrides(c.model, c.generation_config)
         self.requests = RequestBuilder(c, self.tokenizer, self.model_runner.num_kvcache_blocks, eos_ids,

@@ -15,6 +15,7 @@ from nanovllm.engine.decode_graphs import DecodeGraphs, DecodeInputs
 from nanovllm.engine.sampled_tokens import PendingSample, prompt_logprobs
 from nanovllm.engine.sampling_prep import SamplingPrep
 from nanovllm.engine.scheduler import ScheduledBatch
+from nanovllm.engine.state_cache import allocate_beside_kv
 from nanovllm.engine.step_input import StepInput
 from nanovllm.kernels import paged_kv_slots
 from nanovllm.layers.attention import Attention, kv_scale_rows, warm_up_store
@@ -138,7 +139,6 @@ class ModelRunner:
         self.startup_seconds[phase] = time.perf_counter() - t
 
     # ---- start-up -------------------------------------------------------------------------
-
     @torch.inference_mode()
     def warmup_model(self):
         """Run the largest prefill once so the KV budget accounts for its peak activations."""
@@ -186,7 +186,8 @@ class ModelRunner:
         return int(total * c.gpu_memory_utilization - outside_allocator - peak)
 
     def allocate_kv_cache(self) -> int:
-        num_blocks = self.config.num_kvcache_blocks or self.kv_cache_budget() // self.kv_bytes_per_block()
+        num_blocks, self.state_cache = allocate_beside_kv(self.model, self.config, self.dtype, self.device,
+                                                          self.kv_cache_budget, self.kv_bytes_per_block())
         # Every rank's scheduler view is rank 0's, so all ranks must hold the same number of blocks.
         num_blocks = min_across_ranks(num_blocks, self.device)
         if num_blocks < 1:
@@ -235,7 +236,6 @@ class ModelRunner:
                              f"({self.device}): lower num_kvcache_blocks or kv_cache_memory_bytes")
 
     # ---- inputs ---------------------------------------------------------------------------
-
     def _tensor(self, data, dtype) -> torch.Tensor:
         t = torch.tensor(data, dtype=dtype, pin_memory=self.use_cuda)
         return t.to(self.device, non_blocking=True)
@@ -265,7 +265,8 @@ class ModelRunner:
                       max_seqlen_k=max(b - a for a, b in zip(cu_k, cu_k[1:])),
                       slot_mapping=self._tensor(slots, torch.int32),
                       block_tables=block_tables, kv_slots=kv_slots,
-                      lora=self.lora and self.lora.prefill_batch(step, self.device))
+                      lora=self.lora and self.lora.prefill_batch(step, self.device),
+                      state_slots=step.state_slots and self._tensor(step.state_slots, torch.int64))
         return (self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int32), ctx,
                 self._tensor(logits_indices, torch.int64))
 
@@ -277,12 +278,11 @@ class ModelRunner:
         input_ids = torch.where(inputs.token_rows >= 0, pending, inputs.input_ids)
         ctx = Context(is_prefill=False, slot_mapping=inputs.slots, context_lens=inputs.context_lens,
                       block_tables=inputs.block_tables, decode_order=inputs.order,
-                      lora=self.lora and self.lora.batch(inputs.lora_slots))
+                      lora=self.lora and self.lora.batch(inputs.lora_slots), state_slots=inputs.state_slots)
         with forward_context(ctx):
             return self.model(input_ids, inputs.positions)
 
     # ---- running --------------------------------------------------------------------------
-
     @torch.inference_mode()
     def launch(self, batch: ScheduledBatch, step: StepInput | None = None,
                before_sampling: Callable[[], None] | None = None) -> PendingSample:
@@ -382,7 +382,6 @@ class ModelRunner:
                             self.block_size, c.hf_config.hidden_size, self.dtype, self.device, self.group)
 
     # ---- shutdown -------------------------------------------------------------------------
-
     def release(self):
         """Give the device memory back: KV cache, CUDA graphs, model. Idempotent; the runner
         cannot run afterwards. (The group, if any, must be destroyed first: it resets the graphs
@@ -392,6 +391,7 @@ class ModelRunner:
         self.attention_layers = []
         # the group too: it holds the rendezvous store and gloo's sockets until collected
         self.graphs = self.kv_cache = self.model = self.sampled_tokens = self.group = self.lora = None
+        self.state_cache = None
         # The model's layers and their parameters reference each other (each parameter's
         # weight_loader is a bound method of its layer): only the cycle collector frees them, so
         # collect now, before giving the memory back, and also when automatic collection is off.

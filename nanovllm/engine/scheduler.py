@@ -43,16 +43,18 @@ class Scheduler:
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
                  num_blocks: int, block_size: int, eos_token_ids: set[int],
                  enable_prefix_caching: bool = True, tokenizer=None,
-                 secondary_eos_token_ids: frozenset[int] = frozenset(), max_loras: int = 0):
+                 secondary_eos_token_ids: frozenset[int] = frozenset(), max_loras: int = 0,
+                 num_state_slots: int = 0):
         """tokenizer: for stop strings; secondary_eos_token_ids: see StopChecker; max_loras: the
-        most distinct LoRA adapters among the running sequences (their GPU slots; 0: LoRA off)."""
+        most distinct LoRA adapters among the running sequences (their GPU slots; 0: LoRA off);
+        num_state_slots: rows of the per-sequence state cache (0: the model keeps none)."""
         self.max_loras = max_loras
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
         self.stop_checker = StopChecker(eos_token_ids, max_model_len, tokenizer, secondary_eos_token_ids)
-        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
+        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching, num_state_slots)
         # The head of `waiting` may be a prompt part-way through a chunked prefill (it holds blocks).
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()

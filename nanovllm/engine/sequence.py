@@ -44,6 +44,8 @@ class Sequence:
         # runs one step ahead). They count in num_tokens but are not in token_ids.
         self.num_pending = 0
         self.block_table: list[int] = []
+        # Its row of the per-sequence state cache (linear attention), held with its blocks; else None.
+        self.state_slot: int | None = None
         # block_hashes[i] is the prefix-cache hash of block i; only full, computed blocks have one.
         self.block_hashes: list[int] = []
         self.finish_reason: str | None = None
@@ -113,6 +115,7 @@ class Sequence:
         self.num_pending = 0
         self.block_table = []
         self.block_hashes = []
+        self.state_slot = None
         self.num_computed_tokens = 0
 
     def append_token(self, token_id: int, logprobs: "TokenLogprobs | None" = None):

@@ -25,6 +25,8 @@ class StepInput:
     lora_slots: list[int] | None = None   # LoRA on: each sequence's adapter slot (-1: the base model)
     lora_loads: list | None = None        # (slot, LoRARequest): adapters every rank loads before the step
     kv_copies: list | None = None         # KVCopy (src, dst, tokens): rows every rank copies, in order
+    state_slots: list[int] | None = None  # each sequence's state-cache row (a model with per-sequence
+                                          # state, engine/state_slots.py); None: the model keeps none
 
     @classmethod
     def of(cls, batch: ScheduledBatch, lora_slots=None) -> "StepInput":
@@ -40,11 +42,16 @@ class StepInput:
         return cls(batch.is_prefill, [seq.seq_id for seq in seqs], starts, token_ids,
                    [seq.block_table for seq in seqs], batch.samples, batch.token_rows,
                    prompt_logprob_counts(batch, starts), slots, loads,
-                   batch.kv_copies or None)
+                   batch.kv_copies or None, state_slots_of(seqs))
 
     @property
     def num_seqs(self) -> int:
         return len(self.seq_ids)
+
+
+def state_slots_of(seqs) -> list[int] | None:
+    slots = [seq.state_slot for seq in seqs]
+    return None if not slots or slots[0] is None else slots
 
 
 def prompt_logprob_counts(batch: ScheduledBatch, starts: list[int]) -> list[int] | None:

@@ -4,6 +4,8 @@ from transformers import PretrainedConfig
 
 from nanovllm.models.llama import LlamaForCausalLM, Qwen2ForCausalLM
 from nanovllm.models.qwen3 import Qwen3ForCausalLM
+from nanovllm.models.qwen3_5 import (MULTIMODAL, Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM,
+                                     Qwen3NextForCausalLM)
 from nanovllm.models.qwen3_moe import Qwen3MoeForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
@@ -11,6 +13,10 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
+    "Qwen3_5MoeForCausalLM": Qwen3_5MoeForCausalLM,
+    "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
+    **MULTIMODAL,   # their text model (utils/text_config.py)
 }
 
 

@@ -19,6 +19,8 @@ class Context:
     decode_order: torch.Tensor | None = None   # [num_seqs] int32 rows by context, longest first (decode)
     kv_slots: torch.Tensor | None = None       # [total_k] int64 slot of each key (prefill with block_tables)
     lora: object | None = None                 # kernels.lora.LoRABatch: each token's adapter slot (LoRA on)
+    state_slots: torch.Tensor | None = None    # [num_seqs] int state-cache row of each sequence (a model
+                                               # with per-sequence state; layers/sequence_state.py)
 
 
 # Context is frozen, so one shared default is safe.

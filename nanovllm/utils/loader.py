@@ -2,6 +2,7 @@
 parameters left unset, shapes that differ and checkpoint tensors with nowhere to go."""
 import glob
 import json
+import logging
 import os
 import re
 
@@ -9,6 +10,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+logger = logging.getLogger(__name__)
 
 def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor, shard_id=None):
     """Copy a checkpoint tensor into a parameter (or a slice of one) of exactly its shape."""
@@ -58,15 +60,25 @@ def load_model(model: nn.Module, path: str):
     unread = getattr(model, "unread_tensors", ())   # suffixes the model does not use (layers/fp8.py)
     kv_names = getattr(model, "kv_scale_names", ())   # static KV scales, for an FP8 cache (layers/fp8.py)
     model.kv_scale_tensors = {}
+    # A model may skip parts of a checkpoint it does not run (a vision tower) and read its own
+    # tensors under another prefix (a multimodal checkpoint's text model).
+    skipped_prefixes = getattr(model, "skipped_checkpoint_prefixes", ())
+    renames = getattr(model, "checkpoint_prefix_renames", {})
+    skipped = 0
     for file in files:
         with safe_open(file, "pt", "cpu") as f:
             for ckpt_name in f.keys():
                 if ckpt_name.endswith(unread):
                     continue
+                if ckpt_name.startswith(skipped_prefixes):
+                    skipped += 1
+                    continue
                 if ckpt_name.endswith(kv_names):
                     model.kv_scale_tensors[ckpt_name] = f.get_tensor(ckpt_name)
                     continue
-                name, shard_id = _target(ckpt_name, mapping)
+                prefix = next((p for p in renames if ckpt_name.startswith(p)), None)
+                in_model = ckpt_name if prefix is None else renames[prefix] + ckpt_name[len(prefix):]
+                name, shard_id = _target(in_model, mapping)
                 if name not in params:
                     if _tied_duplicate(model, ckpt_name):
                         continue
@@ -88,6 +100,9 @@ def load_model(model: nn.Module, path: str):
                 except ValueError as e:
                     raise ValueError(f"checkpoint tensor {ckpt_name!r}: {e}") from None
                 loaded[name].add(shard_id)
+    if skipped:
+        logger.info("skipped %d checkpoint tensors the model does not run (under %s)", skipped,
+                    ", ".join(skipped_prefixes))
     missing = [ckpt for n in params for ckpt in _checkpoint_names(n, expected[n] - loaded[n], mapping)]
     if missing:
         raise ValueError(f"checkpoint {path!r} has no tensor for: {', '.join(missing[:10])}"

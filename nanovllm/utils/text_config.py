@@ -1,0 +1,19 @@
+"""Multimodal checkpoints whose text model nanovllm runs as a causal LM: the config it is built
+from is the checkpoint's text_config (models/qwen3_5.py reads the weights under their prefix)."""
+from transformers import PretrainedConfig
+
+MULTIMODAL_ARCHITECTURES = frozenset({"Qwen3_5ForConditionalGeneration",
+                                      "Qwen3_5MoeForConditionalGeneration"})
+
+
+def language_model_config(config: PretrainedConfig) -> PretrainedConfig:
+    """A multimodal config's text_config, named by the multimodal architecture (the model registry's
+    key; the top level decides whether the LM head is tied, as in transformers' multimodal model);
+    any other config as it is."""
+    archs = getattr(config, "architectures", None) or []
+    if not archs or archs[0] not in MULTIMODAL_ARCHITECTURES:
+        return config
+    text = config.text_config
+    text.architectures = list(archs)
+    text.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", text.tie_word_embeddings))
+    return text
