@@ -12,7 +12,6 @@ import torch
 from transformers import PretrainedConfig
 
 from nanovllm.utils.hf_files import load_hf_config
-from nanovllm.utils.quant_config import Fp8Scheme, fp8_scheme
 
 logger = logging.getLogger(__name__)
 # vLLM's spellings of the model dtype -> ours.
@@ -77,9 +76,9 @@ class Config:
     enable_chunked_prefill: bool | None = None  # prefill is always chunked: None or True
     quantization: str | None = None             # None: as the checkpoint's quantization_config says (or
                                                 # its quant_method); "fp8": also quantizes a bf16 checkpoint
+                                                # (nanovllm/quantization reads it, before workers start)
     task: str = "auto"                          # "auto" or "generate": text generation
     hf_config: PretrainedConfig = field(init=False, repr=False)
-    fp8: Fp8Scheme | None = field(init=False, repr=False)   # the weights' FP8 format (None: unquantized)
 
     @classmethod
     def create(cls, model: str, **options) -> "Config":
@@ -193,10 +192,9 @@ class Config:
         self.hf_config = apply_hf_overrides(load_hf_config(self.model), self.hf_overrides)
         self.max_model_len = min(self.max_model_len, self.hf_config.max_position_embeddings)
         _check_tp_divides(self.hf_config, self.tensor_parallel_size)
-        self.fp8 = fp8_scheme(self.hf_config, self.quantization)
-        if self.fp8 is not None and self.fp8.kv_scales and self.kv_cache_dtype == "auto":
-            logger.warning("the checkpoint's static KV cache scales (kv_cache_scheme) are not used: they "
-                           "scale an FP8 KV cache, kv_cache_dtype='fp8'")
+        if self.quantization is not None and not isinstance(self.quantization, str):
+            raise ValueError(f"quantization must be a method name (e.g. 'fp8', 'gptq') or None, "
+                             f"got {self.quantization!r}")
 
 
 _warned_attention_backend = False
