@@ -11,9 +11,11 @@ from transformers import PretrainedConfig
 from nanovllm.layers.fused_moe import FusedMoE
 from nanovllm.layers.linear import LinearBase, ReplicatedLinear
 from nanovllm.quantization.base import LinearMethod, MoEMethod, QuantizationConfig
+from nanovllm.quantization.awq import awq_config
 from nanovllm.quantization.compressed_tensors import compressed_tensors_config
 from nanovllm.quantization.fbgemm_fp8 import fbgemm_fp8_config
 from nanovllm.quantization.fp8 import Fp8Config
+from nanovllm.quantization.gptq import gptq_config
 from nanovllm.utils.loader import CheckpointNames
 
 logger = logging.getLogger(__name__)
@@ -23,6 +25,8 @@ METHODS: dict[str, Callable[[dict], QuantizationConfig]] = {
     "fp8": Fp8Config.from_config,
     "fbgemm_fp8": fbgemm_fp8_config,
     "compressed-tensors": compressed_tensors_config,
+    "gptq": gptq_config,
+    "awq": awq_config,
 }
 
 
