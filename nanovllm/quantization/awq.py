@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nanovllm.quantization.int_packing import pack, unpack
+from nanovllm.kernels.wna16_reference import pack, unpack
 from nanovllm.quantization.wna16 import Geometry, Layout, Spec, WNA16Config
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)            # the column each nibble holds

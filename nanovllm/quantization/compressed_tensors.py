@@ -19,7 +19,7 @@ import torch
 
 from nanovllm.quantization.base import QuantizationConfig
 from nanovllm.quantization.fp8 import FORMATS, INPUT_SCALES, Fp8Config, kv_scales_of
-from nanovllm.quantization.int_packing import pack, unpack
+from nanovllm.kernels.wna16_reference import pack, unpack
 from nanovllm.quantization.wna16 import Geometry, Layout, Spec, WNA16Config
 
 INT_FORMATS = ("'pack-quantized' integer weights of 4 or 8 bits, strategy 'group' or 'channel', symmetric "

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nanovllm.quantization.int_packing import unpack
+from nanovllm.kernels.wna16_reference import unpack
 from nanovllm.quantization.wna16 import Geometry, Layout, Spec, WNA16Config
 
 

@@ -1,7 +1,7 @@
 """Integer weights with 16-bit activations (W4A16, W8A16: GPTQ, AWQ, compressed-tensors pack-quantized)
 on the linear layers and the experts. A format is a Layout (gptq.py, awq.py, compressed_tensors.py):
 the checkpoint tensors beside each projection, how each one shards, and how they turn into the one
-packed form of int_packing.py after loading:
+packed form of kernels/wna16_reference.py after loading:
 
   w_packed [K / p, N] int32 (packed along K), w_scales [G, N] float32, w_zeros [G, N] int32,
   w_g_idx [K] int32 or None (act order: the group of each input row, else row // group_size)
@@ -21,11 +21,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanovllm.kernels import KERNELS
 from nanovllm.layers.fused_moe import FusedMoE, fused_experts
 from nanovllm.layers.linear import LinearBase, _shard
 from nanovllm.quantization.base import LinearMethod, MoEMethod, QuantizationConfig, empty_param, output_part
-from nanovllm.quantization.int_packing import dequantize, quantize_symmetric
+from nanovllm.kernels.wna16_reference import dequantize, quantize_symmetric
 from nanovllm.utils.loader import CheckpointNames, default_weight_loader, expert_param_suffix
+
+if KERNELS != "torch":
+    from nanovllm.kernels.wna16_gemm import wna16_linear
+
+# The most rows the Triton GEMM takes (decode batches, reading W packed); larger ones dequantize W and
+# run cuBLAS, where the GEMM's arithmetic outweighs reading W.
+DECODE_MAX_ROWS = 64
 
 
 @dataclass(frozen=True)
@@ -184,6 +192,11 @@ class WNA16LinearMethod(LinearMethod):
 
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None,
               into: torch.Tensor | None = None) -> torch.Tensor:
+        if x.is_cuda and KERNELS != "torch" and x.shape[0] <= DECODE_MAX_ROWS:
+            y = wna16_linear(x.contiguous(), layer.w_packed, layer.w_scales, layer.w_zeros, layer.w_g_idx,
+                             self.layout.bits, self.layout.group)
+            y = y if bias is None else y + bias
+            return y if into is None else into.add_(y)
         w = dequantize(layer.w_packed, layer.w_scales, layer.w_zeros, layer.w_g_idx, self.layout.bits,
                        self.layout.group, x.dtype)   # [N, K]
         y = F.linear(x, w, bias)

@@ -1,10 +1,11 @@
-"""Integer weights packed into int32 words, and the one form every W4A16 / W8A16 format is turned into
-after loading (quantization/wna16.py): values v in [0, 2^bits) with a zero point z in the same range
-and a float scale s, w = (v - z) * s, one (z, s) per group of input columns and output column.
+"""Integer weights packed into int32 words: the one form every W4A16 / W8A16 format is turned into
+after loading (quantization/wna16.py), and the torch reference of kernels/wna16_gemm.py. Values v in
+[0, 2^bits) with a zero point z in the same range and a float scale s, w = (v - z) * s, one (z, s)
+per group of input rows and output column.
 
 Packing: word j along a dim holds entries j * p + i (p = 32 / bits) in bits [i * bits, (i + 1) * bits)
 (GPTQ's qweight along the input dim and qzeros along the output dim; compressed-tensors' weight_packed
-and zero points). AWQ's GEMM layout permutes the entries inside each word (awq.py)."""
+and zero points). AWQ's GEMM layout permutes the entries inside each word (quantization/awq.py)."""
 import torch
 
 
