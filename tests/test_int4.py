@@ -266,6 +266,7 @@ def quantization_of(path: str, **options):
     ({"quant_method": "mxfp4"}, "supported"),
     ({**_gptq_config(), "bits": 3}, "bits 3"),
     ({**_gptq_config(), "checkpoint_format": "marlin"}, "checkpoint_format 'marlin'"),
+    ({**_gptq_config(), "dynamic": {r"+:.*down_proj": {"bits": 8}}}, "'dynamic' overrides"),
     ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"}, "version 'gemv'"),
     ({**_ct_config(), "config_groups": {"g": {**CT_GROUP, "input_activations": INT8_TOKENS}}},
      "not supported"),   # int8 w8a8
@@ -278,6 +279,32 @@ def test_unsupported_methods_are_clear_errors(bf16_dirs, tmp_path, qconfig, mess
     _set_quantization_config(path, qconfig)
     with pytest.raises(ValueError, match=message):
         quantization_of(path)
+
+
+def test_gptqmodel_exclusions_and_the_ignore_list_stay_unquantized(bf16_dirs, tmp_path):
+    """GPTQModel's dynamic '-:' patterns (here every o_proj) and compressed-tensors' ignore list keep
+    those layers' float weights; the rest is read in the format, matching transformers."""
+    from safetensors.torch import load_file
+    plain = {n: t for n, t in load_file(os.path.join(bf16_dirs["llama"], "model.safetensors")).items()
+             if ".o_proj." in n}
+
+    def unquantized_o_proj(tensors):
+        for name in [n for n in tensors if ".o_proj." in n]:
+            del tensors[name]
+        tensors.update(plain)
+    prompts = random_prompts(2, [5, 20], seed=9)
+    for fmt, qconfig in (("gptq", {**_gptq_config(), "dynamic": {r"-:.*o_proj": {}}}),
+                         ("compressed-tensors", {**_ct_config(), "ignore": ["lm_head", "re:.*o_proj$"]})):
+        path = save_quantized(bf16_dirs["llama"], str(tmp_path / fmt), fmt)
+        edit_checkpoint(path, unquantized_o_proj)
+        edit_checkpoint(path + "-dequantized", unquantized_o_proj)
+        _set_quantization_config(path, qconfig)
+        llm = LLM(path, **OPTIONS)
+        attn = llm.model_runner.model.model.layers[0].self_attn
+        assert attn.o_proj.quant is None and attn.qkv_proj.quant is not None
+        oracle = HFOracle(path + "-dequantized")
+        for prompt, out in zip(prompts, _generate(llm, prompts)):
+            oracle.assert_greedy(prompt, out)
 
 
 def test_a_shard_that_splits_a_group_is_a_clear_error(bf16_dirs, tmp_path):

@@ -8,7 +8,8 @@
   g_idx   [K] int32          desc_act (act order): the group of each input row; without desc_act
                              it is row // group_size, and not read
 
-G = ceil(K / group_size), or 1 for group_size -1 (one scale per output channel); w = (v - z) * s."""
+G = ceil(K / group_size), or 1 for group_size -1 (one scale per output channel); w = (v - z) * s.
+Modules left unquantized: modules_to_not_convert, and GPTQModel's `dynamic` exclusions ('-:pattern')."""
 from dataclasses import dataclass
 
 import torch
@@ -52,11 +53,13 @@ def gptq_config(qc: dict) -> WNA16Config:
     if fmt not in ("gptq", "gptq_v2"):
         raise ValueError(f"quant_method 'gptq' with checkpoint_format {fmt!r} is not supported ('gptq' or "
                          "'gptq_v2'; re-save a marlin / bitblas export in the GPTQ format)")
-    if qc.get("dynamic"):
+    dynamic = qc.get("dynamic") or {}
+    if any(not key.startswith("-:") for key in dynamic):
         raise ValueError("quant_method 'gptq' with per-module 'dynamic' overrides is not supported: one bits "
-                         "and group_size for every layer")
+                         "and group_size for every layer (only GPTQModel's '-:pattern' exclusions are read)")
     if qc.get("lm_head"):
         raise ValueError("quant_method 'gptq' with a quantized lm_head is not supported")
     layout = GptqLayout(bits, None if group == -1 else group, desc_act, 1 if fmt == "gptq" else 0)
-    return WNA16Config(layout, ignore=tuple(qc.get("modules_to_not_convert") or ()),
+    skipped = tuple("re:" + key[2:] for key in dynamic)   # GPTQModel: modules left unquantized
+    return WNA16Config(layout, ignore=tuple(qc.get("modules_to_not_convert") or ()) + skipped,
                        unread=() if desc_act else (".g_idx",))
