@@ -122,6 +122,7 @@ def write_awq(prefix, w, tensors, group=GROUP, **_):
 def write_compressed_tensors(prefix, w, tensors, bits=4, group=GROUP, sym=False, **_):
     """compressed-tensors' own compressor packs the weight, scale and zero point it is given; its
     decompressor gives the dequantized weight."""
+    pytest.importorskip("compressed_tensors")
     from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
     values, zeros, scales, g_idx = quantize(w, bits, group, sym)
