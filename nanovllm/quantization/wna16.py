@@ -15,7 +15,8 @@ covers p output columns, so a shard or packed projection must start and end on o
 input axis with a row-parallel shard's columns (a whole number of groups, and of words); anything
 else is a ValueError naming the sizes. With act order the scales and zero points stay whole on every
 rank (a rank's rows may belong to any group) and g_idx is sharded with the rows."""
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -59,7 +60,7 @@ class Geometry:
     tp_dim: int | None   # 0: the output columns are sharded, 1: the input rows, None: neither
     tp_rank: int
     tp_size: int
-    part: object         # shard_id -> (offset, size) of the output rows it fills
+    part: Callable[[object], tuple[int, int]]   # shard_id -> (offset, size) of the output rows it fills
 
     @property
     def k_full(self) -> int:
@@ -101,11 +102,10 @@ class WNA16Config(QuantizationConfig):
     layout: Layout
     ignore: tuple[str, ...] = ()
     unread: tuple[str, ...] = ()   # suffixes of checkpoint tensors not read (GPTQ's trivial g_idx)
-    renames: tuple[tuple[str, str], ...] = field(default=())
 
     @property
     def names(self) -> CheckpointNames:
-        return CheckpointNames(unread=self.unread, renames=self.renames)
+        return CheckpointNames(unread=self.unread)
 
     def linear_method(self, name: str, layer: LinearBase) -> "WNA16LinearMethod":
         return WNA16LinearMethod(self.layout, name)
