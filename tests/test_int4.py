@@ -274,6 +274,19 @@ def quantization_of(path: str, **options):
     ({**_ct_config(), "format": "nvfp4-pack-quantized", "config_groups": {"g": {**CT_GROUP, "weights": FP4}}},
      "not supported"),   # nvfp4
 ])
+def test_quantization_option_must_match_the_checkpoint(bf16_dirs, tmp_path):
+    """quantization='awq' on an unquantized checkpoint, or 'gptq' on an AWQ one, is refused before any
+    worker starts; None or the checkpoint's own method reads it."""
+    with pytest.raises(ValueError, match="quantization='awq' needs a checkpoint in that format"):
+        LLM(bf16_dirs["qwen3"], quantization="awq", **OPTIONS)
+    with pytest.raises(ValueError, match="quantization='bitsandbytes' is not supported.*'awq'"):
+        quantization_of(bf16_dirs["qwen3"], quantization="bitsandbytes")
+    path = save_quantized(bf16_dirs["qwen3"], str(tmp_path / "awq"), "awq")
+    with pytest.raises(ValueError, match="quantization='gptq', but the checkpoint's quantization_config"):
+        quantization_of(path, quantization="gptq")
+    assert quantization_of(path, quantization="awq").layout.group == GROUP
+
+
 def test_unsupported_methods_are_clear_errors(bf16_dirs, tmp_path, qconfig, message):
     path = str(tmp_path / "m")
     shutil.copytree(bf16_dirs["qwen3"], path)
