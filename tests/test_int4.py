@@ -261,19 +261,6 @@ def quantization_of(path: str, **options):
     return check_quantization(Config(path, **options))
 
 
-@pytest.mark.parametrize("qconfig,message", [
-    ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "supported: .*'gptq'.*'awq'"),
-    ({"quant_method": "gguf"}, "supported: .*'gptq'"),
-    ({"quant_method": "mxfp4"}, "supported"),
-    ({**_gptq_config(), "bits": 3}, "bits 3"),
-    ({**_gptq_config(), "checkpoint_format": "marlin"}, "checkpoint_format 'marlin'"),
-    ({**_gptq_config(), "dynamic": {r"+:.*down_proj": {"bits": 8}}}, "'dynamic' overrides"),
-    ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"}, "version 'gemv'"),
-    ({**_ct_config(), "config_groups": {"g": {**CT_GROUP, "input_activations": INT8_TOKENS}}},
-     "not supported"),   # int8 w8a8
-    ({**_ct_config(), "format": "nvfp4-pack-quantized", "config_groups": {"g": {**CT_GROUP, "weights": FP4}}},
-     "not supported"),   # nvfp4
-])
 def test_quantization_option_must_match_the_checkpoint(bf16_dirs, tmp_path):
     """quantization='awq' on an unquantized checkpoint, or 'gptq' on an AWQ one, is refused before any
     worker starts; None or the checkpoint's own method reads it."""
@@ -287,6 +274,19 @@ def test_quantization_option_must_match_the_checkpoint(bf16_dirs, tmp_path):
     assert quantization_of(path, quantization="awq").layout.group == GROUP
 
 
+@pytest.mark.parametrize("qconfig,message", [
+    ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "supported: .*'gptq'.*'awq'"),
+    ({"quant_method": "gguf"}, "supported: .*'gptq'"),
+    ({"quant_method": "mxfp4"}, "supported"),
+    ({**_gptq_config(), "bits": 3}, "bits 3"),
+    ({**_gptq_config(), "checkpoint_format": "marlin"}, "checkpoint_format 'marlin'"),
+    ({**_gptq_config(), "dynamic": {r"+:.*down_proj": {"bits": 8}}}, "'dynamic' overrides"),
+    ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"}, "version 'gemv'"),
+    ({**_ct_config(), "config_groups": {"g": {**CT_GROUP, "input_activations": INT8_TOKENS}}},
+     "not supported"),   # int8 w8a8
+    ({**_ct_config(), "format": "nvfp4-pack-quantized", "config_groups": {"g": {**CT_GROUP, "weights": FP4}}},
+     "not supported"),   # nvfp4
+])
 def test_unsupported_methods_are_clear_errors(bf16_dirs, tmp_path, qconfig, message):
     path = str(tmp_path / "m")
     shutil.copytree(bf16_dirs["qwen3"], path)
