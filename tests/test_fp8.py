@@ -232,7 +232,7 @@ def _with_quantization_config(src: str, dst: str, qconfig: dict) -> str:
 
 
 @pytest.mark.parametrize("qconfig, message", [
-    ({"quant_method": "awq", "bits": 4}, "quant_method 'awq'"),
+    ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "quant_method 'bitsandbytes'"),
     ({"quant_method": "fp8", "activation_scheme": "static", "weight_block_size": [128, 128]}, "static"),
     ({"quant_method": "fp8", "weight_block_size": [128]}, "weight_block_size"),
     ({**CT_CONFIG, "config_groups": {"g": {**_CT_GROUP, "weights": {**_CT_GROUP["weights"],
