@@ -24,7 +24,7 @@ from fp8_accuracy import DEVICE, chat_prompts, greedy_outputs, model_folder
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from nanovllm import SamplingParams
-from nanovllm.layers import fp8 as fp8_layers
+from nanovllm.quantization import fp8_methods
 
 CONFIGS = {"bf16": dict(dtype="bfloat16"), "fp8 weights": dict(dtype="bfloat16", quantization="fp8")}
 
@@ -49,7 +49,7 @@ def emulate_activation_rounding(unit_scales: bool = False):
             y = torch.nn.functional.linear(xr, w).to(x.dtype)
         y = (y if bias is None else y + bias).view(*x.shape[:-1], -1)
         return y if into is None else into.add_(y)
-    fp8_layers.Fp8Linear.apply = apply
+    fp8_methods.Fp8LinearMethod.apply = apply
 
 
 @torch.no_grad()

@@ -12,7 +12,6 @@ import torch
 from transformers import PretrainedConfig
 
 from nanovllm.utils.hf_files import load_hf_config
-from nanovllm.utils.quant_config import Fp8Scheme, fp8_scheme
 from nanovllm.utils.text_config import language_model_config
 
 logger = logging.getLogger(__name__)
@@ -78,9 +77,9 @@ class Config:
     enable_chunked_prefill: bool | None = None  # prefill is always chunked: None or True
     quantization: str | None = None             # None: as the checkpoint's quantization_config says (or
                                                 # its quant_method); "fp8": also quantizes a bf16 checkpoint
+                                                # (nanovllm/quantization reads it, before workers start)
     task: str = "auto"                          # "auto" or "generate": text generation
     hf_config: PretrainedConfig = field(init=False, repr=False)
-    fp8: Fp8Scheme | None = field(init=False, repr=False)   # the weights' FP8 format (None: unquantized)
 
     @classmethod
     def create(cls, model: str, **options) -> "Config":
@@ -195,11 +194,10 @@ class Config:
         self.hf_config = language_model_config(hf_config)
         self.max_model_len = min(self.max_model_len, self.hf_config.max_position_embeddings)
         _check_tp_divides(self.hf_config, self.tensor_parallel_size)
-        self.fp8 = fp8_scheme(self.hf_config, self.quantization)
+        if self.quantization is not None and not isinstance(self.quantization, str):
+            raise ValueError(f"quantization must be a method name (e.g. 'fp8', 'gptq') or None, "
+                             f"got {self.quantization!r}")
         _refuse_for_hybrid(self)
-        if self.fp8 is not None and self.fp8.kv_scales and self.kv_cache_dtype == "auto":
-            logger.warning("the checkpoint's static KV cache scales (kv_cache_scheme) are not used: they "
-                           "scale an FP8 KV cache, kv_cache_dtype='fp8'")
 
 
 _warned_attention_backend = False
@@ -281,8 +279,8 @@ def _refuse_for_hybrid(cfg: Config):
     fused projections have loaders of their own) and LoRA (their gated q_proj is packed with its gate)."""
     if "linear_attention" not in (getattr(cfg.hf_config, "layer_types", None) or ()):
         return
-    if cfg.fp8 is not None:
-        raise ValueError("FP8 weights (a quantization_config, or quantization='fp8') are not supported for "
+    if cfg.quantization is not None or getattr(cfg.hf_config, "quantization_config", None):
+        raise ValueError("quantized weights (a quantization_config, or quantization=) are not supported for "
                          "hybrid linear-attention models yet; use a bf16 checkpoint and quantization=None")
     if cfg.enable_lora:
         raise ValueError("enable_lora: LoRA is not supported for hybrid linear-attention models yet")

@@ -15,7 +15,8 @@ FLOORS = [
      "config"},                      # plain data, options and file helpers: no torch modules of ours
     {"kernels"},                     # Triton kernels and their torch references
     {"parallel"},                    # the TP group and its collectives, the command pipe, heartbeats
-    {"layers", "lora"},              # nn.Modules built from kernels, sharded by the TP group; LoRA on them
+    {"layers", "lora", "quantization"},   # nn.Modules built from kernels, sharded by the TP group; LoRA
+                                          # on them; quantized weights on them (formats and methods)
     {"models"},                      # decoders built from layers
     {"engine"},                      # Sequences, scheduler, ModelRunner, TP workers, LLMEngine
     {"distributed"},                 # data parallelism and Ray, built on LLMEngine

@@ -17,6 +17,7 @@ from conftest import HFOracle, edit_checkpoint, make_model, random_prompts
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.config import Config
+from nanovllm.quantization import check_quantization
 from nanovllm.kernels.fp8_reference import quantize_activations, quantize_weight
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -69,6 +70,12 @@ FORMATS = {"block": (BLOCK_CONFIG, (128, 128), "weight_scale_inv", torch.float32
                                          "attention"),
            "fbgemm": (FBGEMM_CONFIG, None, "weight_scale", torch.float32, None, None)}
 BF16_EXPERTS = ("fbgemm",)   # formats whose experts are not quantized
+
+
+def quantization_of(path: str, **options):
+    """The format the engine reads the folder's checkpoint in (None: unquantized), checked as the
+    engine checks it before any worker starts."""
+    return check_quantization(Config(path, **options))
 
 
 def _is_projection(name: str, experts: bool = True) -> bool:
@@ -225,7 +232,7 @@ def _with_quantization_config(src: str, dst: str, qconfig: dict) -> str:
 
 
 @pytest.mark.parametrize("qconfig, message", [
-    ({"quant_method": "awq", "bits": 4}, "quant_method 'awq'"),
+    ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "quant_method 'bitsandbytes'"),
     ({"quant_method": "fp8", "activation_scheme": "static", "weight_block_size": [128, 128]}, "static"),
     ({"quant_method": "fp8", "weight_block_size": [128]}, "weight_block_size"),
     ({**CT_CONFIG, "config_groups": {"g": {**_CT_GROUP, "weights": {**_CT_GROUP["weights"],
@@ -242,7 +249,7 @@ def _with_quantization_config(src: str, dst: str, qconfig: dict) -> str:
 def test_unsupported_quantization_configs_are_clear_errors(bf16_dirs, tmp_path, qconfig, message):
     path = _with_quantization_config(bf16_dirs["qwen3"], str(tmp_path / "m"), qconfig)
     with pytest.raises(ValueError, match=message):
-        Config(path)
+        quantization_of(path)
 
 
 def test_config_groups_and_static_scales_read_as_vllm_does(bf16_dirs, tmp_path, caplog):
@@ -252,10 +259,11 @@ def test_config_groups_and_static_scales_read_as_vllm_does(bf16_dirs, tmp_path, 
     path = _with_quantization_config(bf16_dirs["qwen3"], str(tmp_path / "m"),
                                      {**CT_STATIC_CONFIG, "config_groups": groups})
     with caplog.at_level("WARNING"):
-        scheme = Config(path).fp8
+        scheme = quantization_of(path)
     assert scheme.block is None and scheme.unread == (".input_scale",) and ".k_scale" in scheme.kv_scales
     assert "kv_cache_scheme" in caplog.text
-    assert Config(save_fp8(bf16_dirs["qwen3"], str(tmp_path / "c"), "compressed-tensors")).fp8.unread == ()
+    channel = save_fp8(bf16_dirs["qwen3"], str(tmp_path / "c"), "compressed-tensors")
+    assert quantization_of(channel).unread == ()
 
 
 @pytest.mark.parametrize("fmt", ["autofp8-static", "compressed-tensors-static"])
@@ -327,7 +335,7 @@ def test_fbgemm_fp8_keeps_the_experts_in_bf16(bf16_dirs, tmp_path):
     """fbgemm_fp8 quantizes the linear layers only (as vLLM reads it): a Qwen3-MoE checkpoint's experts
     are bf16 tensors, loaded unquantized beside FP8 attention projections; a bf16 expert is not refused."""
     path = save_fp8(bf16_dirs["qwen3_moe"], str(tmp_path / "m"), "fbgemm")
-    assert not Config(path).fp8.experts
+    assert not quantization_of(path).experts
     llm = LLM(path, **OPTIONS)
     layer = llm.model_runner.model.model.layers[0]
     assert layer.self_attn.qkv_proj.weight.dtype == torch.float8_e4m3fn
@@ -367,7 +375,7 @@ def test_fbgemm_fp8_activation_scale_ub_bounds_each_tokens_scale(bf16_dirs, tmp_
     to +-0.25, and not the tokens of the same checkpoint without the bound."""
     ub = 0.25
     path = save_fp8(bf16_dirs["llama"], str(tmp_path / "m"), "fbgemm")
-    assert Config(path).fp8.activation_scale_ub == 1200.0
+    assert quantization_of(path).activation_scale_ub == 1200.0
     prompts = random_prompts(3, [5, 17, 30], seed=6)
     unbounded = [o.outputs[0].token_ids
                  for o in LLM(path, **OPTIONS).generate(prompts, GREEDY, use_tqdm=False)]
@@ -383,14 +391,14 @@ def test_fbgemm_fp8_activation_scale_ub_bounds_each_tokens_scale(bf16_dirs, tmp_
 
 def test_unsupported_quantization_option_names_the_supported_ones(bf16_dirs, tmp_path):
     with pytest.raises(ValueError, match="'fp8'"):
-        Config(bf16_dirs["qwen3"], quantization="gptq")
+        quantization_of(bf16_dirs["qwen3"], quantization="gptq")
     path = save_fp8(bf16_dirs["qwen3"], str(tmp_path / "ct"), "compressed-tensors")
     with pytest.raises(ValueError, match="quantization='fp8', but the checkpoint's quantization_config says "
                                          "'compressed-tensors'"):
-        Config(path, quantization="fp8")
-    assert Config(path, quantization="compressed-tensors").fp8.block is None
-    assert Config(bf16_dirs["qwen3"]).fp8 is None
-    assert Config(bf16_dirs["qwen3"], quantization="fp8").fp8.online
+        quantization_of(path, quantization="fp8")
+    assert quantization_of(path, quantization="compressed-tensors").block is None
+    assert quantization_of(bf16_dirs["qwen3"]) is None
+    assert quantization_of(bf16_dirs["qwen3"], quantization="fp8").online
 
 
 def test_an_unquantized_tensor_in_an_fp8_checkpoint_is_refused(bf16_dirs, tmp_path):
@@ -430,7 +438,7 @@ def test_block_fp8_configs_with_dummy_weights(tmp_path, bf16_dirs):
     """bench.py's configs/*-fp8 (Qwen3-*-FP8's quantization_config) parse as the block format, and a
     block-format config with dummy weights runs with block scales (quantized at load)."""
     for name in ("qwen3-8b-fp8", "qwen3-30b-a3b-fp8"):
-        scheme = Config(f"configs/{name}").fp8
+        scheme = quantization_of(f"configs/{name}")
         assert scheme.block == (128, 128) and scheme.scale_name == "weight_scale_inv" and not scheme.online
     path = _with_quantization_config(bf16_dirs["qwen3_moe"], str(tmp_path / "m"), BLOCK_CONFIG)
     llm = LLM(path, load_format="dummy", **OPTIONS)

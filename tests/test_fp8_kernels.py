@@ -219,8 +219,8 @@ def test_interp_mlp_leaves_gate_up_scales_to_silu_and_mul_with_the_same_output(f
     from types import SimpleNamespace
 
     from nanovllm.kernels import fp8_gemm
-    from nanovllm.layers import fp8 as fp8_layers
     from nanovllm.models.llama import LlamaMLP
+    from nanovllm.quantization import fp8_methods as fp8_layers
     monkeypatch.setattr(fp8_layers, "_on_gpu_kernels", lambda x: True)   # (imported with the kernels on)
     for name in ("fp8_linear", "fp8_linear_unscaled"):
         monkeypatch.setattr(fp8_layers, name, getattr(fp8_gemm, name), raising=False)
@@ -229,7 +229,8 @@ def test_interp_mlp_leaves_gate_up_scales_to_silu_and_mul_with_the_same_output(f
     for layer in (mlp.gate_up_proj, mlp.down_proj):
         n, k = layer.weight.shape
         w, scale = quantize_weight(torch.randn(n, k, generator=g) * 0.1, None)
-        fp8_layers._prepare_linear(layer, None)
+        layer.quant = fp8_layers.Fp8LinearMethod(None)
+        layer.quant.create_weights(layer)
         layer.weight.data, layer.weight_scale.data = w, scale
         if bias:
             layer.bias.data = torch.randn(n, generator=g).to(torch.bfloat16)

@@ -362,7 +362,7 @@ def test_fp8_and_lora_are_refused_for_hybrid_models(tmp_path):
     cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
     with open(cfg_file, "w") as f:
         json.dump(cfg, f)
-    with pytest.raises(ValueError, match="FP8 weights .* not supported for hybrid linear-attention"):
+    with pytest.raises(ValueError, match="quantized weights .* not supported for hybrid linear-attention"):
         LLM(path, num_kvcache_blocks=16, **SMALL)
     with pytest.raises(ValueError, match="LoRA is not supported for hybrid"):
         LLM(make_qwen35(str(tmp_path / "lora"), Qwen3_5TextConfig(**TEXT)), enable_lora=True, **SMALL)

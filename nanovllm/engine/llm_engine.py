@@ -18,6 +18,7 @@ from nanovllm.engine.scheduler import ScheduledBatch, Scheduler
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.stop_checker import ABORT
 from nanovllm.outputs import CompletionOutput, RequestOutput
+from nanovllm.quantization import check_quantization
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.structured.params import StructuredOutputsParams
 from nanovllm.utils.hf_files import generation_eos_token_id, load_tokenizer
@@ -63,6 +64,7 @@ class LLMEngine:
         # between two queues when the failure came.
         self._queued: weakref.WeakSet[Sequence] = weakref.WeakSet()
         self.config = c = Config.create(model, **options)
+        check_quantization(c)   # before any worker starts
         self.tokenizer = (None if c.skip_tokenizer_init
                           else load_tokenizer(c.tokenizer or c.model, c.tokenizer_mode))
         self.executor = Executor(c)   # rank 0's runner here, and the workers under TP

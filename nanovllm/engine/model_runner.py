@@ -20,10 +20,10 @@ from nanovllm.engine.step_input import StepInput
 from nanovllm.kernels import paged_kv_slots
 from nanovllm.layers.attention import Attention, kv_scale_rows, warm_up_store
 from nanovllm.layers.prefill_attention import select_prefill_attention
-from nanovllm.layers.fp8 import finish_loading, prepare_fp8
 from nanovllm.layers.sampler import Sampler
 from nanovllm.lora.layers import LoRAModel
 from nanovllm.models import get_model_class
+from nanovllm.quantization import finish_loading, prepare_model, quantization_of
 from nanovllm.utils.context import Context, forward_context
 from nanovllm.parallel.parallel_state import (TPGroup, broadcast, connect_peer_all_reduce, host_barrier,
                                               min_across_ranks, tp_group, wait_for_device)
@@ -98,12 +98,12 @@ class ModelRunner:
             with self._timed("load model"):
                 with self.device, _default_dtype(self.dtype):
                     self.model = get_model_class(config.hf_config)(config.hf_config)
-                    fp8_loaded = prepare_fp8(self.model, config.fp8, config.load_format)
+                    plan = prepare_model(self.model, quantization_of(config), config.load_format)
                 if config.load_format == "dummy":
                     load_dummy_weights(self.model, config.seed)
                 else:
-                    load_model(self.model, config.model)
-                finish_loading(self.model, config.fp8, fp8_loaded)   # fold the norms, quantize at load
+                    load_model(self.model, config.model, plan.names)
+                finish_loading(self.model, plan)   # fold the norms, quantize at load
                 self.lora = LoRAModel.of(self.model, config)   # None unless enable_lora
             host_barrier("loaded")   # every rank has its shard: only now the first collective
             if not config.disable_custom_all_reduce:

@@ -43,7 +43,8 @@ class FusedMoE(nn.Module):
     w2: [num_experts, hidden, inter / tp].
     Checkpoint tensors arrive one expert and projection at a time, shard_id = (expert, 0 gate | 1 up)
     for w13 and (expert, 0) for w2 (utils/loader.py maps HF's per-expert names). quant: None, or the
-    method of FP8 experts (layers/fp8.py sets it, with w13_scale and w2_scale)."""
+    MoEMethod of quantized experts (nanovllm/quantization sets it, with the format's parameters in
+    place of w13 / w2); hidden: the experts' input size."""
 
     quant = None
 
@@ -51,6 +52,7 @@ class FusedMoE(nn.Module):
         super().__init__()
         self.tp_rank, self.tp_size = tp_rank(), tp_size()
         self.inter = _divide(intermediate_size, self.tp_size, "moe_intermediate_size")
+        self.num_experts, self.hidden = num_experts, hidden_size
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * self.inter, hidden_size))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, self.inter))
         self.w13.weight_loader = self.weight_loader

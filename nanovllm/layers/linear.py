@@ -26,8 +26,9 @@ def _shard(loaded: torch.Tensor, dim: int, size: int, rank: int, world: int) -> 
 
 class LinearBase(nn.Module):
     """y = x W^T (+ b) with W: [output_size, input_size] on this rank. tp_dim: the sharded axis of
-    W (0 = output columns, 1 = input rows, None = replicated). quant: None, or the method of an FP8
-    weight (layers/fp8.py sets it, with the scales beside the weight). lora: None, or a
+    W (0 = output columns, 1 = input rows, None = replicated). quant: None, or the LinearMethod of a
+    quantized weight (nanovllm/quantization sets it, and replaces `weight` with the format's
+    parameters); out_features, in_features: W's shape on this rank either way. lora: None, or a
     lora.layers.LoRALinear, run before any all-reduce: lora.folded_linear(x) is the layer's output
     with the step's adapters when lora.folds(), else lora(x, y) adds them to its output y."""
 
@@ -37,6 +38,7 @@ class LinearBase(nn.Module):
     def __init__(self, input_size: int, output_size: int, bias: bool, tp_dim: int | None):
         super().__init__()
         self.tp_dim, self.tp_rank, self.tp_size = tp_dim, tp_rank(), tp_size()
+        self.out_features, self.in_features = output_size, input_size
         self.weight = nn.Parameter(torch.empty(output_size, input_size))
         self.weight.weight_loader = self.weight_loader
         self.bias = None

@@ -39,7 +39,7 @@ SLICES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
 class LoRALinear:
     def __init__(self, base, modules: tuple[str, ...], max_loras: int, max_rank: int, dtype: torch.dtype,
                  input_scale: torch.Tensor | None = None):
-        out_local, in_local = base.weight.shape
+        out_local, in_local = base.out_features, base.in_features   # (a quantized weight may be packed)
         self.modules, self.rank = modules, max_rank
         self.row_parallel = base.tp_dim == 1
         self.tp_rank, self.tp_size = base.tp_rank, base.tp_size
@@ -51,7 +51,7 @@ class LoRALinear:
         else:
             self.sizes = (out_local,)
         self.input_scale = input_scale
-        kw = dict(dtype=dtype, device=base.weight.device)   # the activations' (an FP8 weight's too)
+        kw = dict(dtype=dtype, device=next(base.parameters()).device)   # the activations' (any weight's)
         R = len(modules) * max_rank
         self.folded = base.quant is None and base.bias is None
         if self.folded:   # [W; A_0; ...]: the base weight becomes a view of the buffer's first rows

@@ -106,8 +106,9 @@ class LlamaDecoderLayer(nn.Module):
         65504), nor into FP8 weights (W diag(w) would need new scales: quantization at load folds
         first); False: left as it is."""
         attn, mlp = self.self_attn, self.mlp
-        if (self.folded or not isinstance(mlp, LlamaMLP) or attn.qkv_proj.weight.dtype == torch.float16
-                or attn.qkv_proj.quant is not None or mlp.gate_up_proj.quant is not None
+        # (a quantized layer first: its weight may be packed, under other names)
+        if (self.folded or not isinstance(mlp, LlamaMLP) or attn.qkv_proj.quant is not None
+                or mlp.gate_up_proj.quant is not None or attn.qkv_proj.weight.dtype == torch.float16
                 or any(p.bias is not None for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
                                                     mlp.down_proj))):
             return False

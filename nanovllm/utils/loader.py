@@ -5,6 +5,7 @@ import json
 import logging
 import os
 import re
+from dataclasses import dataclass
 
 import torch
 from safetensors import safe_open
@@ -20,12 +21,23 @@ def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor, shard_id=No
     param.data.copy_(loaded)
 
 
-def _target(name: str, mapping: dict) -> tuple[str, object]:
+@dataclass(frozen=True)
+class CheckpointNames:
+    """How a quantized checkpoint's tensor names differ from the model's parameters (a quantization
+    format's, nanovllm/quantization)."""
+    unread: tuple[str, ...] = ()      # suffixes of tensors the model does not use (static input scales)
+    kv_scales: tuple[str, ...] = ()   # suffixes of static KV cache scales: kept in model.kv_scale_tensors
+    renames: tuple[tuple[str, str], ...] = ()   # (checkpoint suffix, the parameter's suffix)
+
+
+def _target(name: str, mapping: dict, names: CheckpointNames = CheckpointNames()) -> tuple[str, object]:
     """Checkpoint name -> (parameter name, shard id) through the model's packed_modules_mapping."""
+    for old, new in names.renames:
+        if name.endswith(old):
+            name = name.removesuffix(old) + new
+            break
     if (expert := expert_target(name)) is not None:
         return expert
-    if name.endswith(".weight_scale_inv"):   # HF's FP8 block scales: the parameter is weight_scale
-        name = name.removesuffix("_inv")
     for key, (packed, shard_id) in mapping.items():
         if f".{key}." in name:
             return name.replace(f".{key}.", f".{packed}."), shard_id
@@ -51,15 +63,15 @@ def safetensors_files(path: str) -> list[str]:
     return files
 
 
-def load_model(model: nn.Module, path: str):
+def load_model(model: nn.Module, path: str, names: CheckpointNames = CheckpointNames()):
+    """names: the quantization format's checkpoint names (skipped, kept aside, renamed)."""
     files = safetensors_files(path)
     params = dict(model.named_parameters())   # tied weights appear once
     mapping = getattr(model, "packed_modules_mapping", {})
     expected = {name: expert_shards(name, p) or _shards_of(name, mapping) for name, p in params.items()}
     loaded: dict[str, set] = {name: set() for name in params}
-    unread = getattr(model, "unread_tensors", ())   # suffixes the model does not use (layers/fp8.py)
-    kv_names = getattr(model, "kv_scale_names", ())   # static KV scales, for an FP8 cache (layers/fp8.py)
-    model.kv_scale_tensors = {}
+    unread, kv_names = names.unread, names.kv_scales
+    model.kv_scale_tensors = {}   # static KV scales, for an FP8 cache (layers/attention.py: kv_scale_rows)
     # A model may skip parts of a checkpoint it does not run (a vision tower) and read its own
     # tensors under another prefix (a multimodal checkpoint's text model).
     skipped_prefixes = getattr(model, "skipped_checkpoint_prefixes", ())
@@ -78,7 +90,7 @@ def load_model(model: nn.Module, path: str):
                     continue
                 prefix = next((p for p in renames if ckpt_name.startswith(p)), None)
                 in_model = ckpt_name if prefix is None else renames[prefix] + ckpt_name[len(prefix):]
-                name, shard_id = _target(in_model, mapping)
+                name, shard_id = _target(in_model, mapping, names)
                 if name not in params:
                     if _tied_duplicate(model, ckpt_name):
                         continue
@@ -129,10 +141,17 @@ def _checkpoint_names(param_name: str, shards: set, mapping: dict) -> list[str]:
 # Mixture-of-experts checkpoints (transformers' Qwen3-MoE save_pretrained) store one tensor per
 # expert and projection; the model stacks them: `...mlp.experts.{e}.gate_proj.weight` -> shard (e, 0)
 # of `...mlp.experts.w13`, up_proj -> (e, 1), down_proj -> (e, 0) of `...mlp.experts.w2`.
-# FP8 experts' scales (weight_scale, or HF's weight_scale_inv) go to w13_scale / w2_scale alike.
-_EXPERT_NAME = re.compile(r"\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight(_scale(?:_inv)?)?$")
+# A quantized expert's other tensors go beside them: weight_scale -> w13_scale / w2_scale (FP8),
+# any other leaf X (qweight, scales, weight_packed ...) -> w13_X / w2_X.
+_EXPERT_NAME = re.compile(r"\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.(\w+)$")
 _EXPERT_SHARDS = {"gate_proj": ("w13", 0), "up_proj": ("w13", 1), "down_proj": ("w2", 0)}
-_EXPERT_PARAM = re.compile(r"\.experts\.(w13|w2)(_scale)?$")
+_EXPERT_PARAM = re.compile(r"\.experts\.(w13|w2)(_\w+)?$")
+
+
+def expert_param_suffix(leaf: str) -> str:
+    """The stacked parameter of a per-expert checkpoint leaf is w13 or w2 + this (weight: "", FP8
+    scales: "_scale")."""
+    return {"weight": "", "weight_scale": "_scale"}.get(leaf, "_" + leaf)
 
 
 def expert_target(ckpt_name: str) -> tuple[str, tuple[int, int]] | None:
@@ -141,8 +160,7 @@ def expert_target(ckpt_name: str) -> tuple[str, tuple[int, int]] | None:
     if m is None:
         return None
     stacked, index = _EXPERT_SHARDS[m[2]]
-    scale = "_scale" if m[3] else ""
-    return f"{ckpt_name[:m.start()]}.experts.{stacked}{scale}", (int(m[1]), index)
+    return f"{ckpt_name[:m.start()]}.experts.{stacked}{expert_param_suffix(m[3])}", (int(m[1]), index)
 
 
 def expert_shards(param_name: str, param: torch.Tensor) -> set | None:
@@ -154,9 +172,9 @@ def expert_shards(param_name: str, param: torch.Tensor) -> set | None:
 
 
 def expert_checkpoint_name(param_name: str, shard: tuple[int, int]) -> str:
-    stacked = param_name.rsplit(".", 1)[1]
-    proj = next(p for p, s in _EXPERT_SHARDS.items() if s == (stacked.removesuffix("_scale"), shard[1]))
-    suffix = "weight_scale" if stacked.endswith("_scale") else "weight"
+    stacked, _, rest = param_name.rsplit(".", 1)[1].partition("_")
+    proj = next(p for p, s in _EXPERT_SHARDS.items() if s == (stacked, shard[1]))
+    suffix = {"": "weight", "scale": "weight_scale"}.get(rest, rest)
     return f"{param_name.rsplit('.', 1)[0]}.{shard[0]}.{proj}.{suffix}"
 
 
