@@ -1,7 +1,8 @@
 """The roofline (nanovllm/utils/roofline.py) behind bench.py's fraction of the limit: the figures
 docs/benchmarks.md quotes, the two regimes of a decode step (weights and K/V at copy bandwidth, or
-FLOPs at the bf16 peak), how tensor and data parallelism, the KV dtype and experts scale it, and the
-measurements of the GPU's figures."""
+FLOPs at the bf16 peak), how tensor and data parallelism, the KV dtype and experts scale it, what a
+hybrid linear-attention model adds (its states, its delta rule; K/V in its full-attention layers only),
+and the measurements of the GPU's figures."""
 import json
 import math
 import os
@@ -35,9 +36,11 @@ def test_default_workload_lengths_are_bench_s():
 
 @pytest.mark.parametrize("model,tp,kv_bytes,expected", [
     ("qwen3-0.6b", 1, 2, 36_329), ("qwen3-0.6b", 1, 1, 64_569),
-    ("qwen3-8b", 1, 2, 12_923), ("qwen3-8b", 2, 2, 25_846)])
+    ("qwen3-8b", 1, 2, 12_923), ("qwen3-8b", 2, 2, 25_846),
+    ("qwen3.5-9b", 1, 2, 12_757), ("qwen3.6-35b-a3b", 1, 2, 6_702)])
 def test_limits_of_the_default_workload(model, tp, kv_bytes, expected):
-    """benchmarks/RESULTS.md's and docs/benchmarks.md's figures, at the documented H200 figures."""
+    """benchmarks/RESULTS.md's, docs/benchmarks.md's and docs/hybrid.md's figures, at the documented
+    H200 figures."""
     prompt_lens, output_lens = roofline.default_workload_lens()
     assert round(workload_limit(config_of(model), prompt_lens, output_lens, H200, tp, kv_bytes)) == expected
 
@@ -295,11 +298,18 @@ def test_the_hybrid_count_is_the_model_nanovllm_builds(arch):
     assert _built_weights(model) == _roofline_weights(config)
 
 
-@pytest.mark.parametrize("model", ["qwen3.5-9b", "qwen3.6-35b-a3b"])
-def test_the_shipped_hybrid_configs_count_what_nanovllm_builds(model):
+@pytest.mark.parametrize("model,total,active", [
+    ("qwen3.5-9b", 8.95e9, 8.95e9),          # the text model of the 9.65B checkpoint (vision, MTP aside)
+    ("qwen3.6-35b-a3b", 34.66e9, 3.46e9)])   # 35B total, 3B active ("A3B") with vision and MTP
+def test_the_shipped_hybrid_configs_count_what_nanovllm_builds(model, total, active):
     from nanovllm.config import Config
     from nanovllm.models import get_model_class
     hf = Config(os.path.join(CONFIGS, model), device="cpu").hf_config
     with torch.device("meta"):
         built = get_model_class(hf)(hf)
     assert _built_weights(built) == _roofline_weights(config_of(model))
+    params = sum(p.numel() for p in built.parameters())
+    shapes = ModelShapes.from_config(config_of(model))
+    idle_experts = shapes.sparse_layers * (shapes.experts - shapes.top_k) * shapes.expert_params
+    assert params == pytest.approx(total, rel=0.005)
+    assert params - idle_experts == pytest.approx(active, rel=0.005)
