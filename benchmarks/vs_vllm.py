@@ -98,6 +98,7 @@ def is_moe(model: str) -> bool:
         return False
     with open(path) as f:
         config = json.load(f)
+    config = config.get("text_config") or config   # a multimodal checkpoint's decoder (Qwen3.6-35B-A3B)
     return any(config.get(key) for key in ("num_experts", "n_routed_experts", "num_local_experts"))
 
 

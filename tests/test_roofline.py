@@ -1,7 +1,8 @@
 """The roofline (nanovllm/utils/roofline.py) behind bench.py's fraction of the limit: the figures
 docs/benchmarks.md quotes, the two regimes of a decode step (weights and K/V at copy bandwidth, or
-FLOPs at the bf16 peak), how tensor and data parallelism, the KV dtype and experts scale it, and the
-measurements of the GPU's figures."""
+FLOPs at the bf16 peak), how tensor and data parallelism, the KV dtype and experts scale it, what a
+hybrid linear-attention model adds (its states, its delta rule; K/V in its full-attention layers only),
+and the measurements of the GPU's figures."""
 import json
 import math
 import os
@@ -35,9 +36,11 @@ def test_default_workload_lengths_are_bench_s():
 
 @pytest.mark.parametrize("model,tp,kv_bytes,expected", [
     ("qwen3-0.6b", 1, 2, 36_329), ("qwen3-0.6b", 1, 1, 64_569),
-    ("qwen3-8b", 1, 2, 12_923), ("qwen3-8b", 2, 2, 25_846)])
+    ("qwen3-8b", 1, 2, 12_923), ("qwen3-8b", 2, 2, 25_846),
+    ("qwen3.5-9b", 1, 2, 12_757), ("qwen3.6-35b-a3b", 1, 2, 6_702)])
 def test_limits_of_the_default_workload(model, tp, kv_bytes, expected):
-    """benchmarks/RESULTS.md's and docs/benchmarks.md's figures, at the documented H200 figures."""
+    """benchmarks/RESULTS.md's, docs/benchmarks.md's and docs/hybrid.md's figures, at the documented
+    H200 figures."""
     prompt_lens, output_lens = roofline.default_workload_lens()
     assert round(workload_limit(config_of(model), prompt_lens, output_lens, H200, tp, kv_bytes)) == expected
 
@@ -207,3 +210,106 @@ def test_the_overlap_bound_is_never_below_separate_phases(model):
     separate = workload_limit(config_of(model), prompt_lens, output_lens)
     overlap = workload_limit(config_of(model), prompt_lens, output_lens, bound="overlap")
     assert separate < overlap < 2 * separate
+
+
+# ---- hybrid linear-attention models (Qwen3.5 / Qwen3.6, Qwen3-Next) ------------------------------
+# 4 layers (3 Gated DeltaNet, then gated full attention) of hidden 64; the linear layers have 2 key
+# heads and 4 value heads of 8 dims and a conv of kernel 4.
+LINEAR, FULL = "linear_attention", "full_attention"
+TINY_HYBRID = dict(TINY, num_hidden_layers=4, layer_types=[LINEAR, LINEAR, LINEAR, FULL],
+                   linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                   linear_value_head_dim=8, linear_conv_kernel_dim=4)
+GATED_ATTENTION = 64 * (2 * 4 * 16 + 2 * 2 * 16) + 4 * 16 * 64   # q_proj makes the gate too; k, v, o
+# in_proj_qkvz, in_proj_ba, conv1d over q | k | v, A_log + dt_bias, the gated norm, out_proj
+DELTANET = 64 * (16 + 16 + 32 + 32) + 64 * 8 + (16 + 16 + 32) * 4 + 2 * 4 + 8 + 32 * 64
+DELTA_RULE_FLOPS = 3 * 6 * 4 * 8 * 8               # 3 layers x 6 per state value x 4 heads x 8 x 8
+STATE_BYTES = 3 * ((16 + 16 + 32) * 3 * 2 + 4 * 8 * 8 * 4)   # conv (3 inputs, bf16) + recurrent (fp32)
+# every layer's MLP a mixture of 8 experts (top 2) plus a shared expert of 48 and its gate
+TINY_HYBRID_MOE = dict({k: v for k, v in TINY_HYBRID.items() if k != "intermediate_size"}, num_experts=8,
+                       num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
+
+
+def test_a_hybrid_model_counts_kv_and_attention_only_in_its_full_attention_layers():
+    shapes = ModelShapes.from_config(TINY_HYBRID)
+    assert shapes.body_params == GATED_ATTENTION + 3 * DELTANET + 4 * 3 * 64 * 128
+    assert shapes.kv_values_per_token == 2 * 1 * 2 * 16        # K and V of 1 layer x 2 heads x 16
+    assert shapes.attention_flops_per_key == 4 * 1 * 4 * 16
+    assert shapes.linear_flops_per_token == DELTA_RULE_FLOPS
+    assert shapes.state_bytes_per_seq == STATE_BYTES == 3 * 1408
+
+
+def test_a_hybrid_decode_step_reads_and_writes_every_sequence_s_state():
+    shapes = ModelShapes.from_config(TINY_HYBRID)
+    body = GATED_ATTENTION + 3 * DELTANET + 4 * 3 * 64 * 128
+    (reads, flops), = roofline.decode_steps(shapes, [100, 300], [1, 1], kv_bytes=2)
+    assert reads == 2 * (body + 64_000) + 64 * 2 * (100 + 300) + 2 * 2 * STATE_BYTES
+    assert flops == 2 * (2 * (body + 64_000) + DELTA_RULE_FLOPS) + 4 * 4 * 16 * (100 + 300)
+    # prefill: the delta rule per prompt token, attention in one layer
+    assert roofline.prefill_flops(shapes, [100, 300]) == (
+        (2 * body + DELTA_RULE_FLOPS) * 400 + 2 * 2 * 64_000 + 4 * 4 * 16 * (100 ** 2 + 300 ** 2) / 2)
+
+
+def test_a_hybrid_moe_counts_its_shared_expert_as_active():
+    shapes = ModelShapes.from_config(TINY_HYBRID_MOE)
+    always = GATED_ATTENTION + 3 * DELTANET + 4 * (8 * 64 + 3 * 64 * 48 + 64)   # + routers, shared experts
+    assert shapes.body_params == always and shapes.sparse_layers == 4
+    assert shapes.active_params == always + 4 * 2 * 3 * 64 * 32
+    assert shapes.params_read(10_000) == pytest.approx(always + 4 * 8 * 3 * 64 * 32 + 64_000)
+
+
+def test_hybrid_layers_from_the_interval_and_a_multimodal_text_config():
+    # Qwen3-Next's config may give full_attention_interval alone (transformers derives layer_types).
+    by_interval = {k: v for k, v in TINY_HYBRID.items() if k != "layer_types"}
+    by_interval["full_attention_interval"] = 4
+    assert ModelShapes.from_config(by_interval) == ModelShapes.from_config(TINY_HYBRID)
+    # the published Qwen3.5 checkpoints: the decoder is the text_config of a multimodal config
+    multimodal = {"architectures": ["Qwen3_5ForConditionalGeneration"], "text_config": TINY_HYBRID,
+                  "vision_config": {"depth": 2, "hidden_size": 32}}
+    assert ModelShapes.from_config(multimodal) == ModelShapes.from_config(TINY_HYBRID)
+    with pytest.raises(ValueError, match="linear_attention layers but lacks linear_conv_kernel_dim"):
+        ModelShapes.from_config({k: v for k, v in TINY_HYBRID.items() if k != "linear_conv_kernel_dim"})
+
+
+def _built_weights(model) -> int:
+    """The parameters of a nanovllm model that the roofline counts: all but the embedding and the
+    residual stream's and attention's q/k RMSNorms (the gated norm of linear attention counts)."""
+    skip = ("embed_tokens", "layernorm", "model.norm.", "q_norm", "k_norm")
+    return sum(p.numel() for name, p in model.named_parameters() if not any(s in name for s in skip))
+
+
+def _roofline_weights(config: dict) -> int:
+    s = ModelShapes.from_config(config)
+    return s.body_params + s.sparse_layers * s.experts * s.expert_params + s.lm_head_params
+
+
+@pytest.mark.parametrize("arch", ["Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM"])
+def test_the_hybrid_count_is_the_model_nanovllm_builds(arch):
+    from transformers import Qwen3_5MoeTextConfig, Qwen3_5TextConfig, Qwen3NextConfig
+
+    from nanovllm.models import qwen3_5
+    experts = "Moe" in arch or "Next" in arch
+    config = dict(TINY_HYBRID_MOE if experts else TINY_HYBRID, max_position_embeddings=64)
+    if "Next" in arch:   # a dense MLP in layer 1, experts elsewhere
+        config.update(mlp_only_layers=[1], intermediate_size=128)
+    hf = {"Qwen3_5ForCausalLM": Qwen3_5TextConfig, "Qwen3_5MoeForCausalLM": Qwen3_5MoeTextConfig,
+          "Qwen3NextForCausalLM": Qwen3NextConfig}[arch](**config)
+    with torch.device("meta"):
+        model = getattr(qwen3_5, arch)(hf)
+    assert _built_weights(model) == _roofline_weights(config)
+
+
+@pytest.mark.parametrize("model,total,active", [
+    ("qwen3.5-9b", 8.95e9, 8.95e9),          # the text model of the 9.65B checkpoint (vision, MTP aside)
+    ("qwen3.6-35b-a3b", 34.66e9, 3.46e9)])   # 35B total, 3B active ("A3B") with vision and MTP
+def test_the_shipped_hybrid_configs_count_what_nanovllm_builds(model, total, active):
+    from nanovllm.config import Config
+    from nanovllm.models import get_model_class
+    hf = Config(os.path.join(CONFIGS, model), device="cpu").hf_config
+    with torch.device("meta"):
+        built = get_model_class(hf)(hf)
+    assert _built_weights(built) == _roofline_weights(config_of(model))
+    params = sum(p.numel() for p in built.parameters())
+    shapes = ModelShapes.from_config(config_of(model))
+    idle_experts = shapes.sparse_layers * (shapes.experts - shapes.top_k) * shapes.expert_params
+    assert params == pytest.approx(total, rel=0.005)
+    assert params - idle_experts == pytest.approx(active, rel=0.005)

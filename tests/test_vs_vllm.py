@@ -35,6 +35,8 @@ def test_kernel_categories(name, expected):
 
 def test_a_moe_model_gets_uniform_simulated_routing_in_vllm_only_by_default():
     assert vs_vllm.is_moe(MOE) and not vs_vllm.is_moe(DENSE) and not vs_vllm.is_moe("no/such/folder")
+    # multimodal checkpoints: the experts are in text_config
+    assert vs_vllm.is_moe("configs/qwen3.6-35b-a3b") and not vs_vllm.is_moe("configs/qwen3.5-9b")
     assert vs_vllm.vllm_env(args_for(MOE)) == {"VLLM_MOE_ROUTING_SIMULATION_STRATEGY": "uniform_random"}
     assert vs_vllm.vllm_env(args_for(MOE, "model")) == {}
     assert vs_vllm.vllm_env(args_for(DENSE)) == {}

@@ -1,7 +1,8 @@
 """The roofline of an offline generation workload: the output tokens/s no engine can exceed on given
-GPUs, computed from the model's Hugging Face config (dense Qwen3/Llama/Qwen2, or Qwen3-MoE), the
-workload's prompt and output lengths, the tensor- and data-parallel sizes, the KV cache dtype, and
-two figures of the GPU: its copy bandwidth and its bf16 peak, measured once per process on CUDA.
+GPUs, computed from the model's Hugging Face config (dense Qwen3/Llama/Qwen2, Qwen3-MoE, or the hybrid
+linear-attention Qwen3.5/Qwen3.6/Qwen3-Next: see below), the workload's prompt and output lengths,
+the tensor- and data-parallel sizes, the KV cache dtype, and two figures of the GPU: its copy
+bandwidth and its bf16 peak, measured once per process on CUDA.
 
 The model of time. A GPU moves memory at most at `copy_bytes_per_s` (bytes/s: the bytes read plus
 the bytes written by a large device-to-device copy; a read-only stream is assumed no faster) and
@@ -11,16 +12,25 @@ Weights are bf16 (2 bytes), or with `weight_bytes=1` FP8 (the LM head stays bf16
 at twice the bf16 peak (FP8 tensor cores); K/V take `kv_bytes` bytes per value (2 for bf16, 1 for FP8).
 
 - Prefill (seconds = FLOPs / bf16_flop_per_s): every prompt token through every layer, 2 FLOPs per
-  weight it computes with (for a MoE layer the router and its top_k experts), causal attention at
-  4 x layers x heads x head_dim FLOPs per query-key pair (n^2 / 2 pairs for an n-token prompt), and
-  the LM head once per prompt. Its weight reads and K/V writes are not counted (compute-bound).
+  weight it computes with (for a MoE layer the router, its top_k experts and a shared expert), causal
+  attention at 4 x layers x heads x head_dim FLOPs per query-key pair (n^2 / 2 pairs for an n-token
+  prompt), and the LM head once per prompt. Its weight reads and K/V writes are not counted (compute-bound).
 - Decode: one step per output position; a step's batch is every sequence still generating (all
   sequences run from the start: the workload fits max_num_seqs and the KV cache), each with a context
   of its prompt plus the tokens it generated so far. Seconds per step = max(bytes / copy, FLOPs /
   peak), where bytes = all weights once (the LM head included; a MoE layer only the experts its batch
   touches, E x (1 - (1 - top_k / E)^B) of E under uniform routing, as dummy weights give) + every
-  context token's K and V of every layer; FLOPs = 2 per active weight per sequence + the attention
-  FLOPs per key of every context.
+  context token's K and V of every layer (+ the linear-attention state, below); FLOPs = 2 per active
+  weight per sequence + the attention FLOPs per key of every context.
+- Hybrid models (config.json's layer_types; a multimodal checkpoint's text_config is the decoder):
+  only the full-attention layers hold K/V and attend ("layers" above counts them alone), their q_proj
+  twice as wide (it makes the output gate too). A Gated DeltaNet layer's weights (in_proj_qkvz,
+  in_proj_ba, conv1d, A_log, dt_bias, its gated norm, out_proj) count as any weight; its delta rule
+  adds 6 FLOPs per recurrent-state value per token (S^T k, the rank-one update, S^T q), in prefill
+  and decode. Each sequence keeps a conv state (bf16) and a recurrent state (fp32) per such layer
+  (utils/hybrid_shapes.py): a decode step reads and writes all of it, for every sequence of the batch
+  (for Qwen3.5-9B 49 MiB a sequence, so 98 MiB of traffic a sequence a step, beside 16 GB of weights).
+  Prefill's state traffic is not counted (once per sequence and chunk; compute-bound).
 - Tensor parallelism over N GPUs: the weights (column/row-parallel linears, the vocab-parallel LM
   head, every expert's slice), the K/V heads (num_key_value_heads is divisible by N, so none is
   replicated) and the FLOPs all split N ways, so a GPU's time is 1/N of one GPU's. The all-reduces
@@ -36,9 +46,9 @@ The limit ("separate" phases) is the workload's output tokens over the sum of th
 for an engine that runs prefill and decode in separate steps. A scheduler that puts prompt chunks
 into the decode steps can hide prefill FLOPs under the decode steps' memory time, so beside it stands
 the "overlap" bound: the larger of all FLOPs (prefill and decode) at the peak and all decode bytes
-(one weight read per decode step, every context's K/V) at the copy bandwidth; no engine passes it. `python -m
-nanovllm.utils.roofline MODEL_FOLDER... [--tp N...]` prints this GPU's figures and the limits of
-bench.py's default workload."""
+(one weight read per decode step, every context's K/V, the states) at the copy bandwidth; no engine
+passes it. `python -m nanovllm.utils.roofline MODEL_FOLDER... [--tp N...]` prints this GPU's figures
+and the limits of bench.py's default workload."""
 import dataclasses
 import functools
 import random
@@ -49,6 +59,8 @@ from dataclasses import dataclass
 import torch
 
 from nanovllm.utils.balance import assign_by_cost, request_cost
+from nanovllm.utils.hybrid_shapes import (LinearAttentionShapes, decoder_config, layer_kinds,
+                                          linear_attention_shapes, shared_expert_params)
 
 WEIGHT_BYTES = 2   # bf16
 
@@ -139,21 +151,26 @@ def device_limits(device: str | None = None) -> DeviceLimits:
 @dataclass(frozen=True)
 class ModelShapes:
     """What the roofline needs of a decoder, in parameters (weights) and per-token sizes."""
-    layers: int
+    attention_layers: int  # layers that hold K/V: all but a hybrid model's linear-attention layers
     heads: int
     kv_heads: int
     head_dim: int
-    body_params: int      # weights every token computes with: attention, dense MLPs, routers
+    body_params: int      # weights every token computes with: attention, linear attention, dense MLPs,
+                          # routers, shared experts
     lm_head_params: int
     sparse_layers: int    # layers with experts (0 for a dense model)
     experts: int
     top_k: int
     expert_params: int    # gate, up and down of one expert
+    linear_flops_per_token: int = 0   # the linear-attention layers' delta rule, beyond 2 per weight
+    state_bytes_per_seq: int = 0      # a sequence's conv + recurrent state in all linear-attention layers
     weight_bytes: float = WEIGHT_BYTES   # of the body's and experts' weights (the LM head is bf16)
 
     @classmethod
     def from_config(cls, config: dict) -> "ModelShapes":
-        """Dense Qwen3/Llama/Qwen2 or Qwen3-MoE from the HF config.json (as a dict)."""
+        """Dense Qwen3/Llama/Qwen2, Qwen3-MoE, or hybrid Qwen3.5/Qwen3.6/Qwen3-Next from the HF
+        config.json (as a dict; a multimodal checkpoint's text_config is its decoder)."""
+        config = decoder_config(config)
         experts = config.get("num_experts") or config.get("num_local_experts") or 0
         need = ["hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"]
         need += ["moe_intermediate_size", "num_experts_per_tok"] if experts else ["intermediate_size"]
@@ -168,12 +185,19 @@ class ModelShapes:
         if layers > sparse and "intermediate_size" not in config:   # an MoE model's dense layers
             raise ValueError(f"the model config lacks intermediate_size ({layers - sparse} of its layers "
                              "have a dense MLP): pass a decoder's config.json")
+        linear = layer_kinds(config).count("linear_attention")
+        mixer = linear_attention_shapes(config) if linear else LinearAttentionShapes(0, 0, 0)
+        # a hybrid model's full attention gates its output: q_proj makes each head's gate too
+        gated = linear > 0 and config.get("attn_output_gate", True)
         expert = 3 * hidden * config["moe_intermediate_size"] if experts else 0
-        attention = hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden   # qkv, o
-        dense_mlp = 3 * hidden * config["intermediate_size"] if layers > sparse else 0        # gate_up, down
-        body = layers * attention + (layers - sparse) * dense_mlp + sparse * experts * hidden  # + routers
-        return cls(layers, heads, kv_heads, head_dim, body, config["vocab_size"] * hidden, sparse, experts,
-                   config["num_experts_per_tok"] if experts else 0, expert)
+        q_rows = (2 if gated else 1) * heads * head_dim
+        attention = hidden * (q_rows + 2 * kv_heads * head_dim) + heads * head_dim * hidden   # qkv, o
+        dense_mlp = 3 * hidden * config["intermediate_size"] if layers > sparse else 0   # gate_up, down
+        routed = sparse * (experts * hidden + shared_expert_params(config))   # routers, shared experts
+        body = (layers - linear) * attention + linear * mixer.params + (layers - sparse) * dense_mlp + routed
+        return cls(layers - linear, heads, kv_heads, head_dim, body, config["vocab_size"] * hidden, sparse,
+                   experts, config["num_experts_per_tok"] if experts else 0, expert,
+                   linear * mixer.flops_per_token, linear * mixer.state_bytes)
 
     @property
     def active_params(self) -> int:
@@ -182,11 +206,11 @@ class ModelShapes:
 
     @property
     def kv_values_per_token(self) -> int:
-        return 2 * self.layers * self.kv_heads * self.head_dim
+        return 2 * self.attention_layers * self.kv_heads * self.head_dim
 
     @property
     def attention_flops_per_key(self) -> int:
-        return 4 * self.layers * self.heads * self.head_dim   # q.k and p.v, per query and key
+        return 4 * self.attention_layers * self.heads * self.head_dim   # q.k and p.v, per query and key
 
     @property
     def gemm_time_factor(self) -> float:
@@ -212,20 +236,23 @@ def _sparse_layers(config: dict) -> int:
 
 
 def prefill_flops(shapes: ModelShapes, prompt_lens: list[int]) -> float:
-    return (2 * shapes.active_params * shapes.gemm_time_factor * sum(prompt_lens)
+    return ((2 * shapes.active_params * shapes.gemm_time_factor + shapes.linear_flops_per_token)
+            * sum(prompt_lens)
             + 2 * shapes.lm_head_params * len(prompt_lens)
             + sum(shapes.attention_flops_per_key * n * n / 2 for n in prompt_lens))
 
 
 def decode_steps(shapes: ModelShapes, prompt_lens: list[int], output_lens: list[int],
                  kv_bytes: float) -> list[tuple[float, float]]:
-    """(bytes read, FLOPs) of each decode step."""
+    """(bytes moved, FLOPs) of each decode step."""
     steps = []
     for step in range(max(output_lens, default=0)):
         contexts = [n + step for n, out in zip(prompt_lens, output_lens) if step < out]
         reads = (shapes.bytes_read(len(contexts))
-                 + shapes.kv_values_per_token * kv_bytes * sum(contexts))
-        flops = (2 * (shapes.active_params * shapes.gemm_time_factor + shapes.lm_head_params) * len(contexts)
+                 + shapes.kv_values_per_token * kv_bytes * sum(contexts)
+                 + 2 * shapes.state_bytes_per_seq * len(contexts))   # each state read and written
+        flops = ((2 * (shapes.active_params * shapes.gemm_time_factor + shapes.lm_head_params)
+                  + shapes.linear_flops_per_token) * len(contexts)
                  + shapes.attention_flops_per_key * sum(contexts))
         steps.append((reads, flops))
     return steps
