@@ -11,6 +11,7 @@ import numpy as np
 import torch
 from transformers import PretrainedConfig
 
+from nanovllm.pooling.config import resolve_pooling
 from nanovllm.utils.hf_files import load_hf_config
 from nanovllm.utils.quant_config import Fp8Scheme, fp8_scheme
 
@@ -78,7 +79,12 @@ class Config:
     quantization: str | None = None             # None: as the checkpoint's quantization_config says (or
                                                 # its quant_method); "fp8": also quantizes a bf16 checkpoint
     task: str = "auto"                          # "auto" or "generate": text generation
+    runner: str = "auto"                        # "generate", "pooling" (embeddings, classifiers, scores:
+                                                # nanovllm/pooling) or "auto" (by the architecture's name)
+    convert: str = "auto"                       # pooling: "embed", "classify", "reward" or "auto"
+    pooler_config: dict[str, Any] | None = None   # pooling: a dict (or PoolerConfig) over the model's pooler
     hf_config: PretrainedConfig = field(init=False, repr=False)
+    pooling: Any = field(init=False, repr=False)   # the pooling runner's PoolingSpec (None: generate)
     fp8: Fp8Scheme | None = field(init=False, repr=False)   # the weights' FP8 format (None: unquantized)
 
     @classmethod
@@ -192,6 +198,8 @@ class Config:
                              f"got {self.kvcache_block_size}")
         self.hf_config = apply_hf_overrides(load_hf_config(self.model), self.hf_overrides)
         self.max_model_len = min(self.max_model_len, self.hf_config.max_position_embeddings)
+        self.pooling = resolve_pooling(self.model, self.hf_config, self.runner, self.convert,
+                                       self.pooler_config, self.tokenizer)
         _check_tp_divides(self.hf_config, self.tensor_parallel_size)
         self.fp8 = fp8_scheme(self.hf_config, self.quantization)
         if self.fp8 is not None and self.fp8.kv_scales and self.kv_cache_dtype == "auto":

@@ -6,16 +6,18 @@ from nanovllm.engine.llm_engine import LLMEngine, serialised
 from nanovllm.engine.progress import check_use_tqdm
 from nanovllm.engine.requests import as_prompt_list, lora_per_prompt
 from nanovllm.outputs import RequestOutput
+from nanovllm.pooling.api import PoolingMethods
 from nanovllm.sampling_params import SamplingParams
 
 
-class LLM:
+class LLM(PoolingMethods):
     """The user's entry point: `LLM(model, **options).generate(prompts, sampling_params)`, a facade
     over its engine, llm.llm_engine (as in vLLM): an LLMEngine or, with data_parallel_size=N > 1, a
     DataParallelEngine (N engines on Ray, the `ray` extra: distributed/data_parallel.py). Both have
     generate, get_tokenizer, get_default_sampling_params and shutdown, and what chat and beam_search,
     written here once, need: tokenizer, config, eos_token_ids, prompt_token_ids and one_call. Every
-    other attribute read is the engine's (llm.scheduler, llm.step, llm.last_job, ...)."""
+    other attribute read is the engine's (llm.scheduler, llm.step, llm.last_job, ...). On the pooling
+    runner (runner="pooling"), embed, classify, score, reward and encode (pooling/api.py)."""
 
     def __init__(self, model: str, data_parallel_size: int = 1, **options):
         if type(data_parallel_size) is int and data_parallel_size == 1:

@@ -22,7 +22,8 @@ from nanovllm.layers.prefill_attention import select_prefill_attention
 from nanovllm.layers.fp8 import finish_loading, prepare_fp8
 from nanovllm.layers.sampler import Sampler
 from nanovllm.lora.layers import LoRAModel
-from nanovllm.models import get_model_class
+from nanovllm.models import build_model
+from nanovllm.pooling.pooler import pool_step
 from nanovllm.utils.context import Context, forward_context
 from nanovllm.parallel.parallel_state import (TPGroup, broadcast, connect_peer_all_reduce, host_barrier,
                                               min_across_ranks, tp_group, wait_for_device)
@@ -96,7 +97,7 @@ class ModelRunner:
         with tp_group(group):   # layers take their shard from it; their collectives run in it
             with self._timed("load model"):
                 with self.device, _default_dtype(self.dtype):
-                    self.model = get_model_class(config.hf_config)(config.hf_config)
+                    self.model = build_model(config)
                     fp8_loaded = prepare_fp8(self.model, config.fp8, config.load_format)
                 if config.load_format == "dummy":
                     load_dummy_weights(self.model, config.seed)
@@ -122,7 +123,7 @@ class ModelRunner:
                     self.warmup_model()
             self.num_kvcache_blocks = self.allocate_kv_cache()
             self.graphs: DecodeGraphs | None = None
-            if self.use_cuda and not config.enforce_eager:
+            if self.use_cuda and not config.enforce_eager and config.pooling is None:   # pooling: no decode
                 with self._timed("capture CUDA graphs"):
                     self.graphs = self.capture_cudagraph()
         logger.info("start-up: %s; KV cache: %d blocks of %d tokens = %d tokens (%s, %.2f GiB)",
@@ -295,6 +296,8 @@ class ModelRunner:
         if not batch.seqs:
             return PendingSample(None, None)
         step = step or self.step_input(batch)
+        if self.config.pooling is not None:
+            return PendingSample(None, None, pooled=self.pool(batch, step))
         logits = self.forward_step(step)
         if logits is None:   # only mid-prompt chunks: nothing to sample
             return PendingSample(None, None)
@@ -314,6 +317,13 @@ class ModelRunner:
             out = self.sampler.sample(logits, sampling)
             self.keep_sampled(out.token_ids)
         return PendingSample(out, sampling, prompt)
+
+    def pool(self, batch: ScheduledBatch, step: StepInput) -> list:
+        """A prompt-only step: each sequence's share of its pooled output, on the device (see
+        nanovllm/pooling/pooler.py); nothing is sampled."""
+        hidden = self.forward_step(step)   # [num_tokens, hidden]
+        return pool_step(hidden, batch.seqs, step.starts, list(map(len, step.token_ids)), batch.pools,
+                         self.model.score)
 
     def check_first_logits(self, logits: torch.Tensor):
         """NaN or inf logits mean broken weights (or a float16 overflow); sampling would turn them into
@@ -359,6 +369,8 @@ class ModelRunner:
                 input_ids, positions, ctx, logits_indices = self.prepare_prefill(step)
                 with forward_context(ctx):
                     hidden = self.model(input_ids, positions)
+                if self.config.pooling is not None:   # prompt-only: rank 0's pooler reads the rows
+                    return hidden
                 if logits_indices.numel() == 0:   # only mid-prompt chunks: nothing to sample
                     return None
                 hidden = hidden[logits_indices]

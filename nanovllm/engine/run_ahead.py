@@ -21,6 +21,7 @@ from nanovllm.engine.executor import Executor
 from nanovllm.engine.output_builder import add_prompt_logprobs
 from nanovllm.engine.sampled_tokens import PendingSample
 from nanovllm.engine.scheduler import ScheduledBatch, Scheduler
+from nanovllm.pooling.pooler import add_pooled
 from nanovllm.engine.sequence import Sequence
 
 
@@ -94,6 +95,8 @@ class RunAhead:
         sampled = self.executor.result(in_flight.pending)
         if sampled.prompt_logprobs:
             add_prompt_logprobs(in_flight.batch, sampled.prompt_logprobs)
+        if sampled.pooled is not None:
+            add_pooled(in_flight.batch, sampled.pooled)
         return self.scheduler.complete(in_flight.batch, sampled.token_ids, sampled.logprobs)
 
     def reset(self):

@@ -14,6 +14,8 @@ class SampledTokens:
     logprobs: list[TokenLogprobs | None] | None = None   # None when no sequence asked
     # seq_id -> (first prompt position, logprobs of the prompt tokens after it, one per position)
     prompt_logprobs: dict[int, tuple[int, list[TokenLogprobs]]] | None = None
+    # a prompt-only (pooling) step: per sequence of the batch, its share of its output (on the device)
+    pooled: list | None = None
 
 
 class PendingSample:
@@ -22,9 +24,10 @@ class PendingSample:
     work queued later, such as the next step."""
 
     def __init__(self, out: SamplerOutput | None, sampling: SamplingTensors | None,
-                 prompt_logprobs: "PendingPromptLogprobs | None" = None):
+                 prompt_logprobs: "PendingPromptLogprobs | None" = None, pooled: list | None = None):
         self.num_logprobs = sampling.num_logprobs if sampling is not None else None
         self.prompt_logprobs = prompt_logprobs
+        self.pooled = pooled   # see SampledTokens.pooled
         self.host, self.event = None, None
         if out is None:
             return
@@ -44,6 +47,7 @@ class PendingSample:
         sampled = self._sampled()
         if self.prompt_logprobs is not None:
             sampled.prompt_logprobs = self.prompt_logprobs.result()
+        sampled.pooled = self.pooled
         return sampled
 
     def _sampled(self) -> SampledTokens:

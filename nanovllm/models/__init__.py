@@ -21,3 +21,12 @@ def get_model_class(hf_config: PretrainedConfig) -> type[nn.Module]:
         raise ValueError(f"model architecture {arch!r} is not supported; "
                          f"supported: {', '.join(MODEL_REGISTRY)}")
     return MODEL_REGISTRY[arch]
+
+
+def build_model(config) -> nn.Module:
+    """The engine Config's model: the registry's class for its architecture, or, on the pooling
+    runner, that decoder built for pooling (nanovllm/pooling/model.py)."""
+    if config.pooling is not None:
+        from nanovllm.pooling.model import PoolingDecoder
+        return PoolingDecoder(config.hf_config, config.pooling)
+    return get_model_class(config.hf_config)(config.hf_config)

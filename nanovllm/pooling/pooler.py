@@ -1,0 +1,131 @@
+"""Pooling prompt-only steps. A prompt may be computed in several chunks (chunked prefill), so each
+step gives each sequence only its chunk's share of the output (pool_step, on the device, on rank 0),
+and the sequence's SequencePooling gathers the shares in step order; the step that computes its
+last chunk finishes it (finish_all: Matryoshka cut, normalisation, activation) and brings the
+output to the host.
+
+Pooling methods: LAST (the last prompt token's hidden state: decoders' default), CLS (the first),
+MEAN (over every prompt token) and ALL (every token: the token-wise tasks). Only LAST may read a
+cached prefix: the others need the hidden states of every prompt position."""
+import torch
+import torch.nn.functional as F
+
+from nanovllm.pooling_params import PoolingParams
+
+ONE_ROW = ("LAST", "CLS")
+TOKEN_WISE = ("token_embed", "token_classify")
+
+
+class SequencePooling:
+    """One pooling request's settings, and what its chunks pooled so far, on its Sequence."""
+
+    def __init__(self, params: PoolingParams, method: str):
+        self.params = params              # resolved for its task (PoolingParams.resolved)
+        self.method = method              # LAST, CLS, MEAN or ALL
+        self.num_tokens = 0               # prompt tokens pooled so far
+        self.partial: torch.Tensor | None = None   # [1, D] (LAST, CLS; MEAN: fp32 sum) or [n, D] (ALL)
+        self.data: torch.Tensor | None = None      # the output, on the host, once the last chunk is in
+
+    @property
+    def reads_every_position(self) -> bool:
+        return self.method != "LAST"
+
+    def rows(self, start: int, n: int, final: bool) -> tuple[int, int] | None:
+        """The rows of a chunk of n tokens from prompt position `start` that this method reads."""
+        if self.method == "LAST":
+            return (n - 1, n) if final else None
+        if self.method == "CLS":
+            return (0, 1) if start == 0 else None
+        return 0, n
+
+    def add(self, share: torch.Tensor | None, n: int):
+        """One chunk's share (pool_step), in step order; n: its tokens."""
+        self.num_tokens += n
+        if share is None:
+            return
+        if self.partial is None or self.method in ONE_ROW:
+            self.partial = share
+        elif self.method == "MEAN":
+            self.partial = self.partial + share
+        else:
+            self.partial = torch.cat([self.partial, share])
+
+    def pooled(self) -> torch.Tensor:
+        """[D] for the sequence-wise methods, [num_tokens, D] for ALL (fp32, on the device)."""
+        x = self.partial.float()
+        if self.method == "MEAN":
+            return x[0] / self.num_tokens
+        return x if self.method == "ALL" else x[0]
+
+
+def pool_step(hidden: torch.Tensor, seqs: list, starts: list[int], lengths: list[int], finals: list[bool],
+              head) -> list[torch.Tensor | None]:
+    """hidden: [num_tokens, hidden] of a prompt-only step, the sequences' chunks one after another ->
+    per sequence its chunk's share of the output (None: none): the rows its method reads, through
+    the score head when the model has one (it is linear: the mean of its outputs is its output of
+    the mean), summed in fp32 for MEAN."""
+    shares: list[torch.Tensor | None] = [None] * len(seqs)
+    picked, first = [], 0   # (sequence, row) of the one-row methods, gathered in one index_select
+    for i, (seq, start, n, final) in enumerate(zip(seqs, starts, lengths, finals)):
+        span = seq.pooling.rows(start, n, final)
+        if span is not None:
+            lo, hi = first + span[0], first + span[1]
+            if seq.pooling.method in ONE_ROW:
+                picked.append((i, lo))
+            else:
+                rows = hidden[lo:hi] if head is None else head(hidden[lo:hi])
+                shares[i] = rows.float().sum(0, keepdim=True) if seq.pooling.method == "MEAN" else rows.clone()
+        first += n
+    if picked:
+        index = torch.tensor([row for _, row in picked], dtype=torch.int64, device=hidden.device)
+        rows = hidden.index_select(0, index)
+        rows = rows if head is None else head(rows)
+        for j, (i, _) in enumerate(picked):
+            shares[i] = rows[j:j + 1]
+    return shares
+
+
+def finish_all(poolings: list[SequencePooling]) -> list[torch.Tensor]:
+    """The outputs (on the host) of the sequences whose last chunk is in: sequence-wise ones with the
+    same settings go through their post-processing, and to the host, together."""
+    out: list[torch.Tensor | None] = [None] * len(poolings)
+    groups: dict[tuple, list[int]] = {}
+    for i, p in enumerate(poolings):
+        if p.params.task in TOKEN_WISE:
+            out[i] = post_process(p.pooled(), p.params).cpu()
+        else:
+            key = (p.params.task, p.params.dimensions, p.params.normalize, p.params.use_activation)
+            groups.setdefault(key, []).append(i)
+    for members in groups.values():
+        stacked = torch.stack([poolings[i].pooled() for i in members])   # [k, D]
+        data = post_process(stacked, poolings[members[0]].params).cpu()
+        for i, row in zip(members, data):
+            out[i] = row
+    return out
+
+
+def post_process(x: torch.Tensor, params: PoolingParams) -> torch.Tensor:
+    """x: [..., D] fp32. Embeddings: the first `dimensions` (Matryoshka), then unit L2 norm;
+    classifier logits: softmax over the labels (sigmoid for a single label)."""
+    if params.task in ("embed", "token_embed"):
+        if params.dimensions is not None:
+            x = x[..., :params.dimensions]
+        return F.normalize(x, p=2, dim=-1) if params.normalize else x
+    if params.use_activation:
+        return torch.sigmoid(x) if x.shape[-1] == 1 else torch.softmax(x, dim=-1)
+    return x
+
+
+def add_pooled(batch, shares: list[torch.Tensor | None]):
+    """A launched prompt-only step's shares reached the host side: add each to its sequence, and
+    finish the sequences whose last chunk this step computed (their data set; the scheduler ends
+    them). A sequence finished meanwhile (aborted) is skipped."""
+    done = []
+    for seq, n, share, final in zip(batch.seqs, batch.num_new_tokens, shares, batch.pools):
+        if seq.is_finished:
+            continue
+        seq.pooling.add(share, n)
+        if final:
+            done.append(seq.pooling)
+    for pooling, data in zip(done, finish_all(done)):
+        pooling.data = data
