@@ -6,8 +6,8 @@ from nanovllm.lora.request import LoRARequest
 from nanovllm.outputs import CompletionOutput, RequestOutput
 from nanovllm.pooling.config import PoolerConfig
 from nanovllm.pooling.outputs import (ClassificationOutput, ClassificationRequestOutput, EmbeddingOutput,
-                                      EmbeddingRequestOutput, PoolingOutput, PoolingRequestOutput, ScoringOutput,
-                                      ScoringRequestOutput)
+                                      EmbeddingRequestOutput, PoolingOutput, PoolingRequestOutput,
+                                      ScoringOutput, ScoringRequestOutput)
 from nanovllm.pooling_params import PoolingParams
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.version import __version__

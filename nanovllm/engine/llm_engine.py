@@ -208,7 +208,8 @@ class LLMEngine:
     def _check_generates(self):
         if self.config.pooling is not None:
             raise ValueError("generation is only supported for generative models; this LLM runs the pooling "
-                             "runner: use embed / classify / score / encode, or create it with runner='generate'")
+                             "runner: use embed / classify / score / encode, or create it with "
+                             "runner='generate'")
 
     def prompt_token_ids(self, prompts) -> list[list[int]]:
         """Each prompt's checked token ids (errors name its index), queueing nothing."""

@@ -28,7 +28,8 @@ class ScheduledBatch:
     pools: list[bool] = field(init=False)
 
     def __post_init__(self):
-        ends = [seq.num_computed_tokens + n == seq.num_tokens for seq, n in zip(self.seqs, self.num_new_tokens)]
+        ends = [seq.num_computed_tokens + n == seq.num_tokens
+                for seq, n in zip(self.seqs, self.num_new_tokens)]
         self.samples = [end and seq.pooling is None for seq, end in zip(self.seqs, ends)]
         self.pools = [end and seq.pooling is not None for seq, end in zip(self.seqs, ends)]
 

@@ -76,7 +76,8 @@ def score(engine, data_1, data_2, *, use_tqdm=True, pooling_params: PoolingParam
                          f"{list(spec.tasks)}): it needs an embedding model or a classifier of one label "
                          "(num_labels=1)")
     if pooling_params is not None and not isinstance(pooling_params, PoolingParams):
-        raise TypeError(f"pooling_params must be one PoolingParams or None, got {type(pooling_params).__name__}")
+        raise TypeError(f"pooling_params must be one PoolingParams or None, "
+                        f"got {type(pooling_params).__name__}")
     if chat_template is not None:
         raise ValueError("chat_template (a score template): nanovllm takes the pairs as given; format the "
                          "query and document yourself and pass chat_template=None")
@@ -102,7 +103,8 @@ def score_inputs(data_1, data_2) -> tuple[list, list]:
 
 
 def _as_list(data, name: str) -> list:
-    if isinstance(data, (str, dict)) or (isinstance(data, (list, tuple)) and data and isinstance(data[0], int)):
+    one_ids = isinstance(data, (list, tuple)) and data and isinstance(data[0], int)
+    if isinstance(data, (str, dict)) or one_ids:
         return [data]
     if not isinstance(data, (list, tuple)):
         raise TypeError(f"{name} must be a prompt (text, token ids or a prompt dict) or a list of them, "
@@ -137,8 +139,8 @@ def cosine_scores(engine, first: list, second: list, pooling_params, use_tqdm,
     for q, d in zip(first, second):
         a, b = embedded[_key(q)], embedded[_key(d)]
         similarity = F.cosine_similarity(a.outputs.data.float(), b.outputs.data.float(), dim=0)
-        outs.append(PoolingRequestOutput(f"{a.request_id}_{b.request_id}", PoolingOutput(similarity),
-                                         a.prompt_token_ids + ([pad] if pad is not None else []) + b.prompt_token_ids,
+        ids = a.prompt_token_ids + ([pad] if pad is not None else []) + b.prompt_token_ids
+        outs.append(PoolingRequestOutput(f"{a.request_id}_{b.request_id}", PoolingOutput(similarity), ids,
                                          a.num_cached_tokens + b.num_cached_tokens))
     return outs
 

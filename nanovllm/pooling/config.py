@@ -40,7 +40,8 @@ class PoolerConfig:
                              f"got {self.pooling_type!r}")
         for name in ("normalize", "use_activation"):
             if getattr(self, name) not in (None, True, False):
-                raise ValueError(f"pooler_config {name} must be True, False or None, got {getattr(self, name)!r}")
+                raise ValueError(f"pooler_config {name} must be True, False or None, "
+                                 f"got {getattr(self, name)!r}")
         d = self.dimensions
         if d is not None and (type(d) is not int or d < 1):
             raise ValueError(f"pooler_config dimensions must be an integer >= 1 or None, got {d!r}")
@@ -69,8 +70,8 @@ class PoolingSpec:
                     "classify": "convert='classify' (a *ForSequenceClassification checkpoint)",
                     "token_classify": "convert='classify' or 'reward'",
                     "score": "an embedding model or a classifier with num_labels=1"}.get(task, "")
-            raise ValueError(f"this model (convert={self.convert!r}) serves the pooling tasks {list(self.tasks)}, "
-                             f"not {task!r}" + (f": that needs {hint}" if hint else ""))
+            raise ValueError(f"this model (convert={self.convert!r}) serves the pooling tasks "
+                             f"{list(self.tasks)}, not {task!r}" + (f": that needs {hint}" if hint else ""))
 
 
 def runner_of(arch: str, runner: str) -> str:
@@ -114,7 +115,8 @@ def resolve_pooling(folder: str, hf_config, runner: str, convert: str, pooler_co
     arch = archs[0] if archs else ""
     if runner_of(arch, runner) == "generate":
         if convert not in ("auto", "none"):
-            raise ValueError(f"convert={convert!r} makes a pooling model: also pass runner='pooling' (or 'auto')")
+            raise ValueError(f"convert={convert!r} makes a pooling model: also pass runner='pooling' "
+                             "(or 'auto')")
         if pooler_config is not None:
             raise ValueError("pooler_config is for pooling models: pass runner='pooling' too")
         return None
@@ -171,7 +173,8 @@ def check_dimensions(spec: PoolingSpec, dimensions: int):
 
 
 def sentence_transformers_pooling(folder: str) -> tuple[str | None, bool | None]:
-    """(pooling type, normalize) from a sentence-transformers folder's modules.json; (None, None) without one."""
+    """(pooling type, normalize) from a sentence-transformers folder's modules.json; (None, None)
+    without one."""
     path = os.path.join(folder, "modules.json")
     if not os.path.isfile(path):
         return None, None

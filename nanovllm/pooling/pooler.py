@@ -74,7 +74,8 @@ def pool_step(hidden: torch.Tensor, seqs: list, starts: list[int], lengths: list
                 picked.append((i, lo))
             else:
                 rows = hidden[lo:hi] if head is None else head(hidden[lo:hi])
-                shares[i] = rows.float().sum(0, keepdim=True) if seq.pooling.method == "MEAN" else rows.clone()
+                mean = seq.pooling.method == "MEAN"
+                shares[i] = rows.float().sum(0, keepdim=True) if mean else rows.clone()
         first += n
     if picked:
         index = torch.tensor([row for _, row in picked], dtype=torch.int64, device=hidden.device)

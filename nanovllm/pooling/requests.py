@@ -49,7 +49,8 @@ def pooling_params_list(pooling_params, n: int) -> list[PoolingParams]:
     if bad is not None:
         raise TypeError(f"pooling_params {bad} is {type(pooling_params[bad]).__name__}, not PoolingParams")
     if len(pooling_params) != n:
-        raise ValueError(f"got {len(pooling_params)} PoolingParams for {n} prompts; give one, or one per prompt")
+        raise ValueError(f"got {len(pooling_params)} PoolingParams for {n} prompts; give one, "
+                         "or one per prompt")
     return list(pooling_params)
 
 
