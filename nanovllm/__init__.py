@@ -3,11 +3,10 @@ from nanovllm.engine.arg_utils import EngineArgs
 from nanovllm.inputs import TextPrompt, TokensPrompt
 from nanovllm.llm import LLM
 from nanovllm.lora.request import LoRARequest
-from nanovllm.outputs import CompletionOutput, RequestOutput
-from nanovllm.pooling.config import PoolerConfig
-from nanovllm.pooling.outputs import (ClassificationOutput, ClassificationRequestOutput, EmbeddingOutput,
-                                      EmbeddingRequestOutput, PoolingOutput, PoolingRequestOutput,
-                                      ScoringOutput, ScoringRequestOutput)
+from nanovllm.outputs import (ClassificationOutput, ClassificationRequestOutput, CompletionOutput,
+                              EmbeddingOutput, EmbeddingRequestOutput, PoolingOutput, PoolingRequestOutput,
+                              RequestOutput, ScoringOutput, ScoringRequestOutput)
+from nanovllm.pooler_config import PoolerConfig
 from nanovllm.pooling_params import PoolingParams
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.version import __version__

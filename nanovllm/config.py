@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from transformers import PretrainedConfig
 
-from nanovllm.pooling.config import resolve_pooling
+from nanovllm.pooler_config import resolve_pooling
 from nanovllm.utils.hf_files import load_hf_config
 from nanovllm.utils.quant_config import Fp8Scheme, fp8_scheme
 
@@ -80,7 +80,7 @@ class Config:
                                                 # its quant_method); "fp8": also quantizes a bf16 checkpoint
     task: str = "auto"                          # "auto" or "generate": text generation
     runner: str = "auto"                        # "generate", "pooling" (embeddings, classifiers, scores:
-                                                # nanovllm/pooling) or "auto" (by the architecture's name)
+                                                # docs/pooling.md) or "auto" (by the architecture's name)
     convert: str = "auto"                       # pooling: "embed", "classify", "reward" or "auto"
     pooler_config: dict[str, Any] | None = None   # pooling: a dict (or PoolerConfig) over the model's pooler
     hf_config: PretrainedConfig = field(init=False, repr=False)

@@ -1,4 +1,4 @@
-"""The pooling runner (nanovllm/pooling) against transformers on tiny random models, fp32 on the CPU:
+"""The pooling runner against transformers on tiny random models, fp32 on the CPU:
 embeddings (last token, mean, CLS; chunked prompts; Matryoshka), token-wise embeddings, classifiers
 (Qwen3/LlamaForSequenceClassification), a causal LM converted to a yes/no reranker, rewards, scores;
 the scheduler's prompt-only steps; and bad input."""
@@ -14,7 +14,7 @@ from conftest import CONFIGS, _tokenizer, assert_clean, make_model, random_promp
 from nanovllm import LLM, PoolingParams
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
-from nanovllm.pooling.pooler import SequencePooling
+from nanovllm.layers.pooler import SequencePooling
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 # a prompt of 40 tokens runs in three chunks

@@ -17,9 +17,8 @@ from nanovllm.engine.run_ahead import RunAhead
 from nanovllm.engine.scheduler import ScheduledBatch, Scheduler
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.stop_checker import ABORT
-from nanovllm.outputs import CompletionOutput, RequestOutput
-from nanovllm.pooling.outputs import PoolingRequestOutput
-from nanovllm.pooling.requests import pooling_seqs, pooling_output
+from nanovllm.engine.pooling_requests import pooling_output, pooling_seqs
+from nanovllm.outputs import CompletionOutput, PoolingRequestOutput, RequestOutput
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.structured.params import StructuredOutputsParams
 from nanovllm.utils.hf_files import generation_eos_token_id, load_tokenizer
@@ -278,7 +277,7 @@ class LLMEngine:
                pooling_task: str | None = None) -> list[PoolingRequestOutput]:
         """vLLM's LLM.encode on the pooling runner: one PoolingRequestOutput per prompt, in prompt
         order; each prompt is computed once (in chunks when long) and its KV blocks freed as soon as
-        it is pooled (nanovllm/pooling)."""
+        it is pooled (layers/pooler.py)."""
         check_use_tqdm(use_tqdm)
         prompts = as_prompt_list(prompts)
         seqs = pooling_seqs(self.requests, self.config.pooling, prompts, pooling_params, pooling_task,

@@ -23,7 +23,6 @@ from nanovllm.layers.fp8 import finish_loading, prepare_fp8
 from nanovllm.layers.sampler import Sampler
 from nanovllm.lora.layers import LoRAModel
 from nanovllm.models import build_model
-from nanovllm.pooling.pooler import pool_step
 from nanovllm.utils.context import Context, forward_context
 from nanovllm.parallel.parallel_state import (TPGroup, broadcast, connect_peer_all_reduce, host_barrier,
                                               min_across_ranks, tp_group, wait_for_device)
@@ -296,11 +295,9 @@ class ModelRunner:
         if not batch.seqs:
             return PendingSample(None, None)
         step = step or self.step_input(batch)
-        if self.config.pooling is not None:
-            return PendingSample(None, None, pooled=self.pool(batch, step))
         logits = self.forward_step(step)
-        if logits is None:   # only mid-prompt chunks: nothing to sample
-            return PendingSample(None, None)
+        if logits is None or self.config.pooling is not None:   # mid-prompt chunks only, or pooled shares
+            return PendingSample(None, None, pooled=logits)
         prompt = None
         if step.prompt_logprob_counts:   # their rows follow the sampling rows
             num_sampling = len(batch.sampling_seqs)
@@ -317,13 +314,6 @@ class ModelRunner:
             out = self.sampler.sample(logits, sampling)
             self.keep_sampled(out.token_ids)
         return PendingSample(out, sampling, prompt)
-
-    def pool(self, batch: ScheduledBatch, step: StepInput) -> list:
-        """A prompt-only step: each sequence's share of its pooled output, on the device (see
-        nanovllm/pooling/pooler.py); nothing is sampled."""
-        hidden = self.forward_step(step)   # [num_tokens, hidden]
-        return pool_step(hidden, batch.seqs, step.starts, list(map(len, step.token_ids)), batch.pools,
-                         self.model.score)
 
     def check_first_logits(self, logits: torch.Tensor):
         """NaN or inf logits mean broken weights (or a float16 overflow); sampling would turn them into
@@ -359,7 +349,7 @@ class ModelRunner:
     def forward_step(self, step: StepInput) -> torch.Tensor | None:
         """Run the model on one step; every rank runs it (its collectives need them all). Returns the
         logits of the sampling positions, [num_sampling_seqs, vocab] in the model's dtype, on every
-        rank, or None when no sequence samples."""
+        rank, or None when no sequence samples; a pooling model's shares of its outputs (layers/pooler.py)."""
         with tp_group(self.group):
             if step.lora_loads:   # adapters new to their GPU slots (in stream order after the last step)
                 self.lora.load_all(step.lora_loads, self.config.hf_config)
@@ -369,10 +359,8 @@ class ModelRunner:
                 input_ids, positions, ctx, logits_indices = self.prepare_prefill(step)
                 with forward_context(ctx):
                     hidden = self.model(input_ids, positions)
-                if self.config.pooling is not None:   # prompt-only: rank 0's pooler reads the rows
-                    return hidden
-                if logits_indices.numel() == 0:   # only mid-prompt chunks: nothing to sample
-                    return None
+                if logits_indices.numel() == 0:   # mid-prompt chunks only, or a pooling step
+                    return self.model.pool(hidden, step) if self.config.pooling is not None else None
                 hidden = hidden[logits_indices]
             else:
                 hidden = self.run_decode(step)

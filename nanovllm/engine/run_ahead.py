@@ -21,8 +21,8 @@ from nanovllm.engine.executor import Executor
 from nanovllm.engine.output_builder import add_prompt_logprobs
 from nanovllm.engine.sampled_tokens import PendingSample
 from nanovllm.engine.scheduler import ScheduledBatch, Scheduler
-from nanovllm.pooling.pooler import add_pooled
 from nanovllm.engine.sequence import Sequence
+from nanovllm.layers.pooler import add_pooled
 
 
 @dataclass

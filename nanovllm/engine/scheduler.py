@@ -192,7 +192,7 @@ class Scheduler:
             token_logprobs = next(sampled_logprobs) if samples else None
             if seq.is_finished:
                 continue
-            if pools:   # its output is pooled (nanovllm/pooling): it ends, its blocks freed at once
+            if pools:   # its output is pooled (layers/pooler.py): it ends, its blocks freed at once
                 self._finish(seq, POOLED)
                 finished.append(seq)
                 continue

@@ -29,7 +29,7 @@ class Sequence:
                  lora_request=None, pooling=None):
         """grammar: a GrammarState (nanovllm/structured) when the request has structured_outputs;
         lora_request: the LoRARequest of its adapter (None: the base model); pooling: a
-        SequencePooling (nanovllm/pooling) for a prompt-only request, pooled instead of sampled."""
+        SequencePooling (layers/pooler.py) for a prompt-only request, pooled instead of sampled."""
         if sampling_params is None:
             sampling_params = SamplingParams()
         self.seq_id = next(Sequence._ids)

@@ -25,6 +25,8 @@ class StepInput:
     lora_slots: list[int] | None = None   # LoRA on: each sequence's adapter slot (-1: the base model)
     lora_loads: list | None = None        # (slot, LoRARequest): adapters every rank loads before the step
     kv_copies: list | None = None         # KVCopy (src, dst, tokens): rows every rank copies, in order
+    pooling: list[tuple[str, bool]] | None = None   # prompt-only step: per sequence, its pooling method
+                                          # (layers/pooler.py) and whether this step ends its prompt
 
     @classmethod
     def of(cls, batch: ScheduledBatch, lora_slots=None) -> "StepInput":
@@ -36,11 +38,14 @@ class StepInput:
             token_ids = [ids or [0] for ids in token_ids]
         else:
             assert not any(seq.num_pending for seq in seqs), "a pending input token needs its row"
+        pooling = None
+        if seqs and seqs[0].pooling is not None:   # the pooling runner's steps are all prompt-only
+            pooling = [(seq.pooling.method, end) for seq, end in zip(seqs, batch.pools)]
         slots, loads = lora_slots.assign([seq.lora_request for seq in seqs]) if lora_slots else (None, None)
         return cls(batch.is_prefill, [seq.seq_id for seq in seqs], starts, token_ids,
                    [seq.block_table for seq in seqs], batch.samples, batch.token_rows,
                    prompt_logprob_counts(batch, starts), slots, loads,
-                   batch.kv_copies or None)
+                   batch.kv_copies or None, pooling)
 
     @property
     def num_seqs(self) -> int:

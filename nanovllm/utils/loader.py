@@ -96,7 +96,7 @@ def load_model(model: nn.Module, path: str):
 
 def _loaded_as(model: nn.Module, keys):
     """(key in the file, the name it loads as) for each tensor of a file: the key itself, unless the
-    model maps it to other names, or to none (checkpoint_targets: nanovllm/pooling/model.py)."""
+    model maps it to other names, or to none (checkpoint_targets: models/pooling.py)."""
     targets = getattr(model, "checkpoint_targets", None)
     for key in keys:
         for name in (targets(key) if targets is not None else (key,)):

@@ -7,9 +7,9 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
-from nanovllm.models import MODEL_REGISTRY
+from nanovllm.layers.pooler import pool_step
 from nanovllm.models.llama import LlamaForCausalLM, LlamaModel, refuse_sliding_window
-from nanovllm.pooling.config import PoolingSpec
+from nanovllm.pooler_config import PoolingSpec
 from nanovllm.utils.loader import default_weight_loader
 
 
@@ -38,10 +38,10 @@ class ScoreHead(nn.Module):
 
 
 class PoolingDecoder(nn.Module):
-    def __init__(self, config: PretrainedConfig, spec: PoolingSpec):
+    def __init__(self, config: PretrainedConfig, spec: PoolingSpec, lm: type[LlamaForCausalLM]):
+        """lm: the registry class whose decoder this is (models.decoder_of)."""
         super().__init__()
         refuse_sliding_window(config)
-        lm = MODEL_REGISTRY[spec.decoder]
         self.packed_modules_mapping = lm.packed_modules_mapping
         self.model = LlamaModel(config, lm.qkv_bias(config), lm.qk_norm, lm.make_mlp)
         self.score = ScoreHead(config.hidden_size, spec.num_labels, spec.from_token_ids,
@@ -52,6 +52,11 @@ class PoolingDecoder(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # input_ids, positions: [num_tokens] -> hidden states: [num_tokens, hidden]
         return self.model(input_ids, positions)
+
+    def pool(self, hidden_states: torch.Tensor, step) -> list[torch.Tensor | None]:
+        """A prompt-only step's hidden states [num_tokens, hidden] -> each sequence's share of its
+        output (layers/pooler.py: pool_step)."""
+        return pool_step(hidden_states, step, self.score)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """The head's output (a classifier's logits; an embedder's hidden states), for the runner's

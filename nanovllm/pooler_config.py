@@ -16,6 +16,7 @@ POOLING_TYPES = ("LAST", "MEAN", "CLS")
 # Architecture-name suffixes that mean a pooling model (vLLM's), and the conversion each implies.
 _CLASSIFY_SUFFIXES = ("ForSequenceClassification", "ClassificationModel")
 _EMBED_SUFFIXES = ("ForTextEncoding", "EmbeddingModel", "ForRewardModeling", "RewardModel", "Model")
+POOLING_SUFFIXES = _CLASSIFY_SUFFIXES + _EMBED_SUFFIXES
 # Every convert's tasks (a classifier of one label also scores pairs: a cross-encoder).
 _TASKS = {"embed": ("embed", "token_embed", "score"), "classify": ("classify", "token_classify"),
           "reward": ("token_classify",)}
@@ -50,7 +51,7 @@ class PoolerConfig:
 @dataclass(frozen=True)
 class PoolingSpec:
     """What the pooling runner builds and serves (None in Config for the generate runner)."""
-    decoder: str                        # the registry's architecture that runs (e.g. Qwen3ForCausalLM)
+    architecture: str                   # the config's (models.decoder_of finds the decoder that runs it)
     convert: str                        # "embed", "classify" or "reward"
     pooling_type: str                   # sequence-wise tasks: LAST, MEAN or CLS
     tasks: tuple[str, ...]              # the pooling tasks it serves
@@ -95,19 +96,6 @@ def convert_of(arch: str, convert: str) -> str:
     return "classify" if arch.endswith(_CLASSIFY_SUFFIXES) else "embed"
 
 
-def decoder_of(arch: str) -> str:
-    """The causal-LM architecture whose decoder a pooling architecture shares (Qwen3Model,
-    Qwen3ForSequenceClassification -> Qwen3ForCausalLM)."""
-    from nanovllm.models import MODEL_REGISTRY
-    if arch in MODEL_REGISTRY:
-        return arch
-    for suffix in _CLASSIFY_SUFFIXES + _EMBED_SUFFIXES:
-        if arch.endswith(suffix) and f"{arch.removesuffix(suffix)}ForCausalLM" in MODEL_REGISTRY:
-            return f"{arch.removesuffix(suffix)}ForCausalLM"
-    raise ValueError(f"model architecture {arch!r} is not supported for pooling; its decoder must be one of "
-                     f"{', '.join(MODEL_REGISTRY)} (e.g. Qwen3Model, Qwen3ForSequenceClassification)")
-
-
 def resolve_pooling(folder: str, hf_config, runner: str, convert: str, pooler_config,
                     tokenizer_folder: str | None) -> PoolingSpec | None:
     """The PoolingSpec of the model in `folder` (None: the generate runner); user errors are ValueErrors."""
@@ -138,7 +126,7 @@ def resolve_pooling(folder: str, hf_config, runner: str, convert: str, pooler_co
         if how == "classify" and num_labels == 1:
             tasks = tasks + ("score",)
     dims = getattr(hf_config, "matryoshka_dimensions", None)
-    spec = PoolingSpec(decoder_of(arch), how, pooling_type, tasks, num_labels, token_ids, method,
+    spec = PoolingSpec(arch, how, pooling_type, tasks, num_labels, token_ids, method,
                        bool(getattr(hf_config, "is_matryoshka", False) or dims),
                        tuple(dims) if dims else None, defaults)
     if user.dimensions is not None:

@@ -30,14 +30,6 @@ class SequencePooling:
     def reads_every_position(self) -> bool:
         return self.method != "LAST"
 
-    def rows(self, start: int, n: int, final: bool) -> tuple[int, int] | None:
-        """The rows of a chunk of n tokens from prompt position `start` that this method reads."""
-        if self.method == "LAST":
-            return (n - 1, n) if final else None
-        if self.method == "CLS":
-            return (0, 1) if start == 0 else None
-        return 0, n
-
     def add(self, share: torch.Tensor | None, n: int):
         """One chunk's share (pool_step), in step order; n: its tokens."""
         self.num_tokens += n
@@ -58,25 +50,32 @@ class SequencePooling:
         return x if self.method == "ALL" else x[0]
 
 
-def pool_step(hidden: torch.Tensor, seqs: list, starts: list[int], lengths: list[int], finals: list[bool],
-              head) -> list[torch.Tensor | None]:
-    """hidden: [num_tokens, hidden] of a prompt-only step, the sequences' chunks one after another ->
-    per sequence its chunk's share of the output (None: none): the rows its method reads, through
-    the score head when the model has one (it is linear: the mean of its outputs is its output of
-    the mean), summed in fp32 for MEAN."""
-    shares: list[torch.Tensor | None] = [None] * len(seqs)
+def rows_read(method: str, start: int, n: int, final: bool) -> tuple[int, int] | None:
+    """The rows of a chunk of n prompt tokens from position `start` that a pooling method reads."""
+    if method == "LAST":
+        return (n - 1, n) if final else None
+    if method == "CLS":
+        return (0, 1) if start == 0 else None
+    return 0, n
+
+
+def pool_step(hidden: torch.Tensor, step, head) -> list[torch.Tensor | None]:
+    """hidden: [num_tokens, hidden] of a prompt-only step (a StepInput with `pooling`), its sequences'
+    chunks one after another -> per sequence its chunk's share of the output (None: none): the rows
+    its method reads, through the score head when the model has one (it is linear: the mean of its
+    outputs is its output of the mean), summed in fp32 for MEAN."""
+    shares: list[torch.Tensor | None] = [None] * len(step.starts)
     picked, first = [], 0   # (sequence, row) of the one-row methods, gathered in one index_select
-    for i, (seq, start, n, final) in enumerate(zip(seqs, starts, lengths, finals)):
-        span = seq.pooling.rows(start, n, final)
+    for i, (start, ids, (method, final)) in enumerate(zip(step.starts, step.token_ids, step.pooling)):
+        span = rows_read(method, start, len(ids), final)
         if span is not None:
             lo, hi = first + span[0], first + span[1]
-            if seq.pooling.method in ONE_ROW:
+            if method in ONE_ROW:
                 picked.append((i, lo))
             else:
                 rows = hidden[lo:hi] if head is None else head(hidden[lo:hi])
-                mean = seq.pooling.method == "MEAN"
-                shares[i] = rows.float().sum(0, keepdim=True) if mean else rows.clone()
-        first += n
+                shares[i] = rows.float().sum(0, keepdim=True) if method == "MEAN" else rows.clone()
+        first += len(ids)
     if picked:
         index = torch.tensor([row for _, row in picked], dtype=torch.int64, device=hidden.device)
         rows = hidden.index_select(0, index)

@@ -2,9 +2,9 @@
 naming the prompt's or the params' index) and turned into prompt-only Sequences; and their outputs."""
 from nanovllm.engine.requests import RequestBuilder
 from nanovllm.engine.sequence import Sequence
-from nanovllm.pooling.config import PoolingSpec, check_dimensions
-from nanovllm.pooling.outputs import PoolingOutput, PoolingRequestOutput
-from nanovllm.pooling.pooler import TOKEN_WISE, SequencePooling
+from nanovllm.layers.pooler import TOKEN_WISE, SequencePooling
+from nanovllm.outputs import PoolingOutput, PoolingRequestOutput
+from nanovllm.pooler_config import PoolingSpec, check_dimensions
 from nanovllm.pooling_params import POOLING_TASKS, PoolingParams
 
 _NO_TASK = ("pooling_task is required for LLM.encode: use LLM.embed (pooling_task='embed'), LLM.classify "
@@ -16,6 +16,15 @@ def check_pooling_runner(spec: PoolingSpec | None, what: str):
     if spec is None:
         raise ValueError(f"{what} is only supported for pooling models; this LLM runs the generate runner: "
                          "create it with LLM(model, runner='pooling') (and convert='embed' or 'classify')")
+
+
+def check_pooling_api(spec: PoolingSpec | None, task: str, what: str):
+    """LLM.embed / LLM.classify: the runner is pooling and the model serves the task (vLLM's words)."""
+    check_pooling_runner(spec, what)
+    if task not in spec.tasks:
+        name = {"embed": "Embedding", "classify": "Classification"}.get(task, task)
+        raise ValueError(f"{name} API is not supported by this model (convert={spec.convert!r}, tasks "
+                         f"{list(spec.tasks)}): try converting the model with LLM(..., convert={task!r})")
 
 
 def pooling_seqs(requests: RequestBuilder, spec: PoolingSpec | None, prompts: list, pooling_params,

@@ -1,69 +1,12 @@
-"""vLLM's pooling methods of LLM (embed, classify, score, reward, encode), mixed into nanovllm.LLM.
-Each checks its task and calls the engine's encode; score pairs its inputs first: a classifier of one
-label (a cross-encoder, e.g. a reranker) reads each (query, document) pair as one prompt, an
-embedding model (a bi-encoder) scores the cosine similarity of the two embeddings."""
+"""LLM.score on an engine's encode: a classifier of one label (a cross-encoder, e.g. a reranker)
+reads each (query, document) pair as one prompt; an embedding model (a bi-encoder) scores the cosine
+similarity of the two embeddings."""
 import torch.nn.functional as F
 
 from nanovllm.engine.requests import unwrap_prompt_dict
-from nanovllm.pooling.outputs import (ClassificationRequestOutput, EmbeddingRequestOutput, PoolingOutput,
-                                      PoolingRequestOutput, ScoringRequestOutput)
-from nanovllm.pooling.requests import check_pooling_runner
+from nanovllm.engine.pooling_requests import check_pooling_runner
+from nanovllm.outputs import PoolingOutput, PoolingRequestOutput, ScoringRequestOutput
 from nanovllm.pooling_params import PoolingParams
-
-
-class PoolingMethods:
-    def encode(self, prompts, pooling_params: PoolingParams | list[PoolingParams] | None = None, *,
-               use_tqdm=True, lora_request=None, pooling_task: str | None = None,
-               tokenization_kwargs: dict | None = None) -> list[PoolingRequestOutput]:
-        """vLLM's LLM.encode: the pooled output of each prompt for pooling_task ("embed", "classify",
-        "token_embed" or "token_classify"), outputs.data a tensor."""
-        _check_no_tokenization_kwargs(tokenization_kwargs)
-        return pooling_engine(self.llm_engine).encode(prompts, pooling_params, use_tqdm, lora_request,
-                                                      pooling_task)
-
-    def embed(self, prompts, *, use_tqdm=True, pooling_params=None, lora_request=None,
-              tokenization_kwargs: dict | None = None) -> list[EmbeddingRequestOutput]:
-        """One embedding per prompt (outputs.embedding: a list of floats)."""
-        self._check_task("embed", "LLM.embed()", "Embedding")
-        outs = self.encode(prompts, pooling_params, use_tqdm=use_tqdm, lora_request=lora_request,
-                           pooling_task="embed", tokenization_kwargs=tokenization_kwargs)
-        return [EmbeddingRequestOutput.from_base(o) for o in outs]
-
-    def classify(self, prompts, *, pooling_params=None, use_tqdm=True, lora_request=None,
-                 tokenization_kwargs: dict | None = None) -> list[ClassificationRequestOutput]:
-        """Class probabilities per prompt (outputs.probs; raw logits with use_activation=False)."""
-        self._check_task("classify", "LLM.classify()", "Classification")
-        outs = self.encode(prompts, pooling_params, use_tqdm=use_tqdm, lora_request=lora_request,
-                           pooling_task="classify", tokenization_kwargs=tokenization_kwargs)
-        return [ClassificationRequestOutput.from_base(o) for o in outs]
-
-    def reward(self, prompts, /, *, pooling_params=None, use_tqdm=True, lora_request=None,
-               tokenization_kwargs: dict | None = None) -> list[PoolingRequestOutput]:
-        """Per-token outputs of the score head (outputs.data: [num_tokens, num_labels])."""
-        return self.encode(prompts, pooling_params, use_tqdm=use_tqdm, lora_request=lora_request,
-                           pooling_task="token_classify", tokenization_kwargs=tokenization_kwargs)
-
-    def score(self, data_1, data_2, /, *, use_tqdm=True, pooling_params: PoolingParams | None = None,
-              lora_request=None, tokenization_kwargs: dict | None = None,
-              chat_template: str | None = None) -> list[ScoringRequestOutput]:
-        """A score for each pair: data_1 and data_2 are a prompt or lists of them, 1:1, 1:N (the one
-        paired with each) or N:N."""
-        _check_no_tokenization_kwargs(tokenization_kwargs)
-        return score(pooling_engine(self.llm_engine), data_1, data_2, use_tqdm=use_tqdm,
-                     pooling_params=pooling_params, lora_request=lora_request, chat_template=chat_template)
-
-    def _check_task(self, task: str, what: str, name: str):
-        spec = pooling_engine(self.llm_engine).config.pooling
-        check_pooling_runner(spec, what)
-        if task not in spec.tasks:
-            raise ValueError(f"{name} API is not supported by this model (convert={spec.convert!r}, tasks "
-                             f"{list(spec.tasks)}): try LLM(..., convert={task!r})")
-
-
-def pooling_engine(engine):
-    if not hasattr(engine, "encode"):
-        raise ValueError("pooling runs on one engine: create the LLM with data_parallel_size=1")
-    return engine
 
 
 def score(engine, data_1, data_2, *, use_tqdm=True, pooling_params: PoolingParams | None = None,
@@ -147,10 +90,3 @@ def cosine_scores(engine, first: list, second: list, pooling_params, use_tqdm,
 
 def _key(prompt) -> tuple:
     return type(prompt).__name__, repr(prompt)
-
-
-def _check_no_tokenization_kwargs(kwargs: dict | None):
-    if kwargs:
-        raise ValueError(f"tokenization_kwargs: nanovllm takes none (prompts are tokenized as the tokenizer "
-                         f"does by default); pass None, got {kwargs!r}")
-
