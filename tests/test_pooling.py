@@ -160,6 +160,15 @@ def test_sequence_classifier_against_transformers(tmp_path, arch):
         assert_clean(llm)
     finally:
         llm.shutdown()
+    if arch == "qwen3":   # convert="reward": the score head on every token, raw values by default
+        reward = LLM(path, convert="reward", **SMALL)
+        try:
+            raw, = reward.reward(PROMPTS[1:2], use_tqdm=False)
+            torch.testing.assert_close(raw.outputs.data, per_token, atol=1e-5, rtol=1e-5)
+            with pytest.raises(ValueError, match="Classification API is not supported"):
+                reward.classify(PROMPTS[:1])
+        finally:
+            reward.shutdown()
 
 
 @pytest.mark.parametrize("tied", [False, True])
