@@ -1,8 +1,8 @@
 """Pooling prompt-only steps. A prompt may be computed in several chunks (chunked prefill), so each
-step gives each sequence only its chunk's share of the output (pool_step, on the device, on rank 0),
-and the sequence's SequencePooling gathers the shares in step order; the step that computes its
-last chunk finishes it (finish_all: Matryoshka cut, normalisation, activation) and brings the
-output to the host.
+step gives each sequence only its chunk's share of the output (pool_step, on the device, inside the
+model's step on every rank; rank 0's are kept), and the sequence's SequencePooling gathers the shares
+in step order; the step that computes its last chunk finishes it (finish_all: Matryoshka cut,
+normalisation, activation) and brings the output to the host.
 
 Pooling methods: LAST (the last prompt token's hidden state: decoders' default), CLS (the first),
 MEAN (over every prompt token) and ALL (every token: the token-wise tasks). Only LAST may read a
