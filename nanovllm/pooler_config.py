@@ -116,15 +116,9 @@ def resolve_pooling(folder: str, hf_config, runner: str, convert: str, pooler_co
                 "dimensions": user.dimensions,
                 "use_activation": user.use_activation if user.use_activation is not None
                 else (False if how == "reward" else None)}
-    tasks, num_labels, token_ids, method = _TASKS[how], 0, (), None
-    if how != "embed":
-        token_ids, method = classifier_tokens(hf_config, tokenizer_folder or folder)
-        num_labels = (1 if method == "from_2_way_softmax" else len(token_ids)) if token_ids \
-            else int(getattr(hf_config, "num_labels", 0) or 0)
-        if num_labels < 1:
-            raise ValueError(f"convert={how!r} needs a score head: the config's num_labels is {num_labels}")
-        if how == "classify" and num_labels == 1:
-            tasks = tasks + ("score",)
+    num_labels, token_ids, method = (0, (), None) if how == "embed" else \
+        score_head(hf_config, how, tokenizer_folder or folder)
+    tasks = _TASKS[how] + (("score",) if how == "classify" and num_labels == 1 else ())
     dims = getattr(hf_config, "matryoshka_dimensions", None)
     spec = PoolingSpec(arch, how, pooling_type, tasks, num_labels, token_ids, method,
                        bool(getattr(hf_config, "is_matryoshka", False) or dims),
@@ -132,6 +126,17 @@ def resolve_pooling(folder: str, hf_config, runner: str, convert: str, pooler_co
     if user.dimensions is not None:
         check_dimensions(spec, user.dimensions)
     return spec
+
+
+def score_head(hf_config, how: str, tokenizer_folder: str) -> tuple[int, tuple[int, ...], str | None]:
+    """(num_labels, classifier_from_token ids, their method) of a classifier's score head."""
+    token_ids, method = classifier_tokens(hf_config, tokenizer_folder)
+    if token_ids:
+        return (1 if method == "from_2_way_softmax" else len(token_ids)), token_ids, method
+    num_labels = int(getattr(hf_config, "num_labels", 0) or 0)
+    if num_labels < 1:
+        raise ValueError(f"convert={how!r} needs a score head: the config's num_labels is {num_labels}")
+    return num_labels, (), None
 
 
 def as_pooler_config(value) -> PoolerConfig:
