@@ -206,6 +206,24 @@ def test_bi_encoder_scores_are_cosine_similarities(embedder):
         llm.score(PROMPTS[:2], PROMPTS[:3], use_tqdm=False)
 
 
+def test_tensor_parallel_reranker(tmp_path):
+    """TP=2 on the CPU: the workers run the same pooling steps (their shares dropped), rank 0's scores
+    equal transformers'; the LM-head rows come whole to each rank's replicated score head."""
+    path = make_model(str(tmp_path), "qwen3")
+    llm = LLM(path, tensor_parallel_size=2, **SMALL, hf_overrides={
+        "architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["w5", "w7"]})
+    try:
+        outs = llm.score("w10 w11", ["w20 w21", "w30 " * 30], use_tqdm=False)
+        lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        for out in outs:
+            with torch.no_grad():
+                last = lm(torch.tensor([out.prompt_token_ids])).logits[0, -1]
+            assert abs(out.outputs.score - torch.sigmoid(last[7] - last[5]).item()) < 1e-5
+        assert_clean(llm)
+    finally:
+        llm.shutdown()
+
+
 def test_bad_input(embedder, qwen3_dir):
     _, llm = embedder
     with pytest.raises(ValueError, match="pooling_task is required"):
