@@ -297,7 +297,7 @@ class ModelRunner:
         step = step or self.step_input(batch)
         logits = self.forward_step(step)
         if logits is None or self.config.pooling is not None:   # mid-prompt chunks only, or pooled shares
-            return PendingSample(None, None, pooled=logits)
+            return PendingSample(None, None) if logits is None else PendingSample.pooling(batch, logits)
         prompt = None
         if step.prompt_logprob_counts:   # their rows follow the sampling rows
             num_sampling = len(batch.sampling_seqs)

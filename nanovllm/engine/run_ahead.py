@@ -22,7 +22,6 @@ from nanovllm.engine.output_builder import add_prompt_logprobs
 from nanovllm.engine.sampled_tokens import PendingSample
 from nanovllm.engine.scheduler import ScheduledBatch, Scheduler
 from nanovllm.engine.sequence import Sequence
-from nanovllm.layers.pooler import add_pooled
 
 
 @dataclass
@@ -95,8 +94,6 @@ class RunAhead:
         sampled = self.executor.result(in_flight.pending)
         if sampled.prompt_logprobs:
             add_prompt_logprobs(in_flight.batch, sampled.prompt_logprobs)
-        if sampled.pooled is not None:
-            add_pooled(in_flight.batch, sampled.pooled)
         return self.scheduler.complete(in_flight.batch, sampled.token_ids, sampled.logprobs)
 
     def reset(self):

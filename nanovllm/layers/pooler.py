@@ -1,8 +1,9 @@
 """Pooling prompt-only steps. A prompt may be computed in several chunks (chunked prefill), so each
 step gives each sequence only its chunk's share of the output (pool_step, on the device, inside the
 model's step on every rank; rank 0's are kept), and the sequence's SequencePooling gathers the shares
-in step order; the step that computes its last chunk finishes it (finish_all: Matryoshka cut,
-normalisation, activation) and brings the output to the host.
+as each step is launched, in step order (start_pooled); the step that computes its last chunk
+finishes it (finish_all: Matryoshka cut, normalisation, activation) and copies the output to the
+host behind it (PendingPooled, waited for with the step's other results).
 
 Pooling methods: LAST (the last prompt token's hidden state: decoders' default), CLS (the first),
 MEAN (over every prompt token) and ALL (every token: the token-wise tasks). Only LAST may read a
@@ -85,22 +86,21 @@ def pool_step(hidden: torch.Tensor, step, head) -> list[torch.Tensor | None]:
     return shares
 
 
-def finish_all(poolings: list[SequencePooling]) -> list[torch.Tensor]:
-    """The outputs (on the host) of the sequences whose last chunk is in: sequence-wise ones with the
-    same settings go through their post-processing, and to the host, together."""
-    out: list[torch.Tensor | None] = [None] * len(poolings)
-    groups: dict[tuple, list[int]] = {}
-    for i, p in enumerate(poolings):
+def finish_all(poolings: list[SequencePooling]) -> list[tuple[list[SequencePooling], torch.Tensor]]:
+    """The outputs of the sequences whose last chunk is in, on the device: (members, their outputs
+    stacked [k, ...]) for each group of sequence-wise ones with the same settings, post-processed
+    together; a token-wise one alone ([1, num_tokens, D])."""
+    groups: dict[tuple, list[SequencePooling]] = {}
+    out = []
+    for p in poolings:
         if p.params.task in TOKEN_WISE:
-            out[i] = post_process(p.pooled(), p.params).cpu()
+            out.append(([p], post_process(p.pooled(), p.params)[None]))
         else:
             key = (p.params.task, p.params.dimensions, p.params.normalize, p.params.use_activation)
-            groups.setdefault(key, []).append(i)
+            groups.setdefault(key, []).append(p)
     for members in groups.values():
-        stacked = torch.stack([poolings[i].pooled() for i in members])   # [k, D]
-        data = post_process(stacked, poolings[members[0]].params).cpu()
-        for i, row in zip(members, data):
-            out[i] = row
+        stacked = torch.stack([p.pooled() for p in members])   # [k, D]
+        out.append((members, post_process(stacked, members[0].params)))
     return out
 
 
@@ -116,10 +116,34 @@ def post_process(x: torch.Tensor, params: PoolingParams) -> torch.Tensor:
     return x
 
 
-def add_pooled(batch, shares: list[torch.Tensor | None]):
-    """A launched prompt-only step's shares reached the host side: add each to its sequence, and
-    finish the sequences whose last chunk this step computed (their data set; the scheduler ends
-    them). A sequence finished meanwhile (aborted) is skipped."""
+class PendingPooled:
+    """The outputs a launched prompt-only step finishes, on their way to the host: the copies are
+    queued right behind the step (into pinned memory), as the sampled tokens' are."""
+
+    def __init__(self, groups: list[tuple[list[SequencePooling], torch.Tensor]]):
+        self.groups = [(members, data.to("cpu", non_blocking=True)) for members, data in groups]
+        self.event = None
+        if groups and groups[0][1].is_cuda:
+            self.event = torch.cuda.Event()
+            self.event.record()
+
+    def ready(self) -> bool:
+        return self.event is None or self.event.query()
+
+    def finish(self):
+        """Wait for the copies; each finished sequence's SequencePooling gets its data."""
+        if self.event is not None:
+            self.event.synchronize()
+        for members, data in self.groups:
+            for pooling, row in zip(members, data):
+                pooling.data = row
+
+
+def start_pooled(batch, shares: list[torch.Tensor | None]) -> PendingPooled:
+    """Right after a prompt-only step is launched (rank 0): add each sequence's share (device work,
+    in stream order, so a later chunk's step may launch before this one's results are on the host),
+    and queue the outputs of the sequences whose last chunk this step computes and their copies to
+    the host. A sequence finished meanwhile (aborted) is skipped."""
     done = []
     for seq, n, share, final in zip(batch.seqs, batch.num_new_tokens, shares, batch.pools):
         if seq.is_finished:
@@ -127,5 +151,4 @@ def add_pooled(batch, shares: list[torch.Tensor | None]):
         seq.pooling.add(share, n)
         if final:
             done.append(seq.pooling)
-    for pooling, data in zip(done, finish_all(done)):
-        pooling.data = data
+    return PendingPooled(finish_all(done))
