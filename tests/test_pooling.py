@@ -47,7 +47,7 @@ def make_classifier(path: str, arch: str = "qwen3", num_labels: int = 3) -> str:
     return path
 
 
-@pytest.fixture(scope="module", params=["qwen3", "llama"])
+@pytest.fixture(scope="module", params=["qwen3", "llama", "qwen2"])
 def embedder(request, tmp_path_factory):
     path = make_model(str(tmp_path_factory.mktemp(request.param)), request.param)
     llm = LLM(path, runner="pooling", **SMALL)
@@ -224,8 +224,8 @@ def test_tensor_parallel_reranker(tmp_path):
         llm.shutdown()
 
 
-def test_bad_input(embedder, qwen3_dir):
-    _, llm = embedder
+def test_bad_input(qwen3_dir):
+    llm = LLM(qwen3_dir, runner="pooling", **SMALL)
     with pytest.raises(ValueError, match="pooling_task is required"):
         llm.encode(PROMPTS[:1])
     with pytest.raises(ValueError, match="only supported for generative models"):
@@ -242,6 +242,7 @@ def test_bad_input(embedder, qwen3_dir):
         with pytest.raises(ValueError):
             PoolingParams(**bad)
     assert_clean(llm)
+    llm.shutdown()
     generator = LLM(qwen3_dir, num_kvcache_blocks=8, kvcache_block_size=8)
     try:
         with pytest.raises(ValueError, match="only supported for pooling models"):
