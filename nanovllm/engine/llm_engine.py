@@ -11,13 +11,13 @@ from nanovllm.engine.executor import Executor
 from nanovllm.engine.generation_defaults import default_sampling_overrides
 from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.output_builder import OutputBuilder
+from nanovllm.engine.pooling_requests import pooling_output, pooling_seqs
 from nanovllm.engine.progress import Progress, check_use_tqdm
 from nanovllm.engine.requests import RequestBuilder, as_prompt_list, check_priority
 from nanovllm.engine.run_ahead import RunAhead
 from nanovllm.engine.scheduler import ScheduledBatch, Scheduler
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.stop_checker import ABORT
-from nanovllm.engine.pooling_requests import pooling_output, pooling_seqs
 from nanovllm.outputs import CompletionOutput, PoolingRequestOutput, RequestOutput
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.structured.params import StructuredOutputsParams
