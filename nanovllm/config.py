@@ -11,6 +11,7 @@ import numpy as np
 import torch
 from transformers import PretrainedConfig
 
+from nanovllm.pooler_config import resolve_pooling
 from nanovllm.utils.hf_files import load_hf_config
 from nanovllm.utils.text_config import language_model_config
 
@@ -79,7 +80,12 @@ class Config:
                                                 # its quant_method); "fp8": also quantizes a bf16 checkpoint
                                                 # (nanovllm/quantization reads it, before workers start)
     task: str = "auto"                          # "auto" or "generate": text generation
+    runner: str = "auto"                        # "generate", "pooling" (embeddings, classifiers, scores:
+                                                # docs/pooling.md) or "auto" (by the architecture's name)
+    convert: str = "auto"                       # pooling: "embed", "classify", "reward" or "auto"
+    pooler_config: dict[str, Any] | None = None   # pooling: a dict (or PoolerConfig) over the model's pooler
     hf_config: PretrainedConfig = field(init=False, repr=False)
+    pooling: Any = field(init=False, repr=False)   # the pooling runner's PoolingSpec (None: generate)
 
     @classmethod
     def create(cls, model: str, **options) -> "Config":
@@ -193,6 +199,8 @@ class Config:
         hf_config = apply_hf_overrides(load_hf_config(self.model), self.hf_overrides)
         self.hf_config = language_model_config(hf_config)
         self.max_model_len = min(self.max_model_len, self.hf_config.max_position_embeddings)
+        self.pooling = resolve_pooling(self.model, self.hf_config, self.runner, self.convert,
+                                       self.pooler_config, self.tokenizer)
         _check_tp_divides(self.hf_config, self.tensor_parallel_size)
         if self.quantization is not None and not isinstance(self.quantization, str):
             raise ValueError(f"quantization must be a method name (e.g. 'fp8', 'gptq') or None, "

@@ -5,7 +5,11 @@ from nanovllm.chat_utils import chat_prompts
 from nanovllm.engine.llm_engine import LLMEngine, serialised
 from nanovllm.engine.progress import check_use_tqdm
 from nanovllm.engine.requests import as_prompt_list, lora_per_prompt
-from nanovllm.outputs import RequestOutput
+from nanovllm.engine.pooling_requests import check_pooling_api
+from nanovllm.engine.scoring import score
+from nanovllm.outputs import (ClassificationRequestOutput, EmbeddingRequestOutput, PoolingRequestOutput,
+                              RequestOutput, ScoringRequestOutput)
+from nanovllm.pooling_params import PoolingParams
 from nanovllm.sampling_params import SamplingParams
 
 
@@ -15,7 +19,9 @@ class LLM:
     DataParallelEngine (N engines on Ray, the `ray` extra: distributed/data_parallel.py). Both have
     generate, get_tokenizer, get_default_sampling_params and shutdown, and what chat and beam_search,
     written here once, need: tokenizer, config, eos_token_ids, prompt_token_ids and one_call. Every
-    other attribute read is the engine's (llm.scheduler, llm.step, llm.last_job, ...)."""
+    other attribute read is the engine's (llm.scheduler, llm.step, llm.last_job, ...). On the pooling
+    runner (runner="pooling": embeddings, classifiers, rerankers), embed, classify, score, reward and
+    encode instead of generate."""
 
     def __init__(self, model: str, data_parallel_size: int = 1, **options):
         if type(data_parallel_size) is int and data_parallel_size == 1:
@@ -150,3 +156,55 @@ class LLM:
                                continue_final_message=continue_final_message, tools=tools,
                                chat_template_kwargs=chat_template_kwargs)
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
+
+    # ---- the pooling runner (vLLM's LLM.encode and its task-specific forms) ---------------------
+
+    def encode(self, prompts, pooling_params: PoolingParams | list[PoolingParams] | None = None, *,
+               use_tqdm=True, lora_request=None, pooling_task: str | None = None,
+               tokenization_kwargs: dict | None = None) -> list[PoolingRequestOutput]:
+        """vLLM's LLM.encode: each prompt's pooled output for pooling_task ("embed", "classify",
+        "token_embed" or "token_classify"), outputs.data a tensor (see LLMEngine.encode)."""
+        _check_no_tokenization_kwargs(tokenization_kwargs)
+        return self._pooling_engine().encode(prompts, pooling_params, use_tqdm, lora_request, pooling_task)
+
+    def embed(self, prompts, *, use_tqdm=True, pooling_params=None, lora_request=None,
+              tokenization_kwargs: dict | None = None) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (outputs.embedding: a list of floats)."""
+        check_pooling_api(self._pooling_engine().config.pooling, "embed", "LLM.embed()")
+        outs = self.encode(prompts, pooling_params, use_tqdm=use_tqdm, lora_request=lora_request,
+                           pooling_task="embed", tokenization_kwargs=tokenization_kwargs)
+        return [EmbeddingRequestOutput.from_base(o) for o in outs]
+
+    def classify(self, prompts, *, pooling_params=None, use_tqdm=True, lora_request=None,
+                 tokenization_kwargs: dict | None = None) -> list[ClassificationRequestOutput]:
+        """Class probabilities per prompt (outputs.probs; the logits with use_activation=False)."""
+        check_pooling_api(self._pooling_engine().config.pooling, "classify", "LLM.classify()")
+        outs = self.encode(prompts, pooling_params, use_tqdm=use_tqdm, lora_request=lora_request,
+                           pooling_task="classify", tokenization_kwargs=tokenization_kwargs)
+        return [ClassificationRequestOutput.from_base(o) for o in outs]
+
+    def reward(self, prompts, /, *, pooling_params=None, use_tqdm=True, lora_request=None,
+               tokenization_kwargs: dict | None = None) -> list[PoolingRequestOutput]:
+        """The score head on every token (outputs.data: [num_tokens, num_labels])."""
+        return self.encode(prompts, pooling_params, use_tqdm=use_tqdm, lora_request=lora_request,
+                           pooling_task="token_classify", tokenization_kwargs=tokenization_kwargs)
+
+    def score(self, data_1, data_2, /, *, use_tqdm=True, pooling_params: PoolingParams | None = None,
+              lora_request=None, tokenization_kwargs: dict | None = None,
+              chat_template: str | None = None) -> list[ScoringRequestOutput]:
+        """A score per pair: data_1 and data_2 are a prompt or lists of them, paired 1:1, 1:N or N:N
+        (see engine/scoring.py)."""
+        _check_no_tokenization_kwargs(tokenization_kwargs)
+        return score(self._pooling_engine(), data_1, data_2, use_tqdm=use_tqdm, pooling_params=pooling_params,
+                     lora_request=lora_request, chat_template=chat_template)
+
+    def _pooling_engine(self) -> LLMEngine:
+        if not isinstance(self.llm_engine, LLMEngine):
+            raise ValueError("pooling runs on one engine: create the LLM with data_parallel_size=1")
+        return self.llm_engine
+
+
+def _check_no_tokenization_kwargs(kwargs: dict | None):
+    if kwargs:
+        raise ValueError(f"tokenization_kwargs: nanovllm takes none (prompts are tokenized as the tokenizer "
+                         f"does by default); pass None, got {kwargs!r}")

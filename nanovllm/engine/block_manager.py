@@ -125,7 +125,7 @@ class BlockManager:
         out, so a fully cached prompt still computes its last token: there must be logits to sample."""
         bs = self.block_size
         ids, hashes, h = [], [], seq.lora_int_id   # the hash chain starts from the adapter's id
-        if not self.enable_prefix_caching or seq.wants_prompt_logprobs:
+        if not self.enable_prefix_caching or seq.skips_prefix_cache:
             return ids, hashes, None
         for i in range((seq.num_tokens - 1) // bs):
             tokens = seq.token_ids[i * bs:(i + 1) * bs]

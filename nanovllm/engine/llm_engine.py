@@ -11,13 +11,14 @@ from nanovllm.engine.executor import Executor
 from nanovllm.engine.generation_defaults import default_sampling_overrides
 from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.output_builder import OutputBuilder
+from nanovllm.engine.pooling_requests import pooling_output, pooling_seqs
 from nanovllm.engine.progress import Progress, check_use_tqdm
 from nanovllm.engine.requests import RequestBuilder, as_prompt_list, check_priority
 from nanovllm.engine.run_ahead import RunAhead
 from nanovllm.engine.scheduler import ScheduledBatch, Scheduler
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.stop_checker import ABORT
-from nanovllm.outputs import CompletionOutput, RequestOutput
+from nanovllm.outputs import CompletionOutput, PoolingRequestOutput, RequestOutput
 from nanovllm.quantization import check_quantization
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.structured.params import StructuredOutputsParams
@@ -202,6 +203,7 @@ class LLMEngine:
         """Queue one prompt; return its sampling_params.n sequences (completions 0..n-1).
         prompt_index: the prompt's place in its caller's batch, which error messages name;
         lora_request: its adapter's LoRARequest (None: the base model)."""
+        self._check_generates()
         params = self.requests.params_list(sampling_params, 1)[0]
         ids = self.requests.token_ids(prompt, prompt_index, params.truncate_prompt_tokens)
         lora = self.requests.lora_list(lora_request, 1)[0]
@@ -209,6 +211,12 @@ class LLMEngine:
         with self._reset_on_error():
             self._queue(seqs)
         return seqs
+
+    def _check_generates(self):
+        if self.config.pooling is not None:
+            raise ValueError("generation is only supported for generative models; this LLM runs the pooling "
+                             "runner: use embed / classify / score / encode, or create it with "
+                             "runner='generate'")
 
     def prompt_token_ids(self, prompts) -> list[list[int]]:
         """Each prompt's checked token ids (errors name its index), queueing nothing."""
@@ -257,6 +265,7 @@ class LLMEngine:
         calls are served one after another (see one_call). An exception or Ctrl-C anywhere inside leaves the
         engine as a fresh one (see _reset)."""
         check_use_tqdm(use_tqdm)
+        self._check_generates()
         prompts = as_prompt_list(prompts)
         check_priority(priority, len(prompts))
         params = self.requests.params_list(sampling_params, len(prompts))
@@ -270,6 +279,22 @@ class LLMEngine:
             self._run_until_done(per_prompt, use_tqdm)
             self.run_ahead.apply_in_flight()   # the last batch's results are for finished sequences
             return [self.outputs.request_output(seqs, p) for seqs, p in zip(per_prompt, prompts)]
+
+    @serialised
+    def encode(self, prompts, pooling_params=None, use_tqdm=True, lora_request=None,
+               pooling_task: str | None = None) -> list[PoolingRequestOutput]:
+        """vLLM's LLM.encode on the pooling runner: one PoolingRequestOutput per prompt, in prompt
+        order; each prompt is computed once (in chunks when long) and its KV blocks freed as soon as
+        it is pooled (layers/pooler.py)."""
+        check_use_tqdm(use_tqdm)
+        prompts = as_prompt_list(prompts)
+        seqs = pooling_seqs(self.requests, self.config.pooling, prompts, pooling_params, pooling_task,
+                            lora_request)
+        with self._reset_on_error():
+            self._queue(seqs)
+            self._run_until_done([[seq] for seq in seqs], use_tqdm)
+            self.run_ahead.apply_in_flight()
+            return [pooling_output(seq) for seq in seqs]
 
     def _run_until_done(self, per_prompt: list[list[Sequence]], use_tqdm):
         progress = Progress(use_tqdm, len(per_prompt))

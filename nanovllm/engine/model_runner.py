@@ -22,7 +22,7 @@ from nanovllm.layers.attention import Attention, kv_scale_rows, warm_up_store
 from nanovllm.layers.prefill_attention import select_prefill_attention
 from nanovllm.layers.sampler import Sampler
 from nanovllm.lora.layers import LoRAModel
-from nanovllm.models import get_model_class
+from nanovllm.models import build_model
 from nanovllm.quantization import finish_loading, prepare_model, quantization_of
 from nanovllm.utils.context import Context, forward_context
 from nanovllm.parallel.parallel_state import (TPGroup, broadcast, connect_peer_all_reduce, host_barrier,
@@ -97,7 +97,7 @@ class ModelRunner:
         with tp_group(group):   # layers take their shard from it; their collectives run in it
             with self._timed("load model"):
                 with self.device, _default_dtype(self.dtype):
-                    self.model = get_model_class(config.hf_config)(config.hf_config)
+                    self.model = build_model(config)
                     plan = prepare_model(self.model, quantization_of(config), config.load_format)
                 if config.load_format == "dummy":
                     load_dummy_weights(self.model, config.seed)
@@ -123,7 +123,7 @@ class ModelRunner:
                     self.warmup_model()
             self.num_kvcache_blocks = self.allocate_kv_cache()
             self.graphs: DecodeGraphs | None = None
-            if self.use_cuda and not config.enforce_eager:
+            if self.use_cuda and not config.enforce_eager and config.pooling is None:   # pooling: no decode
                 with self._timed("capture CUDA graphs"):
                     self.graphs = self.capture_cudagraph()
         logger.info("start-up: %s; KV cache: %d blocks of %d tokens = %d tokens (%s, %.2f GiB)",
@@ -296,8 +296,8 @@ class ModelRunner:
             return PendingSample(None, None)
         step = step or self.step_input(batch)
         logits = self.forward_step(step)
-        if logits is None:   # only mid-prompt chunks: nothing to sample
-            return PendingSample(None, None)
+        if logits is None or self.config.pooling is not None:   # mid-prompt chunks only, or pooled shares
+            return PendingSample(None, None) if logits is None else PendingSample.pooling(batch, logits)
         prompt = None
         if step.prompt_logprob_counts:   # their rows follow the sampling rows
             num_sampling = len(batch.sampling_seqs)
@@ -349,7 +349,7 @@ class ModelRunner:
     def forward_step(self, step: StepInput) -> torch.Tensor | None:
         """Run the model on one step; every rank runs it (its collectives need them all). Returns the
         logits of the sampling positions, [num_sampling_seqs, vocab] in the model's dtype, on every
-        rank, or None when no sequence samples."""
+        rank, or None when no sequence samples; a pooling model's shares of its outputs (layers/pooler.py)."""
         with tp_group(self.group):
             if step.lora_loads:   # adapters new to their GPU slots (in stream order after the last step)
                 self.lora.load_all(step.lora_loads, self.config.hf_config)
@@ -359,8 +359,8 @@ class ModelRunner:
                 input_ids, positions, ctx, logits_indices = self.prepare_prefill(step)
                 with forward_context(ctx):
                     hidden = self.model(input_ids, positions)
-                if logits_indices.numel() == 0:   # only mid-prompt chunks: nothing to sample
-                    return None
+                if logits_indices.numel() == 0:   # mid-prompt chunks only, or a pooling step
+                    return self.model.pool(hidden, step) if self.config.pooling is not None else None
                 hidden = hidden[logits_indices]
             else:
                 hidden = self.run_decode(step)

@@ -4,6 +4,7 @@ from dataclasses import dataclass
 import torch
 
 from nanovllm.engine.sequence import TokenLogprobs
+from nanovllm.layers.pooler import PendingPooled, start_pooled
 from nanovllm.layers.sampler import Sampler, SamplerOutput, SamplingTensors
 
 
@@ -22,9 +23,10 @@ class PendingSample:
     work queued later, such as the next step."""
 
     def __init__(self, out: SamplerOutput | None, sampling: SamplingTensors | None,
-                 prompt_logprobs: "PendingPromptLogprobs | None" = None):
+                 prompt_logprobs: "PendingPromptLogprobs | None" = None, pooled: PendingPooled | None = None):
         self.num_logprobs = sampling.num_logprobs if sampling is not None else None
         self.prompt_logprobs = prompt_logprobs
+        self.pooled = pooled   # a prompt-only step's finished outputs (layers/pooler.py)
         self.host, self.event = None, None
         if out is None:
             return
@@ -36,14 +38,21 @@ class PendingSample:
             self.event = torch.cuda.Event()
             self.event.record()
 
+    @classmethod
+    def pooling(cls, batch, shares: list) -> "PendingSample":
+        """A prompt-only step's: nothing sampled; its shares of the pooled outputs (layers/pooler.py)."""
+        return cls(None, None, pooled=start_pooled(batch, shares))
+
     def ready(self) -> bool:
         """Have the tokens reached the host? (Polled under tensor parallelism: TPWorkers.wait_until.)"""
-        return self.event is None or self.event.query()
+        return (self.event is None or self.event.query()) and (self.pooled is None or self.pooled.ready())
 
     def result(self) -> SampledTokens:
         sampled = self._sampled()
         if self.prompt_logprobs is not None:
             sampled.prompt_logprobs = self.prompt_logprobs.result()
+        if self.pooled is not None:
+            self.pooled.finish()
         return sampled
 
     def _sampled(self) -> SampledTokens:

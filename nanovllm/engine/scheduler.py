@@ -4,7 +4,7 @@ from dataclasses import dataclass, field
 
 from nanovllm.engine.block_manager import BlockManager, KVCopy
 from nanovllm.engine.sequence import Sequence, SequenceStatus
-from nanovllm.engine.stop_checker import LENGTH, Stop, StopChecker
+from nanovllm.engine.stop_checker import LENGTH, POOLED, Stop, StopChecker
 
 
 @dataclass
@@ -24,10 +24,14 @@ class ScheduledBatch:
     # Per sequence: does this step reach the end of its tokens, so a token is sampled for it? Fixed
     # when the batch is made (advance then moves num_computed_tokens on).
     samples: list[bool] = field(init=False)
+    # The same for a prompt-only (pooling) sequence: this step ends it, its output pooled, not sampled.
+    pools: list[bool] = field(init=False)
 
     def __post_init__(self):
-        self.samples = [seq.num_computed_tokens + n == seq.num_tokens
-                        for seq, n in zip(self.seqs, self.num_new_tokens)]
+        ends = [seq.num_computed_tokens + n == seq.num_tokens
+                for seq, n in zip(self.seqs, self.num_new_tokens)]
+        self.samples = [end and seq.pooling is None for seq, end in zip(self.seqs, ends)]
+        self.pools = [end and seq.pooling is not None for seq, end in zip(self.seqs, ends)]
 
     @property
     def num_tokens(self) -> int:
@@ -88,8 +92,10 @@ class Scheduler:
         # taken, and the prompts behind it go first (as vLLM skips it), keeping their order.
         adapters = {s.lora_int_id for s in self.running} - {None} if self.max_loras else set()
         i = 0   # waiting[:i]: prompts skipped for want of an adapter slot
-        # Every sequence already in `seqs` is in `running` too, except a chunk, which ends the loop.
-        while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+        # Every sequence already in `seqs` is in `running` too, except a chunk, which ends the loop,
+        # and the prompt-only ones (pooled: they end with this step, in no queue).
+        pooled = 0
+        while i < len(self.waiting) and budget > 0 and len(self.running) + pooled < self.max_num_seqs:
             seq = self.waiting[i]
             lora = seq.lora_int_id
             if lora is not None and lora not in adapters:
@@ -116,7 +122,10 @@ class Scheduler:
                 break
             del self.waiting[i]
             seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
+            if seq.pooling is None:
+                self.running.append(seq)
+            else:
+                pooled += 1
         return ScheduledBatch(seqs, counts, is_prefill=True, finished=finished,
                               kv_copies=self.block_manager.take_copies())
 
@@ -180,10 +189,14 @@ class Scheduler:
         finished, sampled = list(batch.finished), iter(token_ids)
         sampled_logprobs = iter(logprobs if logprobs is not None else [None] * len(token_ids))
         check = self.stop_checker.check
-        for seq, samples in zip(batch.seqs, batch.samples):
+        for seq, samples, pools in zip(batch.seqs, batch.samples, batch.pools):
             token_id = next(sampled) if samples else None
             token_logprobs = next(sampled_logprobs) if samples else None
             if seq.is_finished:
+                continue
+            if pools:   # its output is pooled (layers/pooler.py): it ends, its blocks freed at once
+                self._finish(seq, POOLED)
+                finished.append(seq)
                 continue
             if samples:
                 seq.num_pending -= 1

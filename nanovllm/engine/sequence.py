@@ -26,9 +26,10 @@ class Sequence:
 
     def __init__(self, token_ids: list[int], sampling_params: SamplingParams | None = None,
                  index: int = 0, eos_token_ids: frozenset[int] = frozenset(), grammar=None,
-                 lora_request=None):
+                 lora_request=None, pooling=None):
         """grammar: a GrammarState (nanovllm/structured) when the request has structured_outputs;
-        lora_request: the LoRARequest of its adapter (None: the base model)."""
+        lora_request: the LoRARequest of its adapter (None: the base model); pooling: a
+        SequencePooling (layers/pooler.py) for a prompt-only request, pooled instead of sampled."""
         if sampling_params is None:
             sampling_params = SamplingParams()
         self.seq_id = next(Sequence._ids)
@@ -64,6 +65,7 @@ class Sequence:
         self.detokenizer = IncrementalDetokenizer(self.text_context) if p.stop else None
         # The grammar's state follows the appended output tokens (so preemption keeps it).
         self.grammar = grammar
+        self.pooling = pooling
 
     def __len__(self):
         return self.num_tokens
@@ -100,6 +102,12 @@ class Sequence:
         """Are prompt logprobs still to be computed? Until they are, the prefix cache is not used
         for this sequence (every prompt position must be computed, as in vLLM)."""
         return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
+
+    @property
+    def skips_prefix_cache(self) -> bool:
+        """Must every prompt position be computed, reading no cached prefix? While prompt logprobs
+        are wanted, and for a pooler that reads every position (all but last-token pooling)."""
+        return self.wants_prompt_logprobs or (self.pooling is not None and self.pooling.reads_every_position)
 
     @property
     def is_finished(self) -> bool:

@@ -27,6 +27,8 @@ class StepInput:
     kv_copies: list | None = None         # KVCopy (src, dst, tokens): rows every rank copies, in order
     state_slots: list[int] | None = None  # each sequence's state-cache row (a model with per-sequence
                                           # state, engine/state_slots.py); None: the model keeps none
+    pooling: list[tuple[str, bool]] | None = None   # prompt-only step: per sequence, its pooling method
+                                          # (layers/pooler.py) and whether this step ends its prompt
 
     @classmethod
     def of(cls, batch: ScheduledBatch, lora_slots=None) -> "StepInput":
@@ -38,11 +40,14 @@ class StepInput:
             token_ids = [ids or [0] for ids in token_ids]
         else:
             assert not any(seq.num_pending for seq in seqs), "a pending input token needs its row"
+        pooling = None
+        if seqs and seqs[0].pooling is not None:   # the pooling runner's steps are all prompt-only
+            pooling = [(seq.pooling.method, end) for seq, end in zip(seqs, batch.pools)]
         slots, loads = lora_slots.assign([seq.lora_request for seq in seqs]) if lora_slots else (None, None)
         return cls(batch.is_prefill, [seq.seq_id for seq in seqs], starts, token_ids,
                    [seq.block_table for seq in seqs], batch.samples, batch.token_rows,
                    prompt_logprob_counts(batch, starts), slots, loads,
-                   batch.kv_copies or None, state_slots_of(seqs))
+                   batch.kv_copies or None, state_slots_of(seqs), pooling)
 
     @property
     def num_seqs(self) -> int:

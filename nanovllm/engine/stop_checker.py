@@ -13,6 +13,7 @@ class Stop(NamedTuple):
 
 # abort: the client went away, or a grammar rejected a token (its bitmask should have forbidden it)
 EOS, LENGTH, ABORT = Stop("stop"), Stop("length"), Stop("abort")
+POOLED = Stop("stop")   # a prompt-only (pooling) request, once its output is pooled
 
 
 class StopChecker:

@@ -21,6 +21,7 @@ from nanovllm.engine.detokenizer import IncrementalDetokenizer
 from nanovllm.engine.requests import encode_text, past_max_logprobs
 from nanovllm.serve import protocol as api
 from nanovllm.serve.engine_loop import EngineError, EngineLoop, Request, Update
+from nanovllm.serve.pooling_routes import add_pooling_routes
 from nanovllm.serve.tools import ToolChoice
 from nanovllm.version import __version__
 
@@ -214,6 +215,7 @@ def create_app(engine, model_name: str, stream_interval: int = 1, *, api_key: st
             return sse(raw, requests, reply)
         return reply.response(await collect(raw, requests))
 
+    add_pooling_routes(app, engine, model_name, check_model)   # /v1/embeddings, /score, /rerank
     return app
 
 

@@ -79,6 +79,18 @@ class EngineLoop:
             _settle(accepted, EngineError(f"the engine is not running: {self.error!r}"))
         await accepted
 
+    async def call(self, fn):
+        """Run fn(engine) on the engine's thread between steps and return what it returns (a whole
+        offline call, as the pooling endpoints make: nanovllm/serve/pooling_routes.py); its ValueError
+        or TypeError is the client's (a 400), any other failure the engine's."""
+        if not self.healthy:
+            raise EngineError(f"the engine is not running: {self.error!r}")
+        done = self.loop.create_future()
+        self.commands.put(("call", (fn, done)))
+        if not self.healthy:   # as in add
+            _settle(done, EngineError(f"the engine is not running: {self.error!r}"))
+        return await done
+
     def abort(self, request: Request):
         """The client went away: stop its sequences and free their KV blocks at the next step."""
         self.commands.put(("abort", request))
@@ -118,6 +130,8 @@ class EngineLoop:
                 return False
             if verb == "add":
                 self._add(*arg)
+            elif verb == "call":
+                self._call(*arg)
             elif verb == "abort" and id(arg) in self.active:
                 self.engine.abort(arg.seqs)
                 del self.active[id(arg)]
@@ -128,6 +142,17 @@ class EngineLoop:
         except BaseException as e:   # the engine failed, not the request: answer this add too
             self.loop.call_soon_threadsafe(_settle, accepted, EngineError(f"the engine failed: {e!r}"))
             raise   # and _run fails everything else
+
+    def _call(self, fn, done: asyncio.Future):
+        try:
+            result = fn(self.engine)
+        except (ValueError, TypeError) as e:   # the client's fault: a 400, the engine goes on
+            self.loop.call_soon_threadsafe(_settle, done, e)
+        except BaseException as e:
+            self.loop.call_soon_threadsafe(_settle, done, EngineError(f"the engine failed: {e!r}"))
+            raise
+        else:
+            self.loop.call_soon_threadsafe(_settle, done, None, result)
 
     def _add_all(self, requests: list[Request], accepted: asyncio.Future):
         added = []
@@ -203,13 +228,13 @@ class EngineLoop:
                 verb, arg = self.commands.get_nowait()
             except queue.Empty:
                 break
-            if verb == "add":
+            if verb in ("add", "call"):
                 self.loop.call_soon_threadsafe(_settle, arg[1], failure)
 
 
-def _settle(future: asyncio.Future, error: BaseException | None):
+def _settle(future: asyncio.Future, error: BaseException | None, result=None):
     if not future.done():
-        future.set_exception(error) if error is not None else future.set_result(None)
+        future.set_exception(error) if error is not None else future.set_result(result)
 
 
 def _deliver(deliveries):

@@ -79,14 +79,14 @@ def load_model(model: nn.Module, path: str, names: CheckpointNames = CheckpointN
     skipped = 0
     for file in files:
         with safe_open(file, "pt", "cpu") as f:
-            for ckpt_name in f.keys():
+            for key, ckpt_name in _loaded_as(model, f.keys()):
                 if ckpt_name.endswith(unread):
                     continue
                 if ckpt_name.startswith(skipped_prefixes):
                     skipped += 1
                     continue
                 if ckpt_name.endswith(kv_names):
-                    model.kv_scale_tensors[ckpt_name] = f.get_tensor(ckpt_name)
+                    model.kv_scale_tensors[ckpt_name] = f.get_tensor(key)
                     continue
                 prefix = next((p for p in renames if ckpt_name.startswith(p)), None)
                 in_model = ckpt_name if prefix is None else renames[prefix] + ckpt_name[len(prefix):]
@@ -95,7 +95,7 @@ def load_model(model: nn.Module, path: str, names: CheckpointNames = CheckpointN
                     if _tied_duplicate(model, ckpt_name):
                         continue
                     raise ValueError(f"checkpoint tensor {ckpt_name!r} ({file}) matches no model parameter")
-                param, tensor = params[name], f.get_tensor(ckpt_name)
+                param, tensor = params[name], f.get_tensor(key)
                 if param.is_floating_point() and not tensor.is_floating_point():
                     # copy_ would cast the integers (or bools) to float and the model would make garbage.
                     raise ValueError(f"checkpoint tensor {ckpt_name!r} ({file}) has dtype {tensor.dtype}, "
@@ -119,6 +119,15 @@ def load_model(model: nn.Module, path: str, names: CheckpointNames = CheckpointN
     if missing:
         raise ValueError(f"checkpoint {path!r} has no tensor for: {', '.join(missing[:10])}"
                          + (f" and {len(missing) - 10} more" if len(missing) > 10 else ""))
+
+
+def _loaded_as(model: nn.Module, keys):
+    """(key in the file, the name it loads as) for each tensor of a file: the key itself, unless the
+    model maps it to other names, or to none (checkpoint_targets: models/pooling.py)."""
+    targets = getattr(model, "checkpoint_targets", None)
+    for key in keys:
+        for name in (targets(key) if targets is not None else (key,)):
+            yield key, name
 
 
 def _shards_of(param_name: str, mapping: dict) -> set:
