@@ -2,10 +2,13 @@ from nanovllm.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchS
 from nanovllm.engine.arg_utils import EngineArgs
 from nanovllm.inputs import TextPrompt, TokensPrompt
 from nanovllm.llm import LLM
+from nanovllm.logger import configure_logger
 from nanovllm.lora.request import LoRARequest
 from nanovllm.outputs import CompletionOutput, RequestOutput
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.version import __version__
+
+configure_logger()   # INFO lines on stderr, as vLLM's (NANOVLLM_LOGGING_LEVEL, NANOVLLM_CONFIGURE_LOGGING)
 
 __all__ = ["LLM", "EngineArgs", "SamplingParams", "RequestOutput", "CompletionOutput", "TextPrompt",
            "TokensPrompt", "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence", "LoRARequest",

@@ -6,6 +6,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+# The tests are the application here: nanovllm leaves its log records to pytest (caplog), adding no
+# stderr handler of its own (tests/test_envs.py runs the default in a fresh interpreter).
+os.environ.setdefault("NANOVLLM_CONFIGURE_LOGGING", "0")
+
 import pytest
 import torch
 from safetensors.torch import load_file, save_file

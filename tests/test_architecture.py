@@ -11,8 +11,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1] / "nanovllm"
 
 # Lowest first. The first name of a module's path inside nanovllm/ picks its floor.
 FLOORS = [
-    {"version", "outputs", "inputs", "beam_search", "structured", "sampling_params", "chat_utils", "utils",
-     "config"},                      # plain data, options and file helpers: no torch modules of ours
+    {"version", "envs", "logger", "outputs", "inputs", "beam_search", "structured", "sampling_params",
+     "chat_utils", "utils", "config"},  # plain data, options and file helpers: no torch modules of ours
     {"kernels"},                     # Triton kernels and their torch references
     {"parallel"},                    # the TP group and its collectives, the command pipe, heartbeats
     {"layers", "lora"},              # nn.Modules built from kernels, sharded by the TP group; LoRA on them
