@@ -139,7 +139,7 @@ def by_name(name: str) -> EnvVar:
     found = {v.name: v for v in VARIABLES}
     if name in found:
         return found[name]
-    close = difflib.get_close_matches(name, found, n=3)
+    close = difflib.get_close_matches(name, found, n=1)
     hint = f"did you mean {' or '.join(close)}? " if close else ""
     raise ValueError(f"{name} is not a nanovllm environment variable: {hint}"
                      f"(declared: {', '.join(sorted(found))})")

@@ -29,3 +29,10 @@ def configure_logger(name: str = "nanovllm", environ=None) -> logging.Logger:
     logger.setLevel(level)
     logger.propagate = False
     return logger
+
+
+def quiet_worker_logger(name: str = "nanovllm", environ=None):
+    """In a tensor-parallel worker (ranks 1..N-1): at the default level, warnings and errors only, so
+    each INFO line (the start-up's, the KV cache's) is printed once, by rank 0, not once a rank."""
+    if envs.CONFIGURE_LOGGING.get(environ) and envs.LOGGING_LEVEL.get(environ) == "info":
+        logging.getLogger(name).setLevel(logging.WARNING)

@@ -1,4 +1,4 @@
-"""The package's floors, as the README's "How it works" lists them: a module imports only from its
+"""The package's floors, as docs/how-it-works.md lists them: a module imports only from its
 own floor or the floors below it, and no modules import each other in a circle. Imports inside
 functions count too: a deferred import is still a dependency."""
 import ast

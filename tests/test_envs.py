@@ -92,3 +92,13 @@ def test_logging_level_and_leaving_logging_to_the_application(capsys, environ, s
     assert all(line.endswith(f"[{name}] probe {line.split()[0]}") for line in err.splitlines())
     if shown:
         assert logger.propagate is False   # one copy of each line, not a second through the root logger
+
+
+def test_tp_workers_leave_info_lines_to_rank_0():
+    from nanovllm.logger import quiet_worker_logger
+    logger = configure_logger("nanovllm_probe_worker", {})
+    quiet_worker_logger("nanovllm_probe_worker", {})
+    assert logger.level == logging.WARNING
+    logger = configure_logger("nanovllm_probe_worker_debug", {"NANOVLLM_LOGGING_LEVEL": "debug"})
+    quiet_worker_logger("nanovllm_probe_worker_debug", {"NANOVLLM_LOGGING_LEVEL": "debug"})
+    assert logger.level == logging.DEBUG   # asked for: every rank's lines
