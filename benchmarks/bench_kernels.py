@@ -19,6 +19,7 @@ path (which converts to fp32 first); its bytes are one read of the bf16 logits.
 import argparse
 import contextlib
 import json
+import statistics
 from functools import partial
 
 import torch
@@ -40,9 +41,42 @@ H, HKV, D, BLOCK = 16, 8, 128, 256
 PEAK_BW = 4.8e12
 
 
-def median_ms(fn, graph=False):
+def triton_ms(fn, graph=False):
+    """Triton's median ms of fn (in a CUDA graph with graph=True): this script's own timing."""
     bench = triton.testing.do_bench_cudagraph if graph else triton.testing.do_bench
     return bench(fn, rep=200, return_mode="median")
+
+
+# The timing the probe scripts share (prefill_attn_probe.py, step_parts.py, fp8_gemm_probe.py): CUDA
+# events around back-to-back calls, medians.
+def median_ms(fn, calls: int = 10, timings: int = 25, warmup: int = 3) -> float:
+    """Median over `timings` of the mean time in ms of `calls` back-to-back calls of fn (CUDA events
+    on the current stream), after `warmup` calls."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(timings):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    return statistics.median(times)
+
+
+def graph_ms(fn, calls: int = 10, timings: int = 25, warmup: int = 3) -> float:
+    """Median ms per call of fn, `calls` calls recorded in one CUDA graph (fn runs once before the
+    capture, to compile its kernels and allocate), the graph timed by median_ms."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return median_ms(graph.replay, calls=1, timings=timings, warmup=warmup) / calls
 
 
 def kv_cache_pair(num_blocks, fp8):
@@ -61,7 +95,7 @@ def decode_case(batch, ctx, fn, graph=False, fp8=False):
     tables = torch.randperm(batch * blocks, device="cuda").int().view(batch, blocks)
     lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
     q = torch.randn(batch, H, D, device="cuda", dtype=torch.bfloat16)
-    ms = median_ms(lambda: fn(q, k_cache, v_cache, tables, lens, D ** -0.5, **scales), graph=graph)
+    ms = triton_ms(lambda: fn(q, k_cache, v_cache, tables, lens, D ** -0.5, **scales), graph=graph)
     nbytes = batch * ctx * HKV * D * 2 * k_cache.element_size() + 2 * q.numel() * 2
     return ms, nbytes / (ms * 1e-3)
 
@@ -87,7 +121,7 @@ def mixed_decode_case(batch, num_splits=None, lo=100, hi=2048, table_blocks=16, 
         return paged_decode_attention_triton(q, k_cache, v_cache, tables, lens, D ** -0.5,
                                              num_splits=num_splits, order=order, **scales)
     decode()   # compile (or fail to) outside the graph capture
-    ms = median_ms(decode, graph=True)
+    ms = triton_ms(decode, graph=True)
     nbytes = int(lens.sum()) * HKV * D * 2 * k_cache.element_size() + 2 * q.numel() * 2
     return ms, nbytes / (ms * 1e-3)
 
@@ -98,7 +132,7 @@ def prefill_case(num_seqs, seq_len):
     k = torch.randn(total, HKV, D, device="cuda", dtype=torch.bfloat16)
     v = torch.randn_like(k)
     cu = torch.arange(0, total + 1, seq_len, dtype=torch.int32, device="cuda")
-    ms = median_ms(lambda: prefill_attention(q, k, v, None, None, cu, cu, seq_len, seq_len, None, D ** -0.5))
+    ms = triton_ms(lambda: prefill_attention(q, k, v, None, None, cu, cu, seq_len, seq_len, None, D ** -0.5))
     flops = 4 * num_seqs * seq_len * seq_len / 2 * H * D  # QK^T and PV, causal half
     return ms, flops / (ms * 1e-3)
 
@@ -117,7 +151,7 @@ def qk_norm_rope_case(num_tokens):
         qk_norm_rope_store_triton(qkv, q_w, k_w, 1e-6, cos_sin, positions, slots, k_cache, v_cache, H, HKV, D)
     fused()   # compile outside the capture
     # bytes: read qkv; write q, k and the cache's k and v rows
-    return median_ms(fused, graph=True), 2 * num_tokens * D * ((H + 2 * HKV) + (H + 3 * HKV))
+    return triton_ms(fused, graph=True), 2 * num_tokens * D * ((H + 2 * HKV) + (H + 3 * HKV))
 
 
 HIDDEN, INTER = 1024, 3072
@@ -140,7 +174,7 @@ def norm_act_case(op, num_tokens, triton_kernel):
     fast, eager, nbytes = cases[op]
     fn = fast if triton_kernel else eager
     fn()   # compile outside the capture
-    return median_ms(fn, graph=True), nbytes
+    return triton_ms(fn, graph=True), nbytes
 
 
 def sampling_case(n, fused, vocab=151936):
@@ -148,11 +182,11 @@ def sampling_case(n, fused, vocab=151936):
     temps = torch.full((n,), 0.6, device="cuda")
     seeds = torch.arange(n, device="cuda")
     if fused:
-        ms = median_ms(lambda: gumbel_max_sample(logits, temps, seeds))
+        ms = triton_ms(lambda: gumbel_max_sample(logits, temps, seeds))
     else:
         sampler = Sampler()
         params = SamplingTensors(temperatures=temps, all_greedy=False)
-        ms = median_ms(lambda: sampler.sample(logits, params))
+        ms = triton_ms(lambda: sampler.sample(logits, params))
     return ms, logits.numel() * 2 / (ms * 1e-3)
 
 
@@ -242,7 +276,7 @@ def sweep(json_path, which):
         for n in (256, 128, 64, 16, 1):
             logits = torch.randn(n, 151936, device="cuda", dtype=torch.bfloat16)
             temps, seeds = torch.full((n,), 0.6, device="cuda"), torch.arange(n, device="cuda")
-            times = [median_ms(partial(gumbel_max_sample, logits, temps, seeds, num_chunks=c), graph=True)
+            times = [triton_ms(partial(gumbel_max_sample, logits, temps, seeds, num_chunks=c), graph=True)
                      for c in chunk_counts]
             rows += [dict(case=f"sample n={n} chunks={c or 'auto'}", ms=ms)
                      for c, ms in zip(chunk_counts, times)]
@@ -250,7 +284,7 @@ def sweep(json_path, which):
             for name, knob, value in (("warps=4", "NUM_WARPS", 4), ("warps=16", "NUM_WARPS", 16),
                                       ("exact log", "FAST_LOG", False), ("philox-7", "PHILOX_ROUNDS", 7)):
                 with knobs(sampling, **{knob: value}):
-                    variants[name] = median_ms(partial(gumbel_max_sample, logits, temps, seeds), graph=True)
+                    variants[name] = triton_ms(partial(gumbel_max_sample, logits, temps, seeds), graph=True)
                 rows.append(dict(case=f"sample n={n} {name}", ms=variants[name]))
             print(f"{n:5d} " + "".join(f"{ms:8.4f}" for ms in times) + "  " +
                   "  ".join(f"{name} {ms:.4f}" for name, ms in variants.items()))

@@ -1,5 +1,5 @@
 """Where the per-channel FP8 GEMMs lose time (issue 45): Qwen3-8B's four layer GEMMs at decode and
-prefill token counts, each variant timed alone in CUDA graphs (bench_timing.graph_ms), in µs:
+prefill token counts, each variant timed alone in CUDA graphs (bench_kernels.graph_ms), in µs:
 
     bf16        F.linear on bf16 weights (the baseline)
     rw_fast     torch._scaled_mm, row-wise scales, use_fast_accum=True (fp8_linear's call)
@@ -38,7 +38,7 @@ import torch.nn.functional as F
 import triton
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench_timing import graph_ms  # noqa: E402
+from bench_kernels import graph_ms  # noqa: E402
 from nanovllm.kernels import fp8_gemm as fp8_kernels  # noqa: E402
 from nanovllm.kernels.fp8_gemm import fp8_gemm, fp8_linear, quantize_activations  # noqa: E402
 from nanovllm.kernels.fp8_reference import quantize_weight  # noqa: E402

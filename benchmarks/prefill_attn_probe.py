@@ -13,7 +13,7 @@ import argparse
 import random
 
 import torch
-from bench_timing import median_ms
+from bench_kernels import median_ms
 
 from nanovllm.kernels.backend import paged_kv_slots
 from nanovllm.kernels.flash_prefill import prefill_attention_aten

@@ -5,7 +5,7 @@ cache folder: an empty one compiles every variant from scratch (a fresh machine'
 the same folder again shows the warm cost. Same engine options as bench.py.
 
     PYTHONPATH=. python benchmarks/startup_compiles.py [--kv-cache-dtype fp8] [--triton-cache DIR]
-        [--set MODULE.NAME=VALUE ...] [--first-generate N]
+        [--set NAME=VALUE ...] [--first-generate N]
 """
 import argparse
 import json
@@ -25,9 +25,9 @@ def parse_args():
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"])
     p.add_argument("--triton-cache", help="TRITON_CACHE_DIR for this run (set before Triton loads)")
     p.add_argument("--max-num-seqs", type=int, help="engine's max_num_seqs (default: the engine's)")
-    p.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE",
-                   help="set a module constant first, as bench_with.py does (e.g. "
-                        "nanovllm.kernels.triton_prefill.PARALLEL_COMPILE=False; with it on, the default, "
+    p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                   help="set a knob of nanovllm/envs.py first, as bench_with.py does (e.g. "
+                        "NANOVLLM_PARALLEL_COMPILE=0; with it on, the default, "
                         "compiles overlap, and the per-compile seconds add up to more than the phase's)")
     p.add_argument("--first-generate", type=int, default=0, metavar="N",
                    help="then generate bench.py's workload of N prompts (64 tokens each, twice: the second "
@@ -111,14 +111,14 @@ def main():
     if args.triton_cache:
         os.makedirs(args.triton_cache, exist_ok=True)
         os.environ["TRITON_CACHE_DIR"] = args.triton_cache   # before Triton reads it
+    from bench_with import set_knobs
+    set_knobs(args.set)   # before nanovllm is imported: its modules read them then
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from bench import DEFAULT_MODEL, workload
     from nanovllm import SamplingParams
-    from bench_with import set_knobs
     from nanovllm import LLM
     from nanovllm.engine import decode_graphs, model_runner
 
-    set_knobs(args.set)
     log = CompileLog()
     log.install()
     capture_seconds = {}

@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench import DEFAULT_MODEL  # noqa: E402
-from bench_timing import median_ms  # noqa: E402
+from bench_kernels import median_ms  # noqa: E402
 from nanovllm import LLM  # noqa: E402
 from nanovllm.engine.decode_graphs import DecodeInputs, longest_first  # noqa: E402
 

@@ -139,9 +139,7 @@ class NanoEngine(Engine):
     name = "nanovllm"
 
     def __init__(self, args, adapters: list[str]):
-        from bench_with import set_knobs
         from nanovllm import LLM, LoRARequest
-        set_knobs(args.nano_set)
         options = dict(kv_cache_dtype=args.kv_cache_dtype, max_model_len=max_model_len(args.workload),
                        enable_prefix_caching=args.prefix_caching == "on", **lora_options(adapters))
         options.update(parse_options(args.nano_option))
@@ -431,6 +429,9 @@ def run_child(args, engine: str, profile: bool) -> dict | None:
             env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         env.pop(ROUTING_VAR, None)   # vLLM's own router unless vllm_env sets it
         env.update(vllm_env(args))
+    else:   # in the child's environment from its start, so its nanovllm reads them as it is imported
+        from bench_with import checked_knobs
+        env.update(checked_knobs(args.nano_set))
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         result = f.name
     cmd = [sys.executable, os.path.abspath(__file__), "--child", engine, "--result", result,
@@ -441,7 +442,6 @@ def run_child(args, engine: str, profile: bool) -> dict | None:
     cmd += ["--profile-child"] if profile else []
     cmd += [x for o in args.nano_option for x in ("--nano-option", o)]
     cmd += [x for o in args.vllm_option for x in ("--vllm-option", o)]
-    cmd += [x for o in args.nano_set for x in ("--nano-set", o)]
     if args.out:
         cmd += ["--out", args.out]
     proc = subprocess.Popen(cmd, env=env, start_new_session=True)
@@ -491,8 +491,9 @@ def main():
     p.add_argument("--vllm-path", help="a folder to put first on the vLLM child's PYTHONPATH")
     p.add_argument("--nano-option", action="append", default=[], help="KEY=VALUE for nanovllm's LLM()")
     p.add_argument("--vllm-option", action="append", default=[], help="KEY=VALUE for vLLM's LLM()")
-    p.add_argument("--nano-set", action="append", default=[], metavar="MODULE.NAME=VALUE",
-                   help="a nanovllm module constant set before its engine starts (as bench_with.py does)")
+    p.add_argument("--nano-set", action="append", default=[], metavar="NAME=VALUE",
+                   help="a nanovllm knob (an environment variable of nanovllm/envs.py, as bench_with.py "
+                        "takes them) in the nanovllm child's environment")
     p.add_argument("--vllm-moe-routing", default="uniform", choices=["uniform", "model"],
                    help="mixture-of-experts models: vLLM's routing simulator draws each token's experts "
                         "uniformly (default), or its router runs on the dummy weights (model)")

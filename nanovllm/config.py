@@ -1,5 +1,7 @@
 """Engine options: strict (unknown names are a TypeError) and validated (bad values a ValueError)."""
+import difflib
 import logging
+import math
 import numbers
 import os
 import random
@@ -103,8 +105,7 @@ class Config:
         known = {f.name for f in fields(cls) if f.init} - {"model"}
         unknown = sorted(set(options) - known - set(also_valid))
         if unknown:
-            raise TypeError(f"unknown option(s) {', '.join(map(repr, unknown))}; "
-                            f"valid options are: {', '.join(sorted(known | set(also_valid)))}")
+            raise TypeError(unknown_options_message(unknown, known | set(also_valid)))
         revision = options.get("revision")
         if revision is not None and not isinstance(revision, str):
             raise ValueError(f"revision must be a string (a branch, tag or commit) or None, got {revision!r}")
@@ -242,6 +243,16 @@ def _vllm_no_ops(cfg: "Config"):
         raise ValueError(f"download_dir must be a folder path or None, got {cfg.download_dir!r}")
 
 
+def unknown_options_message(unknown: list[str], valid: set[str]) -> str:
+    """'unknown option 'max_num_seq' (did you mean 'max_num_seqs'?); valid options are: ...'."""
+    named = []
+    for name in unknown:
+        close = difflib.get_close_matches(name, valid, n=1)
+        named.append(f"{name!r} (did you mean {close[0]!r}?)" if close else repr(name))
+    return (f"unknown option{'s' if len(unknown) > 1 else ''} {', '.join(named)}; "
+            f"valid options are: {', '.join(sorted(valid))}")
+
+
 def uses_cuda(config: Config) -> bool:
     """Do the engine's ranks run on CUDA? device="auto" means CUDA when torch sees a GPU. The one
     rule for rank 0's runner, its handle on the workers and the workers themselves."""
@@ -276,10 +287,18 @@ def _check_tp_divides(hf_config: PretrainedConfig, tp: int):
         sizes["intermediate_size"] = getattr(hf_config, "intermediate_size", None)
     for name in ("linear_num_key_heads", "linear_num_value_heads", "shared_expert_intermediate_size"):
         sizes[name] = getattr(hf_config, name, None)   # linear attention (Qwen3.5), a shared expert
+    sizes = {name: n for name, n in sizes.items() if isinstance(n, int) and n > 0}
     for name, n in sizes.items():
-        if isinstance(n, int) and n % tp:
-            raise ValueError(f"the model's {name} ({n}) is not divisible by tensor_parallel_size ({tp}): "
-                             "choose a tensor_parallel_size that divides it")
+        if n % tp:
+            raise ValueError(f"tensor_parallel_size={tp} does not divide the model's {name} ({n}); "
+                             f"sizes that divide {', '.join(f'{k} ({v})' for k, v in sizes.items())}: "
+                             f"{', '.join(map(str, tp_sizes_that_divide(sizes.values())))}")
+
+
+def tp_sizes_that_divide(sizes) -> list[int]:
+    """The tensor_parallel_sizes that split every one of `sizes` evenly: the divisors of their gcd."""
+    common = math.gcd(*sizes)
+    return [d for d in range(1, common + 1) if common % d == 0]
 
 
 def _refuse_for_hybrid(cfg: Config):

@@ -6,12 +6,22 @@ import subprocess
 import sys
 from pathlib import Path
 
+# The tests are the application here: nanovllm leaves its log records to pytest (caplog), adding no
+# stderr handler of its own (tests/test_envs.py runs the default in a fresh interpreter).
+os.environ.setdefault("NANOVLLM_CONFIGURE_LOGGING", "0")
+# One torch thread, here and in the processes the tests start (servers, TP workers, scripts): the tiny
+# models' ops are too small to split, and on a 2-core machine shared with other work two threads spin
+# against each other (a 16-prompt generate: 0.35 s on one thread, 13 s on two, on a busy 2-core machine).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import (AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, Qwen2Config,
                           Qwen3Config, Qwen3MoeConfig)
+
+torch.set_num_threads(1)   # in case torch was imported before this file set OMP_NUM_THREADS
 
 VOCAB = 512
 EOS = 1
@@ -106,8 +116,8 @@ def random_prompts(n: int, lengths, seed: int = 0) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def one_torch_thread():
-    """The tiny models run far faster on one thread, above all on a shared, busy machine
-    (use with `pytestmark = pytest.mark.usefixtures("one_torch_thread")`)."""
+    """One torch thread for a module, restored after it (the whole session runs on one thread now, see
+    the top of this file; a module that raises the count for itself gets it back to one after)."""
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

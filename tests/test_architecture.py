@@ -1,4 +1,4 @@
-"""The package's floors, as the README's "How it works" lists them: a module imports only from its
+"""The package's floors, as docs/how-it-works.md lists them: a module imports only from its
 own floor or the floors below it, and no modules import each other in a circle. Imports inside
 functions count too: a deferred import is still a dependency."""
 import ast
@@ -11,9 +11,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[1] / "nanovllm"
 
 # Lowest first. The first name of a module's path inside nanovllm/ picks its floor.
 FLOORS = [
-    {"version", "outputs", "inputs", "beam_search", "structured", "sampling_params", "chat_utils", "utils",
-     "config", "pooling_params", "pooler_config"},   # plain data, options and file helpers: no torch
-                                                     # modules of ours
+    {"version", "envs", "logger", "outputs", "inputs", "beam_search", "structured", "sampling_params",
+     "chat_utils", "utils", "config", "pooling_params", "pooler_config"},   # plain data, options and file
+                                                     # helpers: no torch modules of ours
     {"kernels"},                     # Triton kernels and their torch references
     {"parallel"},                    # the TP group and its collectives, the command pipe, heartbeats
     {"layers", "lora", "quantization"},   # nn.Modules built from kernels, sharded by the TP group; LoRA

@@ -282,6 +282,7 @@ def test_fewer_state_slots_than_max_num_seqs(dense, caplog):
     state = runner.state_cache
     slot, block = state.nbytes // (state.num_slots + 1), runner.kv_bytes_per_block()
     probe.shutdown()
+    caplog.clear()   # the probe's own lines (when an earlier test left nanovllm's logger at INFO)
     with caplog.at_level(logging.INFO):
         llm = LLM(path, kv_cache_memory_bytes=2 * slot + 8 * block, **SMALL)   # < 6 slots' worth
     assert llm.scheduler.block_manager.state_slots.num_slots == 2

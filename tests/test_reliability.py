@@ -241,7 +241,7 @@ def test_folder_without_weights(tmp_path, qwen3_dir):
 
 def test_unknown_option_lists_the_valid_ones(qwen3_dir):
     with pytest.raises(TypeError,
-                       match=r"unknown option\(s\) 'gpu_mem'; valid options are: .*gpu_memory_utilization"):
+                       match=r"unknown option 'gpu_mem'; valid options are: .*gpu_memory_utilization"):
         LLM(qwen3_dir, gpu_mem=0.5)
 
 
@@ -260,9 +260,9 @@ BAD_OPTIONS = [
     (dict(enforce_eager="yes"), r"enforce_eager must be True or False, got 'yes'"),
     (dict(seed=-1), r"seed must be an integer >= 0, got -1"),
     (dict(tensor_parallel_size=0), r"tensor_parallel_size must be an integer >= 1"),
-    (dict(tensor_parallel_size=3), r"the model's num_attention_heads \(4\) is not divisible by "
-                                   r"tensor_parallel_size \(3\): choose a tensor_parallel_size that "
-                                   r"divides it"),
+    (dict(tensor_parallel_size=3), r"tensor_parallel_size=3 does not divide the model's "
+                                   r"num_attention_heads \(4\); sizes that divide num_attention_heads \(4\), "
+                                   r"num_key_value_heads \(2\), intermediate_size \(128\): 1, 2$"),
 ]
 
 
@@ -285,12 +285,24 @@ def test_tensor_parallel_size_must_divide_the_model_before_workers_start(qwen3_d
     # refused by the config (no worker process is started), naming the size that does not divide
     from nanovllm.config import Config, _check_tp_divides
     from conftest import CONFIGS
-    with pytest.raises(ValueError, match=name + r" is not divisible by tensor_parallel_size \(3\)"):
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=3 does not divide the model's " + name):
         _check_tp_divides(CONFIGS[arch](**overrides), 3)
     _check_tp_divides(CONFIGS[arch](**overrides), 1)
     if arch == "qwen3" and not overrides:
         with pytest.raises(ValueError, match=name):
             Config.create(qwen3_dir, tensor_parallel_size=3)
+
+
+def test_tensor_parallel_error_lists_the_sizes_that_work():
+    # the demo model's shapes (SmolLM2-135M: 9 heads, 3 KV heads): 2 fails, and 1 and 3 are named
+    from nanovllm.config import _check_tp_divides
+    from conftest import CONFIGS
+    demo = CONFIGS["llama"](num_attention_heads=9, num_key_value_heads=3, hidden_size=576,
+                            intermediate_size=1536)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 does not divide the model's "
+                                         r"num_attention_heads \(9\); .*intermediate_size \(1536\): 1, 3$"):
+        _check_tp_divides(demo, 2)
+    _check_tp_divides(demo, 3)
 
 
 def test_kv_cache_too_small_says_what_to_raise(qwen3_dir):

@@ -1,6 +1,6 @@
 """Importing and starting Ray, with errors that say what to install."""
-import os
 
+import nanovllm.envs as envs
 from nanovllm.utils.processes import child_pythonpath
 
 RAY_EXTRA_HINT = "pip install 'nanovllm[ray]' (or: pip install 'ray[data]')"
@@ -21,7 +21,7 @@ def init_ray(**ray_init_kwargs) -> bool:
     ray = import_ray()
     if ray.is_initialized():
         return False
-    if not os.environ.get("RAY_ADDRESS"):
+    if not envs.RAY_ADDRESS.get():
         # A local cluster's workers import the same nanovllm as this process (not another install).
         ray_init_kwargs.setdefault("runtime_env", {"env_vars": {"PYTHONPATH": child_pythonpath()}})
     ray.init(**ray_init_kwargs)

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+import nanovllm.envs as envs
 from nanovllm.config import Config, uses_cuda
 from nanovllm.parallel import command_pipe
 from nanovllm.parallel.parallel_state import (STARTUP_TIMEOUT, TPGroup, abort_tp_group, destroy_tp_group,
@@ -130,7 +131,7 @@ class TPWorkers:
         fds = (commands_r, reports_w, self.beats.fd)
         # The worker imports the same nanovllm as rank 0, and runs one OpenMP thread: the ranks
         # share the host's cores.
-        env = {**os.environ, "PYTHONPATH": child_pythonpath(), "OMP_NUM_THREADS": "1"}
+        env = envs.environ_with(PYTHONPATH=child_pythonpath(), OMP_NUM_THREADS="1")
         try:
             proc = subprocess.Popen([sys.executable, "-c", _WORKER_MAIN, *map(str, fds), str(rank)],
                                     pass_fds=fds, env=env)

@@ -16,6 +16,7 @@ import torch
 from nanovllm.config import Config, uses_cuda
 from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.tp_worker import HEARTBEAT_S, TRACEBACK_BYTES
+from nanovllm.logger import quiet_worker_logger
 from nanovllm.parallel import command_pipe
 from nanovllm.parallel.parallel_state import (abort_tp_group, close_peer_all_reduce, init_tp_group,
                                               reset_captured_graphs, worker_store)
@@ -26,6 +27,7 @@ def main():
     """A worker's whole life: heartbeat, read the setup, join the group, build the shard, run
     commands until "exit" (or until rank 0 is gone), then end at once."""
     commands, reports, beats_fd, rank = map(int, sys.argv[1:5])
+    quiet_worker_logger()
     # Ctrl-C in a terminal reaches every process of the foreground group: rank 0 alone decides
     # what happens (it stops the workers through the pipe, or kills them).
     signal.signal(signal.SIGINT, signal.SIG_IGN)

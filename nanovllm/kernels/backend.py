@@ -13,16 +13,14 @@ still read when NANOVLLM_KERNELS is unset).
 """
 import importlib.util
 import logging
-import os
 
 import torch
 
+import nanovllm.envs as envs
 from nanovllm.kernels.reference import (add_rms_norm_ref, paged_decode_attention_ref, prefill_attention_ref,
                                         qk_norm_rope_store_ref, rms_norm_ref, silu_and_mul_ref)
 
 logger = logging.getLogger(__name__)
-CHOICES = ("triton", "torch")
-ENV, OLD_ENV = "NANOVLLM_KERNELS", "NANOVLLM_ATTENTION_BACKEND"
 
 
 def _has_module(name: str) -> bool:
@@ -32,18 +30,19 @@ def _has_module(name: str) -> bool:
         return False
 
 
-def choose_kernels(environ=os.environ) -> str:
+def choose_kernels(environ=None) -> str:
     """"triton" or "torch": $NANOVLLM_KERNELS (or the deprecated $NANOVLLM_ATTENTION_BACKEND) when set,
-    else "triton" where CUDA and triton are both there."""
-    name, forced = ENV, environ.get(ENV)
-    if not forced and environ.get(OLD_ENV):
-        name, forced = OLD_ENV, environ[OLD_ENV]
-        logger.warning("%s is deprecated: set %s=%s instead", OLD_ENV, ENV, forced)
-    if forced:
-        if forced not in CHOICES:
-            raise ValueError(f"{name}={forced!r}: use one of {', '.join(CHOICES)}")
+    else "triton" where CUDA and triton are both there. environ: this process's environment by default."""
+    var = envs.KERNELS
+    forced = var.get(environ)
+    if forced is None:
+        forced = envs.ATTENTION_BACKEND.get(environ)
+        if forced is not None:
+            var = envs.ATTENTION_BACKEND
+            logger.warning("%s is deprecated: set %s=%s instead", var.name, envs.KERNELS.name, forced)
+    if forced is not None:
         if forced != "torch" and not _has_module("triton"):
-            raise ValueError(f"{name}={forced!r} needs triton; use 'torch'")
+            raise ValueError(f"{var.name}={forced!r} needs triton; use 'torch'")
         return forced
     if not torch.cuda.is_available() or not _has_module("triton"):
         return "torch"

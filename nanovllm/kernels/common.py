@@ -2,13 +2,14 @@
 launch runs in the Triton interpreter, calls run in threads (compiles at start-up), and the fp32 ->
 dtype rounding that reproduces eager torch's intermediate casts."""
 import functools
-import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import triton
 import triton.language as tl
+
+import nanovllm.envs as envs
 
 
 @functools.cache
@@ -22,7 +23,7 @@ def num_sms(device: torch.device) -> int:
 
 def interpreted(device: torch.device) -> bool:
     """Kernels on this device run in the Triton interpreter: CPU tensors (or TRITON_INTERPRET=1 on any)."""
-    return device.type == "cpu" or os.environ.get("TRITON_INTERPRET") == "1"
+    return device.type == "cpu" or envs.TRITON_INTERPRET.get()
 
 
 def in_threads(calls: list[Callable[[], None]], device: torch.device) -> Callable[[], None]:

@@ -39,6 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
+import nanovllm.envs as envs
 from nanovllm.kernels.common import interpreted as runs_interpreted, num_sms
 
 # Log-sum-exp of an empty split. Finite so that merging all-empty splits (context_len 0) gives 0, not NaN.
@@ -258,7 +259,7 @@ def _decode_reduce_kernel(part_out_ptr, part_lse_ptr, out_ptr, stride_ob, stride
 # Programs per SM that the split count aims for: more splits fill the SMs at small batches, but each
 # adds a partial result to merge. 8 ran bench.py fastest in batch order; launched longest first,
 # fewer splits balance as well, and 4 ran it fastest (benchmarks/RESULTS.md).
-PROGRAMS_PER_SM = 4
+PROGRAMS_PER_SM = envs.DECODE_PROGRAMS_PER_SM.get()
 NUM_STAGES = 2   # software-pipelining depth of the K/V loads in the split kernel
 # Context tokens per loop step and warps per program of the split kernel: the fastest pair of a sweep
 # of (32|64|128) x (2|4|8) (benchmarks/RESULTS.md).

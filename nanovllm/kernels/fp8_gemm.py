@@ -18,29 +18,29 @@ activations are the reference's bit for bit. Nothing reads a value on the host: 
 """
 import functools
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+import nanovllm.envs as envs
 from nanovllm.kernels.common import rounded
 
 FP8_MAX = tl.constexpr(448.0)   # a constexpr: the kernels read it
 # The block format's GEMM: "cublas", torch._scaled_mm with 1x128 activation and 128x128 weight
 # scales (cuBLASLt 12.9+ on Hopper; bf16 outputs, K a multiple of 512 and N of 128, as the tested
 # shapes are; else Triton), or "triton" (below). cuBLASLt's is 1.2-2.1x faster from 128 rows up,
-# and level below (H100, benchmarks/fp8_gemm_probe.py --block). A module constant, so
-# bench_with.py can compare both.
-BLOCK_GEMM = "cublas"
+# and level below (H100, benchmarks/fp8_gemm_probe.py --block). NANOVLLM_FP8_BLOCK_GEMM
+# (envs.py), so bench_with.py can compare both.
+BLOCK_GEMM = envs.FP8_BLOCK_GEMM.get()
 # Fast accumulation for the per-channel torch._scaled_mm: the FP8 products summed in the tensor
 # cores' accumulator throughout, not promoted to fp32 registers every few k-steps (vLLM's CUTLASS
-# FP8 GEMMs on Hopper do the same). A module constant, so bench_with.py can compare both.
-FAST_ACCUM = True
+# FP8 GEMMs on Hopper do the same). NANOVLLM_FP8_FAST_ACCUM (envs.py), so bench_with.py can compare both.
+FAST_ACCUM = envs.FP8_FAST_ACCUM.get()
 # The longest activation group quantized in one pass (loaded once, kept in registers: 16,384 columns
 # are 32 a thread in 16 warps); a longer one is read twice in slices of up to 1,024 columns (0: every
 # group, the kernel as it was before, for A/Bs).
-ONE_PASS_MAX = 16384
+ONE_PASS_MAX = envs.FP8_ONE_PASS_MAX.get()
 # Groups shorter than this (the block format's 128 columns) go several to a program, up to this
 # many columns in all: one program of 1 x 128 each was launch-bound (318 us for 16,384 x 4,096 on an
 # H100, where the bytes take 45). 1: a program a group, for A/Bs.
@@ -50,15 +50,15 @@ GROUP_TILE = 4096
 # bf16 output: at decode sizes cuBLASLt's row-wise GEMM reads an 8B layer's weights at 1.3-2.6 TB/s,
 # its per-tensor one at 2.9-3.7 (benchmarks/fp8_gemm_probe.py). On the 8B shapes with FP8 weights and
 # an FP8 cache (H100): 0 (row-wise at every size) 11,638 tok/s, 128 11,904, 192 12,070, 512 12,079.
-UNIT_SCALE_MAX_M = 512
+UNIT_SCALE_MAX_M = envs.FP8_UNIT_SCALE_MAX_M.get()
 # On that path, fp8_linear_unscaled leaves the scales to its caller: the MLP's gate/up GEMM hands them
 # to SiLU-and-mul, which applies them as it loads gate and up (one pass over the output fewer).
 # False: fp8_linear_unscaled applies them itself, as fp8_linear does (for A/Bs). The outputs are the
 # same bit for bit; the 8B shapes with an FP8 cache (H100, one call) 12,126 / 12,146 tok/s on against
 # 11,999 off, with a bf16 cache 9,768 against 9,742.
-DEFER_SCALES = True
+DEFER_SCALES = envs.FP8_DEFER_SCALES.get()
 # Under the interpreter (tests on CPU) tl.dot on FP8 is not emulated: the tiles go through fp32.
-_DOT_F32 = os.environ.get("TRITON_INTERPRET") == "1"
+_DOT_F32 = envs.TRITON_INTERPRET.get()
 
 
 @triton.jit

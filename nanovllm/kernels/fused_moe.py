@@ -38,6 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
+import nanovllm.envs as envs
 from nanovllm.kernels.fp8_gemm import _DOT_F32, quantize_activations
 from nanovllm.kernels.moe_routing import align_by_expert
 
@@ -47,13 +48,13 @@ DECODE_BLOCK_M, DECODE_BLOCK_N, DECODE_BLOCK_K, DECODE_WARPS, DECODE_STAGES = 16
 PREFILL_BLOCK_M, PREFILL_BLOCK_N, PREFILL_BLOCK_K, PREFILL_WARPS, PREFILL_STAGES = 128, 128, 64, 8, 3
 # FP8 experts' prefill K slice: 128 one-byte columns, the bytes of bf16's 64 (per channel, H100: the 30B
 # shapes' 16,384-token call 1.86 ms against 2.11 at 64; moe_sweep.py --fp8 channel)
-PREFILL_BLOCK_K_FP8 = 128
+PREFILL_BLOCK_K_FP8 = envs.MOE_PREFILL_BLOCK_K_FP8.get()
 # Block rows swept together per column range: an expert's second block (more than BLOCK_M pairs)
 # then finds the weight tile the first one read still in L2.
 GROUP_M = 8
 # Per-channel FP8 experts: accumulate the dots in place and scale the sums after the loop (False: a
-# scaled accumulate every BLOCK_K slice, as the block format needs). A knob for bench_with.py.
-SCALE_AFTER_LOOP = True
+# scaled accumulate every BLOCK_K slice, as the block format needs). NANOVLLM_MOE_SCALE_AFTER_LOOP.
+SCALE_AFTER_LOOP = envs.MOE_SCALE_AFTER_LOOP.get()
 
 
 @dataclass(frozen=True)

@@ -6,10 +6,12 @@ import torch
 import triton
 import triton.language as tl
 
+import nanovllm.envs as envs
+
 # Up to this many pairs (decode: 512 tokens x top 8), sort them in one program (one launch) rather than
 # two fills and three kernels (30B-A3B FP8 shapes, H100: 6,809 and 6,829 tok/s against 6,752 and 6,754
-# with 0, a variant compiled per power-of-two pair count). A knob for bench_with.py (0: off).
-ONE_PROGRAM_MAX_PAIRS = 4096
+# with 0, a variant compiled per power-of-two pair count). NANOVLLM_MOE_ONE_PROGRAM_MAX_PAIRS (0: off).
+ONE_PROGRAM_MAX_PAIRS = envs.MOE_ONE_PROGRAM_MAX_PAIRS.get()
 
 # ---- the router's choice -----------------------------------------------------------------------
 

@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+import nanovllm.envs as envs
 from nanovllm.kernels.common import rounded, row_rstd
 
 # SiLU-and-mul's column block (output values a program computes at a time). Scaled (norm_of given),
@@ -28,7 +29,7 @@ from nanovllm.kernels.common import rounded, row_rstd
 # width, so the row is read at most once per output value (Qwen3-8B: 4096, not 12 reads a row of
 # 1024 outputs each; benchmarks/RESULTS.md has the sweep).
 SILU_BLOCK = 1024
-SILU_WHOLE_ROWS = 2048
+SILU_WHOLE_ROWS = envs.SILU_WHOLE_ROWS.get()
 
 
 @triton.jit(do_not_specialize=["num_rows"])   # one compiled variant whatever the step's token count

@@ -20,14 +20,15 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+import nanovllm.envs as envs
 from nanovllm.kernels.common import num_sms
 
 # Columns per loop step are 4 * QUARTER: one Philox call gives four uniforms per counter. The
 # draw for a given seed depends on this constant (it maps counters to columns), so keep it fixed.
 QUARTER = 1024
 NUM_WARPS = 8
-FAST_LOG = True                      # on CUDA, logs by the hardware approximation (lg2.approx), see _log
-PHILOX_ROUNDS = 10                   # Philox4x32-10, as cuRAND and torch use (a tuning knob: 7 is faster)
+FAST_LOG = envs.SAMPLING_FAST_LOG.get() # on CUDA, logs by the hardware approximation (lg2.approx), see _log
+PHILOX_ROUNDS = envs.PHILOX_ROUNDS.get() # Philox4x32-10, as cuRAND and torch use (a tuning knob: 7 is faster)
 MAX_CHUNKS = 64                      # chunks per row at most (one block in the picking kernel)
 U_MIN = tl.constexpr(1e-10)          # u clamped to [U_MIN, U_MAX]: -log(-log(u)) stays finite
 U_MAX = tl.constexpr(1.0 - 1e-7)

@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+import nanovllm.envs as envs
 from nanovllm.kernels.backend import prefill_attention
 from nanovllm.kernels.common import in_threads
 from nanovllm.kernels.common import interpreted as runs_interpreted
@@ -183,11 +184,11 @@ TILES = {64: (128, 64, 4, 3), 256: (64, 32, 4, 2)}
 # Keys and values read through tensor descriptors (the TMA unit's bulk copies) on Hopper and later
 # (compute capability 9+), where the rows are laid out as the descriptors need; else plain loads. H100,
 # 2026-12-06: steps over pages 403 against 372 TFLOP/s, the long workload 1.024x (docs/attention.md).
-TMA = True
+TMA = envs.PREFILL_TMA.get()
 # compile_variants in threads beside the warm-up forward (Triton's compiler releases the GIL). Cold
 # start-up of the 0.6B engine on an H100 (startup_compiles.py, empty Triton cache): 10.4 s one after
 # another, 7.1 s in threads.
-PARALLEL_COMPILE = True
+PARALLEL_COMPILE = envs.PARALLEL_COMPILE.get()
 SHORT_PROMPT = 2048   # the longest query span that takes the "short" tile
 
 

@@ -4,6 +4,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+import nanovllm.envs as envs
 from nanovllm.kernels import paged_decode_attention, prefill_attention, qk_norm_rope_store
 from nanovllm.kernels.reference import store_kvcache_ref
 from nanovllm.layers.layernorm import RMSNorm
@@ -19,8 +20,8 @@ K_SCALE_DIVISOR, V_SCALE_DIVISOR = 200.0, 100.0
 # compiles there the variant every later step runs (the store on) instead of one of its own with
 # the store off: one compile less at a cold start-up (0.6B on an H100, with PARALLEL_COMPILE:
 # 6.8 s against 7.1; `benchmarks/startup_compiles.py --set
-# nanovllm.layers.attention.STORE_AT_WARM_UP=False` times it off).
-STORE_AT_WARM_UP = True
+# NANOVLLM_STORE_AT_WARM_UP=0` times it off).
+STORE_AT_WARM_UP = envs.STORE_AT_WARM_UP.get()
 
 
 class Attention(nn.Module):

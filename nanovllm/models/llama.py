@@ -4,6 +4,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+import nanovllm.envs as envs
 from nanovllm.layers.activation import SiluAndMul
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
@@ -13,8 +14,8 @@ from nanovllm.layers.rotary_embedding import get_rope
 
 
 # Fold each layer's RMSNorm weights into the GEMM after them at load (fold_norms): two kernels a
-# layer fewer. A module constant, so benchmarks/bench_with.py can compare both.
-FOLD_NORMS = True
+# layer fewer. NANOVLLM_FOLD_NORMS=0 turns it off (envs.py; benchmarks/bench_with.py compares both).
+FOLD_NORMS = envs.FOLD_NORMS.get()
 
 
 def head_dim_of(config: PretrainedConfig) -> int:

@@ -13,6 +13,7 @@ from typing import NamedTuple
 
 import torch
 
+import nanovllm.envs as envs
 from nanovllm.structured.params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -147,10 +148,7 @@ def fill_threads() -> int:
     thread and 4.8 ms on 15 (waking and joining the pool costs more than the rows; torch's CPU threads
     compete for the cores). Grammars that cost much more per row (a long counted repetition) fill
     faster on several: 11.4 ms on one thread, 2.5 ms on 15."""
-    value = os.environ.get("NANOVLLM_GRAMMAR_THREADS", "1")
-    if not value.isdigit() or int(value) < 1:
-        raise ValueError(f"NANOVLLM_GRAMMAR_THREADS must be a positive integer, got {value!r}")
-    return min(int(value), len(os.sched_getaffinity(0)))
+    return min(envs.GRAMMAR_THREADS.get(), len(os.sched_getaffinity(0)))
 
 
 def fill_bitmask(bitmask: torch.Tensor, rows: list[int], grammars: list[GrammarState]):

@@ -28,6 +28,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import nanovllm.envs as envs
+
 logger = logging.getLogger(__name__)
 
 MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -79,9 +81,9 @@ def _given_gguf(path: str | os.PathLike) -> Path:
 def cache_dir() -> Path:
     """Where the converted folder lives: ``$NANOVLLM_CACHE/SmolLM2-135M-Instruct``
     (default root ``$XDG_CACHE_HOME/nanovllm``, i.e. ``~/.cache/nanovllm``)."""
-    root = os.environ.get("NANOVLLM_CACHE")
+    root = envs.CACHE.get()
     if not root:
-        root = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "nanovllm")
+        root = os.path.join(envs.XDG_CACHE_HOME.get() or os.path.expanduser("~/.cache"), "nanovllm")
     return Path(root).expanduser() / MODEL_NAME
 
 

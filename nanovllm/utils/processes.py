@@ -3,6 +3,8 @@
 process is stopped."""
 import os
 
+import nanovllm.envs as envs
+
 
 class Lifetime:
     """Whether what an object holds (worker processes, device memory) was shut down, and whether
@@ -25,7 +27,7 @@ def child_pythonpath() -> str:
     first, then this process's PYTHONPATH. Found from this file's path: importing nanovllm to ask
     would import the engine (nanovllm/__init__ -> llm -> engine), a circle for the engine's modules."""
     package_parent = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    return os.pathsep.join(p for p in (package_parent, os.environ.get("PYTHONPATH")) if p)
+    return os.pathsep.join(p for p in (package_parent, envs.PYTHONPATH.get()) if p)
 
 
 def is_stopped(pid: int) -> bool:
