@@ -139,9 +139,22 @@ def write_compressed_tensors(prefix, w, tensors, bits=4, group=GROUP, sym=False,
     return PackedQuantizationCompressor.decompress(packed, scheme)["weight"].float()
 
 
-def _ct_config(bits=4, group=GROUP, sym=False) -> dict:
+def write_compressed_tensors_act_order(prefix, w, tensors, bits=4, group=GROUP, seed=0, **_):
+    """compressed-tensors' layout with actorder 'group' (as older llm-compressor releases export it:
+    the package no longer writes it), word by word: values and zero points stored + 2^(bits-1), i.e.
+    as the unsigned values here."""
+    values, zeros, scales, g_idx = quantize(w, bits, group, False, True, seed)
+    tensors[prefix + "weight_packed"] = pack_words(values.t(), bits, 1)       # [N, K / p]
+    tensors[prefix + "weight_scale"] = scales.t().contiguous()                # [N, G]
+    tensors[prefix + "weight_zero_point"] = pack_words(zeros.t(), bits, 0)    # [N / p, G]
+    tensors[prefix + "weight_shape"] = torch.tensor(list(w.shape))
+    tensors[prefix + "weight_g_idx"] = g_idx.to(torch.int32)
+    return dequantized(values, zeros, scales, g_idx)
+
+
+def _ct_config(bits=4, group=GROUP, sym=False, actorder=None) -> dict:
     weights = {"num_bits": bits, "type": "int", "symmetric": sym, "group_size": group, "dynamic": False,
-               "strategy": "group" if group else "channel", "actorder": None, "observer": "minmax"}
+               "strategy": "group" if group else "channel", "actorder": actorder, "observer": "minmax"}
     return {"quant_method": "compressed-tensors", "format": "pack-quantized",
             "quantization_status": "compressed", "ignore": ["lm_head"], "config_groups": {"group_0": {
                 "targets": ["Linear"], "weights": weights, "input_activations": None,
@@ -165,6 +178,7 @@ FORMATS = {
     "compressed-tensors-sym-channel": (write_compressed_tensors, dict(group=None, sym=True),
                                        _ct_config(group=None, sym=True)),
     "compressed-tensors-8bit": (write_compressed_tensors, dict(bits=8), _ct_config(bits=8)),
+    "compressed-tensors-act-order": (write_compressed_tensors_act_order, {}, _ct_config(actorder="group")),
 }
 
 
@@ -203,6 +217,7 @@ def bf16_dirs(tmp_path_factory):
 
 
 CASES = [("qwen3", fmt) for fmt in FORMATS] + [("llama", "awq"), ("llama", "gptq-act-order"),
+                                               ("qwen3_moe", "compressed-tensors-act-order"),
                                                ("llama", "compressed-tensors"), ("qwen3_moe", "gptq"),
                                                ("qwen3_moe", "awq"), ("qwen3_moe", "compressed-tensors")]
 
@@ -227,8 +242,8 @@ def test_int_checkpoint_matches_transformers_on_the_dequantized_model(quantized_
         oracle.assert_greedy(prompt, out)
 
 
-@pytest.mark.parametrize("arch,fmt", [("qwen3", "awq"), ("llama", "compressed-tensors"),
-                                      ("qwen3_moe", "gptq-act-order")])
+@pytest.mark.parametrize("arch,fmt", [("qwen3", "awq"), ("qwen3_moe", "gptq-act-order"),
+                                      ("llama", "compressed-tensors-act-order")])
 def test_tensor_parallel_int_equals_one_rank(bf16_dirs, tmp_path, arch, fmt):
     path = save_quantized(bf16_dirs[arch], str(tmp_path / fmt), fmt)
     prompts = random_prompts(3, [5, 17, 30], seed=4)
@@ -319,6 +334,17 @@ def test_gptqmodel_exclusions_and_the_ignore_list_stay_unquantized(bf16_dirs, tm
         oracle = HFOracle(path + "-dequantized")
         for prompt, out in zip(prompts, _generate(llm, prompts)):
             oracle.assert_greedy(prompt, out)
+
+
+def test_packed_projections_with_different_act_orders_are_refused(bf16_dirs, tmp_path):
+    """q, k and v quantized with act orders of their own: nanovllm's one qkv_proj has one g_idx."""
+    path = str(tmp_path / "m")
+    shutil.copytree(bf16_dirs["qwen3"], path)
+    edit_checkpoint(path, lambda t: [write_gptq(n.removesuffix("weight"), t.pop(n), t, desc_act=True, seed=i)
+                                     for i, n in enumerate(_projections(t))])
+    _set_quantization_config(path, _gptq_config(desc_act=True))
+    with pytest.raises(ValueError, match="g_idx differs between projections"):
+        LLM(path, **OPTIONS)
 
 
 def test_a_shard_that_splits_a_group_is_a_clear_error(bf16_dirs, tmp_path):

@@ -8,10 +8,11 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from nanovllm.config import Config
 from nanovllm.layers.fused_moe import FusedMoE
 from nanovllm.layers.linear import LinearBase, ReplicatedLinear
-from nanovllm.quantization.base import LinearMethod, MoEMethod, QuantizationConfig
 from nanovllm.quantization.awq import awq_config
+from nanovllm.quantization.base import LinearMethod, MoEMethod, QuantizationConfig
 from nanovllm.quantization.compressed_tensors import compressed_tensors_config
 from nanovllm.quantization.fbgemm_fp8 import fbgemm_fp8_config
 from nanovllm.quantization.fp8 import Fp8Config
@@ -61,12 +62,12 @@ def get_quantization_config(hf_config: PretrainedConfig,
     return METHODS[method](qc)
 
 
-def quantization_of(config) -> QuantizationConfig | None:
+def quantization_of(config: Config) -> QuantizationConfig | None:
     """get_quantization_config of an engine Config (its model's hf_config, its quantization option)."""
     return get_quantization_config(config.hf_config, config.quantization)
 
 
-def check_quantization(config) -> QuantizationConfig | None:
+def check_quantization(config: Config) -> QuantizationConfig | None:
     """quantization_of(config), before any worker starts, with a warning for static KV scales that a
     cache in the model's dtype does not use."""
     quant = quantization_of(config)

@@ -120,11 +120,6 @@ def _load_shard(geo: Geometry, spec: Spec, name: str, dest: torch.Tensor, loaded
     if loaded.is_floating_point() != dest.is_floating_point():
         raise ValueError(f"dtype {loaded.dtype}, but this format's {name} is {dest.dtype}: the checkpoint "
                          "does not match its quantization_config")
-    if spec.shared and (dest >= 0).any():   # (created as -1: no projection loaded yet)
-        if not torch.equal(dest, loaded.to(dest.dtype)):
-            raise ValueError(f"{name} differs between projections that nanovllm packs into one layer "
-                             "(q/k/v or gate/up, which share their input and so their act order)")
-        return
     if spec.holds_shape:
         size = geo.part(shard_id)[1] * (geo.tp_size if geo.tp_dim == 0 else 1)
         if loaded.tolist() != [size, geo.k_full]:
@@ -147,6 +142,11 @@ def _load_shard(geo: Geometry, spec: Spec, name: str, dest: torch.Tensor, loaded
                              f"whole number of {u}-row groups or words: choose a tensor_parallel_size that "
                              "keeps each shard a whole number of them")
         loaded = _shard(loaded, spec.in_dim, geo.k // u, geo.tp_rank, geo.tp_size)
+    if spec.shared and (dest >= 0).any():   # (created as -1: no projection loaded yet)
+        if dest.shape != loaded.shape or not torch.equal(dest, loaded.to(dest.dtype)):
+            raise ValueError(f"{name} differs between projections that nanovllm packs into one layer "
+                             "(q/k/v or gate/up, which share their input and so their act order)")
+        return
     default_weight_loader(dest, loaded)
 
 
