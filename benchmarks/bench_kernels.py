@@ -13,8 +13,11 @@ Triton kernels against eager torch (kernels/reference.py), in CUDA graphs; bytes
 the inputs and one write of the outputs.
 Sampling (vocab 151936, bf16 logits, T=0.6): the fused Gumbel-max kernel against the sampler's torch
 path (which converts to fp32 first); its bytes are one read of the bf16 logits.
+`--gemv`: the skinny decode GEMM (kernels/gemv.py) against cuBLAS at the Qwen3-8B projections' shapes
+and 1-4 rows, every config of GEMV_SWEEP, each call on its own copy of W (more than L2 holds), in CUDA
+graphs; prints the gemv.CONFIGS entries where it beats cuBLAS by 3% or more.
 
-    PYTHONPATH=. python benchmarks/bench_kernels.py [--json PATH] [--fp8]
+    PYTHONPATH=. python benchmarks/bench_kernels.py [--json PATH] [--fp8 | --gemv]
 """
 import argparse
 import contextlib
@@ -315,6 +318,70 @@ def fp8_decode(json_path):
             json.dump(dict(copy_bytes_per_s=copy_bw, results=rows), f, indent=1)
 
 
+GEMV_SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
+GEMV_SWEEP = ([("dot", bn, bk, 4, st) for bn in (16, 32, 64) for bk in (128, 256) for st in (3, 5)]
+              + [("fma", bn, bk, 4, st) for bn in (4, 8, 16) for bk in (256, 512) for st in (1, 3)])
+
+
+def graph_us_per_call(calls: list, replays: int = 10) -> float:
+    """Median microseconds per call of `calls` recorded into one CUDA graph."""
+    for call in calls:
+        call()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / len(calls))
+    return statistics.median(times)
+
+
+def gemv_sweep(path: str | None):
+    """--gemv: each shape x rows, cuBLAS (addmm_ into C for o and down, as the residual add runs) and
+    every config; the winners as gemv.CONFIGS entries."""
+    from nanovllm.kernels.gemv import gemv
+    torch.manual_seed(0)
+    rows, configs = [], {}
+    for name, (n, k) in GEMV_SHAPES.items():
+        copies = max(2, -(-400_000_000 // (n * k * 2)))
+        weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+        for m in (1, 2, 4):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            c = torch.randn(m, n, device="cuda", dtype=torch.bfloat16) if name in ("o", "down") else None
+            if c is None:
+                cublas = graph_us_per_call([partial(torch.nn.functional.linear, x, w) for w in weights])
+            else:
+                cublas = graph_us_per_call([partial(c.addmm_, x, w.t()) for w in weights])
+            want = x.float() @ weights[0].float().t() + (0 if c is None else c.float())
+            timed = []
+            for config in GEMV_SWEEP:
+                got = gemv(x, weights[0], None if c is None else c.clone(), config).float()
+                if (got - want).abs().max() > 2e-2 * want.abs().max():
+                    raise AssertionError(f"gemv {config} is wrong at {name} M={m}")
+                timed.append((graph_us_per_call([partial(gemv, x, w, None if c is None else c.clone(), config)
+                                                 for w in weights]), config))
+            us, config = min(timed)
+            nbytes = n * k * 2
+            print(f"{name:8s} M={m} N={n:6d} K={k:6d}: cuBLAS {cublas:7.2f} us ({nbytes / cublas / 1e3:5.0f} "
+                  f"GB/s), best {us:7.2f} us ({nbytes / us / 1e3:5.0f} GB/s) {config}, {cublas / us:.3f}x",
+                  flush=True)
+            rows.append(dict(shape=name, n=n, k=k, m=m, cublas_us=cublas, us=us, config=config))
+            if us < 0.97 * cublas:
+                configs[(n, k, m)] = config
+        del weights
+        torch.cuda.empty_cache()
+    print("gemv.CONFIGS =", configs)
+    if path:
+        with open(path, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--json", help="write the results here")
@@ -323,7 +390,11 @@ def main():
                              "pipelining depth (stages) or decode tile size x warps (tiles, tiles_fp8)")
     parser.add_argument("--fp8", action="store_true",
                         help="only decode, over an FP8 cache (and bf16 to compare)")
+    parser.add_argument("--gemv", action="store_true",
+                        help="only the skinny decode GEMM against cuBLAS (see above)")
     args = parser.parse_args()
+    if args.gemv:
+        return gemv_sweep(args.json)
     if args.sweep:
         return sweep(args.json, args.sweep)
     if args.fp8:

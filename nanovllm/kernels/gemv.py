@@ -3,7 +3,11 @@ W [N, K] (nn.Linear's layout, rows contiguous along K). At these M a GEMM is a s
 the SMs: each program owns BLOCK_N output features and walks all of K, BLOCK_K at a time, the loads
 pipelined num_stages deep, so no split-K partials and no reduce kernel. "dot": the M rows padded to
 16 into tensor-core tiles; "fma": products summed on the CUDA cores (fp32, one partial per lane,
-reduced once at the end). The sweep (benchmarks/gemv_sweep.py) picks the mode and tile per shape.
+reduced once at the end). The sweep (`benchmarks/bench_kernels.py --gemv`) picks mode and tile per shape.
+
+Not yet measured on a GPU: CONFIGS is empty, so every GEMM stays cuBLAS's until a sweep fills it. The
+case for it (docs/benchmarks.md, "One stream"): at batch 1 on the 8B shapes cuBLAS streams gate_up at
+the copy bandwidth but qkv, o and down (split-K plus a reduce kernel) below it, 0.39 ms a step in all.
 
 Numerics: fp32 accumulation of the products, then + C in fp32, rounded once to the output dtype, as
 cuBLAS's addmm (beta 1) does; the order of the fp32 sum differs from cuBLAS's.
@@ -50,7 +54,7 @@ def _gemv_kernel(x_ptr, w_ptr, c_ptr, out_ptr, M, N, K, x_stride, c_stride, out_
     tl.store(out_ptr + m[:, None] * out_stride + n[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-# (mode, BLOCK_N, BLOCK_K, num_warps, num_stages), from the sweep on an H100 (benchmarks/RESULTS.md).
+# (mode, BLOCK_N, BLOCK_K, num_warps, num_stages); CONFIGS comes from `benchmarks/bench_kernels.py --gemv`.
 DEFAULT_CONFIG = ("dot", 32, 256, 4, 4)
 # (N, K, M) -> config for the weight shapes and row counts where the sweep found these kernels faster
 # than cuBLAS; any other GEMM keeps cuBLAS.
