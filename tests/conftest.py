@@ -160,9 +160,56 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 interp = pytest.mark.skipif(not INTERPRETED, reason="runs in the interpreter subprocess")
 
 
+# One interpreter subprocess per environment for all the collected files' `test_interp_*` tests (each
+# subprocess pays the imports and collection again: about 5-10 s a file on the 2-core machine). A file
+# whose interpreted tests need more variables names them in INTERPRETED_ENV and passes them here.
+_INTERP_FILES: dict[tuple, list[str]] = {}     # environment -> the collected files with interp tests
+_INTERP_RUNS: dict[tuple, dict[str, list]] = {}   # environment -> file -> [(test, outcome, text)]
+
+
+def pytest_collection_modifyitems(session, config, items):
+    if INTERPRETED:
+        return
+    for item in items:
+        if item.name.startswith("test_interp_"):
+            env = tuple(sorted(getattr(item.module, "INTERPRETED_ENV", {}).items()))
+            files = _INTERP_FILES.setdefault(env, [])
+            if str(item.path) not in files:
+                files.append(str(item.path))
+
+
+def _run_interpreted(files: list[str], env_vars: dict) -> dict[str, list]:
+    """Run the files' `interp_` tests in one subprocess under the Triton interpreter: for each file,
+    [(test name, "passed" / "failed" / "skipped", the failure's text)], from pytest's JUnit XML."""
+    import tempfile
+    import xml.etree.ElementTree as ET
+    env = {**os.environ, **env_vars, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    with tempfile.TemporaryDirectory() as tmp:
+        xml = os.path.join(tmp, "results.xml")
+        result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *files,
+                                 "-k", "interp_", f"--junitxml={xml}"], env=env, cwd=REPO,
+                                capture_output=True, text=True, timeout=1800)
+        if not os.path.exists(xml):   # the run broke before any test: every file fails with its output
+            return {f: [("(no run)", "failed", result.stdout[-4000:] + result.stderr[-2000:])] for f in files}
+        modules = {".".join(Path(f).resolve().relative_to(REPO).with_suffix("").parts): f for f in files}
+        outcomes: dict[str, list] = {f: [] for f in files}
+        for case in ET.parse(xml).getroot().iter("testcase"):
+            module = next((m for m in modules if case.get("classname", "").startswith(m)), None)
+            if module is None:
+                continue
+            bad = case.find("failure") if case.find("failure") is not None else case.find("error")
+            skipped = case.find("skipped") is not None
+            outcome = "failed" if bad is not None else "skipped" if skipped else "passed"
+            text = "" if bad is None else (bad.get("message", "") + "\n" + (bad.text or ""))[-4000:]
+            outcomes[modules[module]].append((case.get("name"), outcome, text))
+        return outcomes
+
+
 def run_interpreted_tests(test_file: str, **env_vars: str):
     """Run test_file's `interp_` tests under the Triton interpreter (with env_vars set too); fail
-    with their output."""
+    with the output of those that failed. The first call runs every collected file's (with the same
+    env_vars) in one subprocess; the later calls read their file's results."""
     if INTERPRETED:
         pytest.skip("already in the interpreter")
     if torch.cuda.is_available():
@@ -170,13 +217,13 @@ def run_interpreted_tests(test_file: str, **env_vars: str):
         # machine's version, failed there; here it fails with numpy 2.4: `int()` of a 1-element array.)
         pytest.skip("a GPU is present: the *_gpu tests run the compiled kernels")
     pytest.importorskip("triton")
-    env = {**os.environ, **env_vars, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                             test_file, "-k", "interp_"], env=env, cwd=REPO,
-                            capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
-    assert " passed" in result.stdout and "skipped" not in result.stdout.splitlines()[-1]
+    key, test_file = tuple(sorted(env_vars.items())), str(Path(test_file).resolve())
+    if test_file not in _INTERP_RUNS.get(key, {}):
+        files = [f for f in _INTERP_FILES.get(key, []) if f != test_file] + [test_file]
+        _INTERP_RUNS.setdefault(key, {}).update(_run_interpreted(files, env_vars))
+    results = _INTERP_RUNS[key][test_file]
+    failed = [f"{name}: {outcome}\n{text}" for name, outcome, text in results if outcome != "passed"]
+    assert results and not failed, "\n".join(failed) or f"no interp_ test ran in {test_file}"
 
 
 def serve_process(args: list[str], log, timeout_s: float):

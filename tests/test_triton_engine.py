@@ -8,9 +8,11 @@ import pytest
 from conftest import HFOracle, interp, random_prompts, run_interpreted_tests
 from nanovllm import LLM, SamplingParams
 
+INTERPRETED_ENV = {"NANOVLLM_KERNELS": "triton"}   # conftest runs this file's interp tests with it
+
 
 def test_engine_with_interpreted_kernels():
-    run_interpreted_tests(__file__, NANOVLLM_KERNELS="triton")
+    run_interpreted_tests(__file__, **INTERPRETED_ENV)
 
 
 @interp
