@@ -4,13 +4,13 @@ AWQ's GEMM packing with its interleaved column order, GPTQ's packing with v1's z
 order's g_idx permutation; compressed-tensors' pack-quantized written by the compressed-tensors
 package itself), then every greedy token must be an argmax of transformers' logits on the
 dequantized model; TP=2 gives TP=1's tokens; formats nanovllm does not run are clear errors."""
-import json
 import os
 import shutil
 
 import pytest
 import torch
 from conftest import HFOracle, edit_checkpoint, make_model, random_prompts
+from test_fp8 import _set_quantization_config
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.config import Config
@@ -180,15 +180,6 @@ FORMATS = {
     "compressed-tensors-8bit": (write_compressed_tensors, dict(bits=8), _ct_config(bits=8)),
     "compressed-tensors-act-order": (write_compressed_tensors_act_order, {}, _ct_config(actorder="group")),
 }
-
-
-def _set_quantization_config(folder: str, qconfig: dict | None):
-    path = os.path.join(folder, "config.json")
-    with open(path) as f:
-        config = json.load(f)
-    config["quantization_config"] = qconfig
-    with open(path, "w") as f:
-        json.dump(config, f)
 
 
 def save_quantized(src: str, dst: str, fmt: str) -> str:
