@@ -167,6 +167,7 @@ _INTERP_FILES: dict[tuple, list[str]] = {}     # environment -> the collected fi
 _INTERP_RUNS: dict[tuple, dict[str, list]] = {}   # environment -> file -> [(test, outcome, text)]
 
 
+@pytest.hookimpl(trylast=True)   # after -k and -m have deselected: only the tests that will run
 def pytest_collection_modifyitems(session, config, items):
     if INTERPRETED:
         return

@@ -52,8 +52,10 @@ def _rank(rank: int, buffers, results, grid):
     results[rank] = torch.cat([o.float() for o in outs])
 
 
+# Two ranks with the default grid (what TP=2 runs) and three with the small grid: the kernel is the same
+# code for any WORLD (static loops over the ranks), so two ranks on the small grid added only time.
 @interp
-@pytest.mark.parametrize("world, grid", [(2, GRID), (3, GRID), (2, {})], ids=["2", "3", "2-default-grid"])
+@pytest.mark.parametrize("world, grid", [(3, GRID), (2, {})], ids=["3", "2-default-grid"])
 def test_interp_every_rank_gets_the_rank_ordered_sum(world, grid):
     from nanovllm.kernels.all_reduce import buffer_bytes
     buffers = [torch.zeros(buffer_bytes(world, SLOT_BYTES), dtype=torch.uint8).share_memory_()

@@ -52,3 +52,10 @@ def test_every_link_in_the_readme_and_docs_resolves():
 def test_every_environment_variable_is_in_the_options_page():
     options = (REPO / "docs" / "options.md").read_text()
     assert [v.name for v in envs.VARIABLES if f"`{v.name}`" not in options] == []
+
+
+def test_benchmarks_stay_few_and_each_script_is_in_the_docs_table():
+    scripts = sorted(p.name for p in (REPO / "benchmarks").iterdir() if p.name != "profiles")
+    assert len(scripts) <= 25, scripts   # merge or delete the least cited (docs/benchmarks.md)
+    table = (REPO / "docs" / "benchmarks.md").read_text()
+    assert [s for s in scripts if f"`{s}`" not in table] == []

@@ -102,3 +102,21 @@ def test_tp_workers_leave_info_lines_to_rank_0():
     logger = configure_logger("nanovllm_probe_worker_debug", {"NANOVLLM_LOGGING_LEVEL": "debug"})
     quiet_worker_logger("nanovllm_probe_worker_debug", {"NANOVLLM_LOGGING_LEVEL": "debug"})
     assert logger.level == logging.DEBUG   # asked for: every rank's lines
+
+
+def test_bench_with_checks_knobs_against_envs_and_sets_them_before_nanovllm_is_imported():
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import bench_with
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    assert bench_with.checked_knobs(["NANOVLLM_FOLD_NORMS=0", "NANOVLLM_FP8_BLOCK_GEMM=triton"]) == {
+        "NANOVLLM_FOLD_NORMS": "0", "NANOVLLM_FP8_BLOCK_GEMM": "triton"}
+    with pytest.raises(SystemExit, match="did you mean NANOVLLM_FOLD_NORMS"):
+        bench_with.checked_knobs(["NANOVLLM_FOLD_NORM=0"])
+    with pytest.raises(SystemExit, match="NANOVLLM_FP8_BLOCK_GEMM='cutlass': use one of cublas, triton"):
+        bench_with.checked_knobs(["NANOVLLM_FP8_BLOCK_GEMM=cutlass"])
+    with pytest.raises(SystemExit, match="give NAME=VALUE"):
+        bench_with.checked_knobs(["nanovllm.models.llama.FOLD_NORMS"])
+    with pytest.raises(SystemExit, match="before nanovllm is imported"):   # this process has imported it
+        bench_with.set_knobs(["NANOVLLM_FOLD_NORMS=0"])
