@@ -7,7 +7,7 @@ import sys
 if os.environ.get("NANOVLLM_TEST_FAIL_WORKER_START") and sys.argv[:1] == ["-c"]:
     from nanovllm.engine import model_runner
 
-    def _fail(model, path):
+    def _fail(model, path, *names):
         raise RuntimeError("injected start-up failure on a worker")
 
     model_runner.load_model = _fail
