@@ -6,7 +6,7 @@ the multimodal Gemma 3 checkpoint's text model; the reference attention's window
 import pytest
 import torch
 from conftest import EOS, HFOracle, _tokenizer, random_prompts
-from transformers import AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig
+from transformers import AutoModelForCausalLM, Gemma2Config, Gemma3Config, Gemma3TextConfig
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.kernels.reference import causal_mask, paged_decode_attention_ref, prefill_attention_ref
@@ -82,6 +82,13 @@ def test_greedy_matches_transformers(model):
         again = _check(llm, oracle, [PROMPTS[3], PROMPTS[3] + PROMPTS[1]])
         assert again[0]["token_ids"] == first[3]["token_ids"]
         assert again[0].num_cached_tokens >= 32
+        # logprobs: the final softcap (Gemma 2) bends the logits without moving the argmax
+        out = llm.generate([{"prompt_token_ids": PROMPTS[2]}],
+                           SamplingParams(temperature=0.0, max_tokens=3, logprobs=0, ignore_eos=True),
+                           use_tqdm=False)[0].outputs[0]
+        ref = torch.log_softmax(oracle.logits(PROMPTS[2] + out.token_ids), -1)
+        for i, (token, entry) in enumerate(zip(out.token_ids, out.logprobs)):
+            assert abs(entry[token].logprob - ref[len(PROMPTS[2]) - 1 + i, token].item()) < 1e-4
     finally:
         sched._preempt = preempt
         llm.shutdown()
@@ -107,3 +114,19 @@ def test_window_and_softcap_reference():
     dec = paged_decode_attention_ref(q[-1:], cache_k, cache_v, table, torch.tensor([20], dtype=torch.int32),
                                      0.3, window=5, softcap=2.0)
     torch.testing.assert_close(dec[0], out[-1])
+
+
+def test_gemma3_multimodal_checkpoint_runs_its_text_model(tmp_path):
+    """Gemma3ForConditionalGeneration: the text model's weights under language_model.model., a vision
+    tower and projector beside them (skipped)."""
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                  image_size=28, patch_size=14)
+    config = Gemma3Config(text_config=gemma3_config(num_hidden_layers=2).to_dict(), vision_config=vision,
+                          mm_tokens_per_image=4, architectures=["Gemma3ForConditionalGeneration"])
+    path = _save(config, str(tmp_path), seed=2)
+    oracle = HFOracle(path)
+    llm = LLM(path, num_kvcache_blocks=16, **SMALL)
+    try:
+        _check(llm, oracle, PROMPTS[2:])
+    finally:
+        llm.shutdown()
