@@ -2,10 +2,11 @@
 (8 tokens) and global layers, soft-capped scores and logits, q/k norms and a local rotary base; greedy
 tokens are argmax choices of transformers' logits through the engine, with prompts several windows
 long, chunked prefill across window edges, a prefix-cache hit and preemption under a small KV cache;
-the multimodal Gemma 3 checkpoint's text model; the reference attention's window and softcap."""
+the multimodal Gemma 3 checkpoint's text model; Qwen2/3 configs with sliding-window layers; the
+reference attention's window and softcap."""
 import pytest
 import torch
-from conftest import EOS, HFOracle, _tokenizer, random_prompts
+from conftest import EOS, HFOracle, _tokenizer, make_model, random_prompts
 from transformers import AutoModelForCausalLM, Gemma2Config, Gemma3Config, Gemma3TextConfig
 
 from nanovllm import LLM, SamplingParams
@@ -30,10 +31,9 @@ def _save(config, path: str, seed: int) -> str:
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for p in model.parameters():
             # peaked logits; the zero-centred norms away from zero (a norm loaded without its + 1 shows)
-            scale, centre = (0.15, 0.0) if p.dim() > 1 else (0.2, 0.0)
-            p.copy_(torch.randn(p.shape, generator=g) * scale + centre)
+            p.copy_(torch.randn(p.shape, generator=g) * (0.15 if p.dim() > 1 else 0.2))
     model.save_pretrained(path)
     _tokenizer().save_pretrained(path)
     return path
@@ -47,10 +47,9 @@ def gemma2_config(**kw):
 
 def gemma3_config(**kw):
     # six layers: five sliding to one global; the sliding layers' rotary on their own base
-    return Gemma3TextConfig(**{**COMMON, "num_hidden_layers": 6,
-                               "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
-                                                   "full_attention": {"rope_type": "default",
-                                                                      "rope_theta": 10000.0}}, **kw})
+    rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+            "full_attention": {"rope_type": "default", "rope_theta": 10000.0}}
+    return Gemma3TextConfig(**{**COMMON, "num_hidden_layers": 6, "rope_parameters": rope, **kw})
 
 
 @pytest.fixture(scope="module", params=["gemma2", "gemma3"])
@@ -127,6 +126,21 @@ def test_gemma3_multimodal_checkpoint_runs_its_text_model(tmp_path):
     oracle = HFOracle(path)
     llm = LLM(path, num_kvcache_blocks=16, **SMALL)
     try:
+        _check(llm, oracle, PROMPTS[2:])
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen2"])
+def test_qwen_sliding_window_layers_match_transformers(tmp_path, arch):
+    # layer 0 full attention, layer 1 a window of 8 (from max_window_layers on)
+    path = make_model(str(tmp_path), arch, use_sliding_window=True, sliding_window=WINDOW,
+                      max_window_layers=1)
+    oracle = HFOracle(path)
+    llm = LLM(path, num_kvcache_blocks=16, **SMALL)
+    try:
+        layers = llm.model_runner.model.model.layers
+        assert [layer.self_attn.attn.sliding_window for layer in layers] == [0, WINDOW]
         _check(llm, oracle, PROMPTS[2:])
     finally:
         llm.shutdown()

@@ -8,7 +8,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from nanovllm.layers.pooler import pool_step
-from nanovllm.models.llama import LlamaForCausalLM, LlamaModel, refuse_sliding_window
+from nanovllm.models.llama import LlamaForCausalLM, LlamaModel
 from nanovllm.pooler_config import PoolingSpec
 from nanovllm.utils.loader import default_weight_loader
 
@@ -41,7 +41,6 @@ class PoolingDecoder(nn.Module):
     def __init__(self, config: PretrainedConfig, spec: PoolingSpec, lm: type[LlamaForCausalLM]):
         """lm: the registry class whose decoder this is (models.decoder_of)."""
         super().__init__()
-        refuse_sliding_window(config)
         self.packed_modules_mapping = lm.packed_modules_mapping
         self.model = LlamaModel(config, lm.qkv_bias(config), lm.qk_norm, lm.make_mlp)
         self.score = ScoreHead(config.hidden_size, spec.num_labels, spec.from_token_ids,
