@@ -144,3 +144,8 @@ def test_qwen_sliding_window_layers_match_transformers(tmp_path, arch):
         _check(llm, oracle, PROMPTS[2:])
     finally:
         llm.shutdown()
+
+
+def test_pooling_runner_refuses_gemma(model):
+    with pytest.raises(ValueError, match="Llama-family decoders"):
+        LLM(model[0], runner="pooling", **SMALL)
