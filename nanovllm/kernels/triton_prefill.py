@@ -106,10 +106,11 @@ def _attend_tiles(acc, m_i, l_i, q, k_src, v_src, bt_ptr, k_start, k_stride, v_s
             s = tl.where(visible, s, float("-inf"))
         # the scale applied inside exp2's argument (one FMA an element), as max(s) * scale = max(s * scale)
         m_new = tl.maximum(m_i, tl.max(s, 1) * scale)
-        if WINDOWED:   # a query with no key of its window in this tile yet: -inf - -inf would be NaN
-            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s * scale - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
+        m_exp = m_new
+        if WINDOWED:   # a query with no key of its window seen yet: -inf - -inf would be NaN (p, alpha: 0)
+            m_exp = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s * scale - m_exp[:, None])
+        alpha = tl.math.exp2(m_i - m_exp)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
         v = _load_kv(v_src, row, offs_n, v_stride, col, cols, k_ok, v_scale_ptr, dtype, DEQUANT, MASKED, TMA)
