@@ -2,8 +2,9 @@
 (8 tokens) and global layers, soft-capped scores and logits, q/k norms and a local rotary base; greedy
 tokens are argmax choices of transformers' logits through the engine, with prompts several windows
 long, chunked prefill across window edges, a prefix-cache hit and preemption under a small KV cache;
-the multimodal Gemma 3 checkpoint's text model; Qwen2/3 configs with sliding-window layers; the
-reference attention's window and softcap."""
+tensor parallelism over two CPU ranks; the multimodal Gemma 3 checkpoint's text model; Qwen2/3
+configs with sliding-window layers; the reference attention's window and softcap; the pooling runner's
+refusal."""
 import pytest
 import torch
 from conftest import EOS, HFOracle, _tokenizer, make_model, random_prompts
@@ -149,3 +150,13 @@ def test_qwen_sliding_window_layers_match_transformers(tmp_path, arch):
 def test_pooling_runner_refuses_gemma(model):
     with pytest.raises(ValueError, match="Llama-family decoders"):
         LLM(model[0], runner="pooling", **SMALL)
+
+
+def test_tensor_parallel_two_ranks_match_transformers(model):
+    # heads, the MLP and the vocabulary split over two CPU ranks; the norms and softcaps replicated
+    path, oracle = model
+    llm = LLM(path, tensor_parallel_size=2, num_kvcache_blocks=16, **SMALL)
+    try:
+        _check(llm, oracle, PROMPTS)
+    finally:
+        llm.shutdown()
