@@ -140,16 +140,12 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     # q: [total_q, num_heads, head_dim]; k, v: [total_q, num_kv_heads, head_dim], already in the cache.
     # block_tables None: no cached prefix, use k, v; otherwise read keys from the pages, gathered
     # through kv_slots (paged_kv_slots, computed once per step), and dequantized with k_scale, v_scale
-    # from an FP8 cache. window, softcap (sliding window, soft-capped scores): the torch reference,
-    # or on CUDA the Triton prefill kernel where it fits (torch's FlashAttention-2 op has neither).
+    # from an FP8 cache. window, softcap (sliding window, soft-capped scores): the torch reference
+    # (torch's FlashAttention-2 op has neither; layers/attention_backend.py takes the Triton kernel
+    # for them on CUDA where it fits).
     args = (q, k, v, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
             block_tables, scale)
-    if not _fast(q):
-        return prefill_attention_ref(*args, k_scale, v_scale, window=window, softcap=softcap)
-    if window or softcap:
-        from nanovllm.kernels.triton_prefill import fits, prefill_attention_triton
-        if fits(q, k_cache):
-            return prefill_attention_triton(*args, kv_slots, k_scale, v_scale, window=window, softcap=softcap)
+    if not _fast(q) or window or softcap:
         return prefill_attention_ref(*args, k_scale, v_scale, window=window, softcap=softcap)
     if block_tables is not None and kv_slots is None:   # a caller other than the runner: one host sync
         kv_slots = paged_kv_slots(block_tables, cu_seqlens_k, int(cu_seqlens_k[-1]), k_cache.shape[1])

@@ -9,9 +9,8 @@ A new attention feature is a field of the layer or of the metadata that the back
 another argument threaded through every caller. The back end is chosen in one place,
 layers/prefill_attention.select_prefill_attention (Config.prefill_attention), which names the
 prefill kernel; decode always runs the paged decode kernel (Triton on CUDA, the torch reference
-elsewhere). A layer with a window or a softcap takes kernels.prefill_attention for its prefills
-(the torch reference, or on CUDA the Triton kernel), since FlashAttention-2/-4's wrappers do not pass
-either.
+elsewhere). A layer with a window or a softcap takes masked_prefill_kernel's for its prefills (the
+Triton kernel on CUDA, or the torch reference), since FlashAttention-2/-4's wrappers pass neither.
 """
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,7 +18,7 @@ from typing import Protocol
 
 import torch
 
-from nanovllm.kernels import paged_decode_attention, prefill_attention
+from nanovllm.kernels import KERNELS, paged_decode_attention, prefill_attention
 from nanovllm.utils.context import Context
 
 
@@ -50,8 +49,18 @@ class AttentionBackend:
         args = (q, k, v, *cache, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_seqlen_q, meta.max_seqlen_k,
                 meta.block_tables, layer.scale, meta.kv_slots, layer.k_scale, layer.v_scale)
         if layer.sliding_window or layer.logit_softcap:
-            return prefill_attention(*args, **masks)
+            return masked_prefill_kernel(q, layer.k_cache)(*args, **masks)
         return self.prefill_kernel(*args)
+
+
+def masked_prefill_kernel(q: torch.Tensor, k_cache: torch.Tensor) -> Callable:
+    """The prefill kernel of a layer with a window or a softcap: the Triton kernel on CUDA where it
+    fits, else kernels.prefill_attention (the torch reference for these layers)."""
+    if q.is_cuda and KERNELS != "torch":
+        from nanovllm.kernels.triton_prefill import fits, prefill_attention_triton
+        if fits(q, k_cache):
+            return prefill_attention_triton
+    return prefill_attention
 
 
 DEFAULT_BACKEND = AttentionBackend()   # a layer's until the ModelRunner binds the engine's choice
