@@ -1,5 +1,7 @@
 """Sliding windows and logit softcaps in the Triton decode and prefill kernels against the torch
 reference, under the Triton interpreter on CPU (the `interp_` tests, re-run in a subprocess)."""
+from types import SimpleNamespace
+
 import pytest
 import torch
 from conftest import interp, run_interpreted_tests
@@ -7,6 +9,30 @@ from test_kernels import fp8_paged, make_paged
 from test_triton_prefill import make_case
 
 from nanovllm.kernels.reference import paged_decode_attention_ref, prefill_attention_ref
+from nanovllm.layers.attention_backend import AttentionBackend
+from nanovllm.utils.context import Context
+
+
+def test_backend_reads_the_layers_fields_and_the_steps_metadata():
+    # the engine's prefill kernel for plain layers; a layer with a window or a softcap past it (the
+    # FlashAttention wrappers take neither); decode through the paged kernel with the layer's window
+    args, _ = make_case([12], [0], 4, 2, 16, 16, "cpu")
+    q, k, v, k_cache, v_cache, cu_q, cu_k = args[:7]
+    k_cache, v_cache = k_cache.float().nan_to_num(), v_cache.float().nan_to_num()
+    q, k, v = q.float(), k.float(), v.float()
+    layer = SimpleNamespace(scale=0.25, sliding_window=0, logit_softcap=0.0, k_cache=k_cache, v_cache=v_cache,
+                            k_scale=None, v_scale=None)
+    meta = Context(is_prefill=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=12, max_seqlen_k=12)
+    chosen = AttentionBackend(lambda *a: "the engine's kernel")
+    assert chosen.forward(q, k, v, layer, meta) == "the engine's kernel"
+    layer.sliding_window, layer.logit_softcap = 4, 1.5
+    ref = prefill_attention_ref(q, k, v, None, None, cu_q, cu_k, 12, 12, None, 0.25, window=4, softcap=1.5)
+    torch.testing.assert_close(chosen.forward(q, k, v, layer, meta), ref)
+    table = torch.arange(k_cache.shape[0], dtype=torch.int32)[None]
+    decode = Context(block_tables=table, context_lens=torch.tensor([5], dtype=torch.int32))
+    ref = paged_decode_attention_ref(q[:1], k_cache, v_cache, table, decode.context_lens, 0.25, window=4,
+                                     softcap=1.5)
+    torch.testing.assert_close(chosen.forward(q[:1], None, None, layer, decode), ref)
 
 
 def test_window_kernels_under_interpreter():
