@@ -128,11 +128,13 @@ def test_llama3_rope_scaling_changes_frequencies(tmp_path):
 
 
 def test_registry_shares_one_decoder():
-    # The Llama family; the hybrid linear-attention models (models/qwen3_5.py) have a decoder of their own.
+    # The Llama family; the hybrid linear-attention models (models/qwen3_5.py) and Gemma (models/gemma.py)
+    # have decoders of their own.
     llama_family = {"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"}
     assert set(MODEL_REGISTRY) - llama_family == {
         "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM",
-        "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration"}
+        "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration",
+        "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"}
     from transformers import Qwen3MoeConfig
     for arch in llama_family:
         config = Qwen3MoeConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,

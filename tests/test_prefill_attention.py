@@ -127,7 +127,7 @@ def test_the_engine_binds_and_logs_its_choice(qwen3_dir, caplog):
         llm = LLM(qwen3_dir, device="cpu", prefill_attention="auto", num_kvcache_blocks=8)
     runner = llm.model_runner
     assert runner.prefill_attention.name == "torch_flash"
-    assert all(layer.prefill_attention is prefill_attention for layer in runner.attention_layers)
+    assert all(layer.backend.prefill_kernel is prefill_attention for layer in runner.attention_layers)
     assert [r.getMessage() for r in caplog.records if r.getMessage().startswith("kernels:")] == [
         "kernels: torch reference (CPU)"]
     assert not [r for r in caplog.records if r.levelname == "WARNING"]

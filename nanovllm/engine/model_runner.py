@@ -117,7 +117,7 @@ class ModelRunner:
             self.sampled_tokens = torch.zeros(rows, dtype=torch.int64, device=self.device)
             self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
             for layer in self.attention_layers:
-                layer.prefill_attention = self.prefill_attention.prefill
+                layer.backend = self.prefill_attention.backend
             if self.use_cuda:
                 with self._timed("warm-up (and compile)"):
                     self.warmup_model()

@@ -103,15 +103,18 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            block_tables: torch.Tensor, context_lens: torch.Tensor,
                            scale: float, k_scale: torch.Tensor | None = None,
                            v_scale: torch.Tensor | None = None,
-                           order: torch.Tensor | None = None) -> torch.Tensor:
+                           order: torch.Tensor | None = None, *, window: int = 0,
+                           softcap: float = 0.0) -> torch.Tensor:
     # q: [batch, num_heads, head_dim] -> [batch, num_heads, head_dim]; CUDA-graph safe on CUDA
     # k_scale, v_scale: [1] fp32, an FP8 cache's scales; order: [batch] int32, the rows in the order
-    # the kernel should start them (a speed hint: the result is the same)
+    # the kernel should start them (a speed hint: the result is the same); window > 0: the last
+    # `window` keys only (sliding-window attention); softcap > 0: scores soft-capped (reference.soft_cap)
+    masks = dict(window=window, softcap=softcap)
     if not _fast(q):
         return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale,
-                                          k_scale, v_scale)
+                                          k_scale, v_scale, **masks)
     return paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale,
-                                         k_scale=k_scale, v_scale=v_scale, order=order)
+                                         k_scale=k_scale, v_scale=v_scale, order=order, **masks)
 
 
 def paged_kv_slots(block_tables: torch.Tensor, cu_seqlens_k: torch.Tensor, total_k: int,
@@ -132,15 +135,18 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       max_seqlen_q: int, max_seqlen_k: int,
                       block_tables: torch.Tensor | None, scale: float,
                       kv_slots: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
-                      v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                      v_scale: torch.Tensor | None = None, *, window: int = 0,
+                      softcap: float = 0.0) -> torch.Tensor:
     # q: [total_q, num_heads, head_dim]; k, v: [total_q, num_kv_heads, head_dim], already in the cache.
     # block_tables None: no cached prefix, use k, v; otherwise read keys from the pages, gathered
     # through kv_slots (paged_kv_slots, computed once per step), and dequantized with k_scale, v_scale
-    # from an FP8 cache.
+    # from an FP8 cache. window, softcap (sliding window, soft-capped scores): the torch reference
+    # (torch's FlashAttention-2 op has neither; layers/attention_backend.py takes the Triton kernel
+    # for them on CUDA where it fits).
     args = (q, k, v, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
             block_tables, scale)
-    if not _fast(q):
-        return prefill_attention_ref(*args, k_scale, v_scale)
+    if not _fast(q) or window or softcap:
+        return prefill_attention_ref(*args, k_scale, v_scale, window=window, softcap=softcap)
     if block_tables is not None and kv_slots is None:   # a caller other than the runner: one host sync
         kv_slots = paged_kv_slots(block_tables, cu_seqlens_k, int(cu_seqlens_k[-1]), k_cache.shape[1])
     if aten_flash_usable(q):

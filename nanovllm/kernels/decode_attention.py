@@ -44,6 +44,7 @@ from nanovllm.kernels.common import interpreted as runs_interpreted, num_sms
 
 # Log-sum-exp of an empty split. Finite so that merging all-empty splits (context_len 0) gives 0, not NaN.
 _EMPTY_LSE = tl.constexpr(-1.0e30)
+LOG2E = 1.4426950408889634
 
 
 @triton.jit
@@ -72,18 +73,29 @@ def _load_tile(ptrs, token_mask, dim_mask, MASKED: tl.constexpr, WHOLE_DIMS: tl.
 
 
 @triton.jit
-def _attend_tile(q, k_cache_ptr, v_cache_ptr, table, tile, end, offs_n, offs_d, kv_off, tile_off,
-                 scale_log2e, m_i, l_i, acc, stride_kb, stride_kt,
+def _soft_cap(s, cap):
+    # cap * tanh(s / cap), tanh written through the sigmoid (the interpreter has no libdevice)
+    return cap * (2.0 * tl.sigmoid(2.0 * s / cap) - 1.0)
+
+
+@triton.jit
+def _attend_tile(q, k_cache_ptr, v_cache_ptr, table, tile, lo, end, offs_n, offs_d, kv_off, tile_off,
+                 scale_log2e, cap_log2e, m_i, l_i, acc, stride_kb, stride_kt,
                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                  BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DOT_FP32: tl.constexpr,
-                 PRECISION: tl.constexpr, FP8: tl.constexpr, V_CVT_ASM: tl.constexpr):
+                 PRECISION: tl.constexpr, FP8: tl.constexpr, V_CVT_ASM: tl.constexpr,
+                 WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr):
     """The online softmax over the context tokens [tile, tile + BLOCK_N). MASKED: tokens from end on
-    are not loaded and weigh 0; otherwise the whole tile lies before end (no masks to compute).
+    (and, WINDOWED, those before lo: outside the sliding window) are not loaded and weigh 0;
+    otherwise the whole tile lies in [lo, end) (no masks to compute). SOFTCAP: scores (log2 units)
+    soft-capped at cap_log2e (the cap times log2(e)).
     FP8: everything transposed, the query heads as the dots' N (a few rows, not 16 padded ones):
     q is Q^T [BLOCK_D, BLOCK_G], S^T = K Q^T [BLOCK_N, BLOCK_G], acc is O^T += V^T P^T
     [BLOCK_D, BLOCK_G]; m_i, l_i as for the other caches."""
     tokens = tile + offs_n
     valid = tokens < end
+    if WINDOWED:
+        valid = valid & (tokens >= lo)
     if BLOCK_SIZE % BLOCK_N == 0:
         # Tiles start at multiples of BLOCK_N, so a tile lies inside one block: one table read, and
         # a scalar base plus the offsets every tile shares (tile_off).
@@ -112,6 +124,8 @@ def _attend_tile(q, k_cache_ptr, v_cache_ptr, table, tile, end, offs_n, offs_d, 
             v = v.to(tl.float16)
     if FP8:
         s = tl.dot(k, q, input_precision=PRECISION) * scale_log2e   # [BLOCK_N, BLOCK_G]
+        if SOFTCAP:
+            s = _soft_cap(s, cap_log2e)
         if MASKED:
             s = tl.where(valid[:, None], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 0))
@@ -121,6 +135,8 @@ def _attend_tile(q, k_cache_ptr, v_cache_ptr, table, tile, end, offs_n, offs_d, 
         acc = acc * alpha[None, :] + tl.dot(tl.trans(v), p.to(v.dtype), input_precision=PRECISION)
     else:
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2e  # [BLOCK_G, BLOCK_N], log2
+        if SOFTCAP:
+            s = _soft_cap(s, cap_log2e)
         if MASKED:
             s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -135,7 +151,7 @@ def _attend_tile(q, k_cache_ptr, v_cache_ptr, table, tile, end, offs_n, offs_d, 
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, order_ptr,
     out_ptr, part_out_ptr, part_lse_ptr, k_scale_ptr, v_scale_ptr,
-    scale_log2e,
+    scale_log2e, window, cap_log2e,
     stride_qb, stride_qh,
     stride_kb, stride_kt, stride_kh,  # k_cache and v_cache share strides (both contiguous)
     stride_bt,
@@ -144,7 +160,7 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, DOT_FP32: tl.constexpr,
     PRECISION: tl.constexpr, FP8: tl.constexpr, V_CVT_ASM: tl.constexpr, INTERPRETED: tl.constexpr,
-    ORDERED: tl.constexpr,
+    ORDERED: tl.constexpr, WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     # The grid's slowest axis is the sequence, so a sequence's programs start together, in the
     # order of order_ptr (ORDERED: the longest contexts first) or of the batch.
@@ -170,10 +186,16 @@ def _decode_split_kernel(
         if not DOT_FP32:
             q = q.to(tl.float16)
 
-    # Each split takes an equal share of this sequence's context, rounded up to whole tiles.
+    # Each split takes an equal share of this sequence's context, rounded up to whole tiles. With a
+    # sliding window the context is its last `window` tokens, from lo on (the splits start at the tile
+    # lo falls in, so tiles stay aligned to BLOCK_N; the tokens before lo are masked).
     context_len = tl.load(context_lens_ptr + seq)
-    per_split = tl.cdiv(tl.cdiv(context_len, num_splits), BLOCK_N) * BLOCK_N
-    start = split * per_split
+    lo = 0
+    if WINDOWED:
+        lo = tl.maximum(context_len - window, 0)
+    first = lo // BLOCK_N * BLOCK_N
+    per_split = tl.cdiv(tl.cdiv(context_len - first, num_splits), BLOCK_N) * BLOCK_N
+    start = first + split * per_split
     end = tl.minimum(start + per_split, context_len)
 
     m_i = tl.full([BLOCK_G], _EMPTY_LSE, dtype=tl.float32)
@@ -187,9 +209,9 @@ def _decode_split_kernel(
     kv_off = kv_head * stride_kh + offs_d[None, :]
     tile_off = offs_n[:, None] * stride_kt + kv_off   # [BLOCK_N, BLOCK_D], the same in every tile
     # FP8: the whole tiles first, without masks, then the partial one, if any (the other caches mask
-    # every tile: their loop already runs at the copy rate).
+    # every tile: their loop already runs at the copy rate; so does FP8 with a window).
     whole_end = end
-    if FP8:
+    if FP8 and not WINDOWED:
         whole_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
     if INTERPRETED:
         # Triton 3.6's interpreter cannot run range() over tensor bounds (it calls int() on a
@@ -197,22 +219,22 @@ def _decode_split_kernel(
         tile = start
         while tile < whole_end:
             m_i, l_i, acc = _attend_tile(
-                q, k_cache_ptr, v_cache_ptr, table, tile, end, offs_n, offs_d, kv_off, tile_off,
-                scale_log2e, m_i, l_i, acc, stride_kb, stride_kt, HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N,
-                not FP8, DOT_FP32, PRECISION, FP8, V_CVT_ASM)
+                q, k_cache_ptr, v_cache_ptr, table, tile, lo, end, offs_n, offs_d, kv_off, tile_off,
+                scale_log2e, cap_log2e, m_i, l_i, acc, stride_kb, stride_kt, HEAD_DIM, BLOCK_D, BLOCK_SIZE,
+                BLOCK_N, not FP8 or WINDOWED, DOT_FP32, PRECISION, FP8, V_CVT_ASM, WINDOWED, SOFTCAP)
             tile += BLOCK_N
     else:
         for tile in range(start, whole_end, BLOCK_N):
             m_i, l_i, acc = _attend_tile(
-                q, k_cache_ptr, v_cache_ptr, table, tile, end, offs_n, offs_d, kv_off, tile_off,
-                scale_log2e, m_i, l_i, acc, stride_kb, stride_kt, HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N,
-                not FP8, DOT_FP32, PRECISION, FP8, V_CVT_ASM)
-    if FP8:
+                q, k_cache_ptr, v_cache_ptr, table, tile, lo, end, offs_n, offs_d, kv_off, tile_off,
+                scale_log2e, cap_log2e, m_i, l_i, acc, stride_kb, stride_kt, HEAD_DIM, BLOCK_D, BLOCK_SIZE,
+                BLOCK_N, not FP8 or WINDOWED, DOT_FP32, PRECISION, FP8, V_CVT_ASM, WINDOWED, SOFTCAP)
+    if FP8 and not WINDOWED:
         if whole_end < end:
             m_i, l_i, acc = _attend_tile(
-                q, k_cache_ptr, v_cache_ptr, table, whole_end, end, offs_n, offs_d, kv_off, tile_off,
-                scale_log2e, m_i, l_i, acc, stride_kb, stride_kt, HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N,
-                True, DOT_FP32, PRECISION, FP8, V_CVT_ASM)
+                q, k_cache_ptr, v_cache_ptr, table, whole_end, lo, end, offs_n, offs_d, kv_off, tile_off,
+                scale_log2e, cap_log2e, m_i, l_i, acc, stride_kb, stride_kt, HEAD_DIM, BLOCK_D, BLOCK_SIZE,
+                BLOCK_N, True, DOT_FP32, PRECISION, FP8, V_CVT_ASM, WINDOWED, SOFTCAP)
 
     if FP8:
         acc = tl.trans(acc)
@@ -286,13 +308,15 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
                                   scale: float, num_splits: int | None = None,
                                   block_n: int | None = None, k_scale: torch.Tensor | None = None,
                                   v_scale: torch.Tensor | None = None,
-                                  order: torch.Tensor | None = None) -> torch.Tensor:
+                                  order: torch.Tensor | None = None, *, window: int = 0,
+                                  softcap: float = 0.0) -> torch.Tensor:
     # q: [batch, num_heads, head_dim]; k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
     # block_tables: [batch, max_blocks] int32; context_lens: [batch] int32 (0 allowed)
     # -> [batch, num_heads, head_dim]
     # k_scale, v_scale: [1] fp32 (an FP8 cache's scales; unused otherwise)
     # order: [batch] int32, a permutation of the rows: the order the sequences' programs are launched
     # in (longest context first is fastest: no long program is left to run alone at the end)
+    # window > 0: the last `window` keys only; softcap > 0: scores soft-capped (reference.soft_cap)
     batch, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     assert num_heads % num_kv_heads == 0
@@ -310,6 +334,8 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     block_n = block_n or (FP8_BLOCK_N if fp8_tiles else BLOCK_N)
     num_warps = FP8_NUM_WARPS if fp8_tiles else NUM_WARPS
     max_context = block_tables.shape[1] * block_size
+    if window > 0:   # the keys a window reads span at most one tile more than it
+        max_context = min(max_context, window + (block_n or BLOCK_N))
     if num_splits is None:
         num_splits = choose_num_splits(batch, num_kv_heads, max_context, block_n, q.device)
     out = torch.empty_like(q)
@@ -325,7 +351,7 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     _decode_split_kernel[(num_splits, num_kv_heads, batch)](
         q, k_cache, v_cache, block_tables, context_lens, context_lens if order is None else order,
         out, part_out, part_lse,
-        k_scale if fp8 else q, v_scale if fp8 else q, scale * 1.4426950408889634,
+        k_scale if fp8 else q, v_scale if fp8 else q, scale * LOG2E, window, (softcap or 1.0) * LOG2E,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),
@@ -339,7 +365,7 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
         FP8=fp8,
         # The inline assembly needs the GPU, and whole groups of 4 values per thread.
         V_CVT_ASM=fp8_tiles and not interpreted and block_n * block_d >= 4 * 32 * num_warps,
-        INTERPRETED=interpreted, ORDERED=order is not None,
+        INTERPRETED=interpreted, ORDERED=order is not None, WINDOWED=window > 0, SOFTCAP=softcap > 0,
         num_warps=num_warps, num_stages=NUM_STAGES,
     )
     if not direct:

@@ -131,32 +131,43 @@ def gather_paged_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int)
     return cache[blocks, pos % block_size]
 
 
+def soft_cap(scores: torch.Tensor, cap: float) -> torch.Tensor:
+    """Logit soft-capping (Gemma 2): cap * tanh(s / cap), which keeps |s| below cap; 0: none."""
+    return scores if not cap else torch.tanh(scores / cap) * cap
+
+
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-            scale: float) -> torch.Tensor:
+            scale: float, softcap: float = 0.0) -> torch.Tensor:
     # q: [q_len, num_heads, head_dim]; k, v: [k_len, num_kv_heads, head_dim]; mask: [q_len, k_len] bool
     q_len, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     group = num_heads // num_kv_heads
     qg = q.float().view(q_len, num_kv_heads, group, head_dim)
-    scores = torch.einsum("qhgd,khd->hgqk", qg, k.float()) * scale
+    scores = soft_cap(torch.einsum("qhgd,khd->hgqk", qg, k.float()) * scale, softcap)
     scores = scores.masked_fill(~mask, float("-inf"))
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a row with no visible key gives zeros
     out = torch.einsum("hgqk,khd->qhgd", probs, v.float())
     return out.reshape(q_len, num_heads, head_dim)
 
 
-def causal_mask(q_len: int, k_len: int, device) -> torch.Tensor:
-    """Bottom-right aligned: query j sits at position k_len - q_len + j and sees keys 0..that."""
+def causal_mask(q_len: int, k_len: int, device, window: int = 0) -> torch.Tensor:
+    """Bottom-right aligned: query j sits at position k_len - q_len + j and sees keys 0..that; with a
+    sliding window (window > 0) only the last `window` of them (keys more than window - 1 positions
+    before the query are masked)."""
     q_pos = torch.arange(q_len, device=device)[:, None] + (k_len - q_len)
-    return torch.arange(k_len, device=device)[None, :] <= q_pos
+    k_pos = torch.arange(k_len, device=device)[None, :]
+    visible = k_pos <= q_pos
+    return visible & (k_pos > q_pos - window) if window > 0 else visible
 
 
 def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                block_tables: torch.Tensor, context_lens: torch.Tensor,
                                scale: float, k_scale: torch.Tensor | None = None,
-                               v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                               v_scale: torch.Tensor | None = None, *, window: int = 0,
+                               softcap: float = 0.0) -> torch.Tensor:
     # q: [batch, num_heads, head_dim]; block_tables: [batch, max_blocks]; context_lens: [batch]
-    # Rows with context_len 0 (graph padding) give zeros.
+    # Rows with context_len 0 (graph padding) give zeros. window > 0: the query (at position
+    # context_len - 1) sees only the last `window` keys; softcap > 0: scores soft-capped.
     batch, num_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     max_tokens = block_tables.shape[1] * block_size
@@ -165,8 +176,11 @@ def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     v = dequantize_kv(v_cache[blocks], v_scale).reshape(batch, max_tokens, num_kv_heads, head_dim).float()
     group = num_heads // num_kv_heads
     qg = q.float().view(batch, num_kv_heads, group, head_dim)
-    scores = torch.einsum("bhgd,bthd->bhgt", qg, k) * scale
-    visible = torch.arange(max_tokens, device=q.device)[None, :] < context_lens[:, None].long()
+    scores = soft_cap(torch.einsum("bhgd,bthd->bhgt", qg, k) * scale, softcap)
+    k_pos, ends = torch.arange(max_tokens, device=q.device)[None, :], context_lens[:, None].long()
+    visible = k_pos < ends
+    if window > 0:
+        visible &= k_pos >= ends - window
     scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
     out = torch.einsum("bhgt,bthd->bhgd", probs, v)
@@ -179,10 +193,11 @@ def prefill_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           max_seqlen_q: int, max_seqlen_k: int,
                           block_tables: torch.Tensor | None, scale: float,
                           k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                          ) -> torch.Tensor:
+                          *, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     # q: [total_q, num_heads, head_dim]; k, v: [total_q, num_kv_heads, head_dim] (the new tokens)
     # With block_tables, keys come from the paged cache (cached prefix + the new tokens, already
-    # stored: from an FP8 cache, the new tokens' keys too are read back quantized).
+    # stored: from an FP8 cache, the new tokens' keys too are read back quantized). window, softcap:
+    # as in paged_decode_attention_ref (causal_mask, soft_cap).
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     cu_q = cu_seqlens_q.tolist()
     cu_k = cu_seqlens_k.tolist()
@@ -197,6 +212,6 @@ def prefill_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         else:
             ki = dequantize_kv(gather_paged_kv(k_cache, block_tables[i], k_len), k_scale)
             vi = dequantize_kv(gather_paged_kv(v_cache, block_tables[i], k_len), v_scale)
-        mask = causal_mask(q_len, k_len, q.device)
-        out[q_lo:q_hi] = _attend(q[q_lo:q_hi], ki, vi, mask, scale).to(q.dtype)
+        mask = causal_mask(q_len, k_len, q.device, window)
+        out[q_lo:q_hi] = _attend(q[q_lo:q_hi], ki, vi, mask, scale, softcap).to(q.dtype)
     return out

@@ -68,13 +68,25 @@ def _load_kv(src, row, offs_n, stride, col, cols, ok, scale_ptr, DTYPE: tl.const
 
 
 @triton.jit
+def _soft_cap(s, cap):
+    # cap * tanh(s / cap), tanh written through the sigmoid (the interpreter has no libdevice)
+    return cap * (2.0 * tl.sigmoid(2.0 * s / cap) - 1.0)
+
+
+@triton.jit
 def _attend_tiles(acc, m_i, l_i, q, k_src, v_src, bt_ptr, k_start, k_stride, v_stride, col, k_scale_ptr,
-                  v_scale_ptr, lo, hi, q_pos, k_len, qk_scale, cols,
+                  v_scale_ptr, lo, hi, q_pos, k_len, qk_scale, cols, window, cap_log2e,
                   MASKED: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr, DEQUANT: tl.constexpr,
-                  BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr, TMA: tl.constexpr):
-    # Keys lo .. hi (lo a multiple of BLOCK_N) into the running (acc, m_i, l_i) of the query tile q.
+                  BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr, TMA: tl.constexpr,
+                  WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr):
+    # Keys lo .. hi (lo a multiple of BLOCK_N) into the running (acc, m_i, l_i) of the query tile q;
+    # q_pos: the queries' positions, counted as the keys' are. WINDOWED: query i sees only keys after
+    # q_pos[i] - window (every tile masked; the tiles before the first query's window skipped). SOFTCAP:
+    # scores soft-capped at cap_log2e (the cap times log2(e)), in exp2's units.
     offs_n = tl.arange(0, BLOCK_N)
     dtype = q.dtype
+    if WINDOWED:
+        lo = tl.maximum(lo, tl.maximum(tl.min(q_pos, 0) - window + 1, 0) // BLOCK_N * BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         row = _first_key_row(bt_ptr, k_start, start_n, PAGED, PAGE)
         k_pos = start_n + offs_n
@@ -84,13 +96,21 @@ def _attend_tiles(acc, m_i, l_i, q, k_src, v_src, bt_ptr, k_start, k_stride, v_s
             s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
             s = tl.dot(q, tl.trans(k))
-        if MASKED:
+        scale = qk_scale
+        if SOFTCAP:
+            s, scale = _soft_cap(s * qk_scale, cap_log2e), 1.0
+        if MASKED or WINDOWED:
             visible = (k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :]
+            if WINDOWED:
+                visible = visible & (k_pos[None, :] > q_pos[:, None] - window)
             s = tl.where(visible, s, float("-inf"))
         # the scale applied inside exp2's argument (one FMA an element), as max(s) * scale = max(s * scale)
-        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-        p = tl.math.exp2(s * qk_scale - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
+        m_new = tl.maximum(m_i, tl.max(s, 1) * scale)
+        m_exp = m_new
+        if WINDOWED:   # a query with no key of its window seen yet: -inf - -inf would be NaN (p, alpha: 0)
+            m_exp = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s * scale - m_exp[:, None])
+        alpha = tl.math.exp2(m_i - m_exp)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
         v = _load_kv(v_src, row, offs_n, v_stride, col, cols, k_ok, v_scale_ptr, dtype, DEQUANT, MASKED, TMA)
@@ -106,9 +126,10 @@ def _attend_tiles(acc, m_i, l_i, q, k_src, v_src, bt_ptr, k_start, k_stride, v_s
 def _prefill_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, o_ptr, cu_q_ptr, cu_k_ptr, bt_ptr, k_scale_ptr,
                     v_scale_ptr, q_stride_t, q_stride_h, k_stride_t, k_stride_h, v_stride_t, v_stride_h,
                     kc_stride_t, kc_stride_h, vc_stride_t, vc_stride_h, o_stride_t, o_stride_h, bt_stride,
-                    qk_scale, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr, DEQUANT: tl.constexpr,
-                    FROM_PAGES: tl.constexpr, DOT_F32: tl.constexpr, TMA: tl.constexpr):
+                    qk_scale, window, cap_log2e, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr,
+                    DEQUANT: tl.constexpr, FROM_PAGES: tl.constexpr, DOT_F32: tl.constexpr, TMA: tl.constexpr,
+                    WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr):
     # grid: (num_heads, num_seqs, query tiles of the longest sequence), the last tiles first.
     # k/v: this step's new keys, in the rows of q; kc/vc: the paged cache (PAGED). A paged step reads
     # each sequence's earlier keys from the pages and its new ones from k/v, unless FROM_PAGES (an FP8
@@ -147,13 +168,13 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, o_ptr, cu_q_ptr, cu_k_p
         if not FROM_PAGES:   # the earlier keys, from the pages: every query sees all of them
             full = prefix // BLOCK_N * BLOCK_N
             acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, kc_ptr, vc_ptr, bt_ptr, 0, kc_stride_t,
-                                          vc_stride_t, col, k_scale_ptr, v_scale_ptr, 0, full, offs_m,
-                                          prefix, qk_scale, cols, False, True, PAGE, DEQUANT, BLOCK_N,
-                                          DOT_F32, TMA)
+                                          vc_stride_t, col, k_scale_ptr, v_scale_ptr, 0, full,
+                                          prefix + offs_m, prefix, qk_scale, cols, window, cap_log2e, False,
+                                          True, PAGE, DEQUANT, BLOCK_N, DOT_F32, TMA, WINDOWED, SOFTCAP)
             acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, kc_ptr, vc_ptr, bt_ptr, 0, kc_stride_t,
                                           vc_stride_t, col, k_scale_ptr, v_scale_ptr, full, prefix,
-                                          prefix + offs_m, prefix, qk_scale, cols, True, True, PAGE,
-                                          DEQUANT, BLOCK_N, DOT_F32, TMA)
+                                          prefix + offs_m, prefix, qk_scale, cols, window, cap_log2e, True,
+                                          True, PAGE, DEQUANT, BLOCK_N, DOT_F32, TMA, WINDOWED, SOFTCAP)
     # Then the new keys, counted from base: from k/v (base 0), or with an FP8 cache all keys from the
     # pages (base = prefix: the loops below cover the earlier keys too). Every key left of the tile's
     # first query is seen by all its queries (no mask); the tiles on the diagonal are masked.
@@ -165,10 +186,12 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, o_ptr, cu_q_ptr, cu_k_p
     end = tl.minimum(base + q_len, base + (m_block + 1) * BLOCK_M)
     acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, k_ptr, v_ptr, bt_ptr, q_start, k_stride_t, v_stride_t,
                                   col, k_scale_ptr, v_scale_ptr, 0, diag, q_pos, base + q_len, qk_scale,
-                                  cols, False, FROM_PAGES, PAGE, DEQUANT, BLOCK_N, DOT_F32, TMA)
+                                  cols, window, cap_log2e, False, FROM_PAGES, PAGE, DEQUANT, BLOCK_N, DOT_F32,
+                                  TMA, WINDOWED, SOFTCAP)
     acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, k_ptr, v_ptr, bt_ptr, q_start, k_stride_t, v_stride_t,
                                   col, k_scale_ptr, v_scale_ptr, diag, end, q_pos, base + q_len, qk_scale,
-                                  cols, True, FROM_PAGES, PAGE, DEQUANT, BLOCK_N, DOT_F32, TMA)
+                                  cols, window, cap_log2e, True, FROM_PAGES, PAGE, DEQUANT, BLOCK_N, DOT_F32,
+                                  TMA, WINDOWED, SOFTCAP)
     out = acc / l_i[:, None]
     tl.store(o_ptr + q_rows[:, None] * o_stride_t + head * o_stride_h + cols[None, :],
              out.to(o_ptr.dtype.element_ty), mask=q_ok[:, None])
@@ -239,11 +262,13 @@ def prefill_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              block_tables: torch.Tensor | None, scale: float,
                              kv_slots: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
                              v_scale: torch.Tensor | None = None, tiles: tuple | None = None,
-                             tma: bool | None = None) -> torch.Tensor:
+                             tma: bool | None = None, *, window: int = 0,
+                             softcap: float = 0.0) -> torch.Tensor:
     # The interface of kernels.prefill_attention: q: [total_q, num_heads, head_dim]; k, v: [total_q,
     # num_kv_heads, head_dim], already stored in the cache; k_cache, v_cache: [num_blocks, block_size,
     # num_kv_heads, head_dim] -> [total_q, num_heads, head_dim]. Only where fits(q, k_cache).
-    # kv_slots is not needed: the pages are read through block_tables.
+    # kv_slots is not needed: the pages are read through block_tables. window > 0: a sliding window
+    # of that many keys; softcap > 0: scores soft-capped (reference.soft_cap).
     total_q, num_heads, head_dim = q.shape
     num_seqs = cu_seqlens_q.numel() - 1
     out = torch.empty_like(q)
@@ -280,10 +305,10 @@ def prefill_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         k_scale if dequant else q, v_scale if dequant else q,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_pages.stride(0), k_pages.stride(1), v_pages.stride(0), v_pages.stride(1),
-        out.stride(0), out.stride(1), bt_stride, scale * LOG2E,
+        out.stride(0), out.stride(1), bt_stride, scale * LOG2E, window, (softcap or 1.0) * LOG2E,
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
         PAGED=paged, PAGE=page or 1, DEQUANT=dequant, FROM_PAGES=paged and dequant, DOT_F32=interpreted,
-        TMA=descs is not None,
+        TMA=descs is not None, WINDOWED=window > 0, SOFTCAP=softcap > 0,
         num_warps=warps, num_stages=stages)
     return out
 

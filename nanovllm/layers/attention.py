@@ -5,8 +5,9 @@ import torch
 from torch import nn
 
 import nanovllm.envs as envs
-from nanovllm.kernels import paged_decode_attention, prefill_attention, qk_norm_rope_store
+from nanovllm.kernels import qk_norm_rope_store
 from nanovllm.kernels.reference import store_kvcache_ref
+from nanovllm.layers.attention_backend import DEFAULT_BACKEND
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.rotary_embedding import RotaryEmbedding
 from nanovllm.utils.context import get_context
@@ -27,15 +28,19 @@ STORE_AT_WARM_UP = envs.STORE_AT_WARM_UP.get()
 class Attention(nn.Module):
     """From the qkv projection to the attention output: per-head q/k RMSNorm (Qwen3), rotary and
     the new tokens' K/V write into the paged cache (through slot_mapping), then attention over the
-    cache: prefill (possibly after a cached prefix or earlier chunks) or one-token decode.
-    The kernels (Triton, torch) are chosen once, in nanovllm.kernels; on CUDA the norms, rotary and
-    store are one fused kernel. The prefill kernel is the ModelRunner's choice
-    (nanovllm.layers.prefill_attention), bound to prefill_attention."""
+    cache: prefill (possibly after a cached prefix or earlier chunks) or one-token decode, through
+    the attention back end (layers/attention_backend.py; the ModelRunner binds the engine's to
+    backend). The kernels (Triton, torch) are chosen once, in nanovllm.kernels; on CUDA the norms,
+    rotary and store are one fused kernel.
+    sliding_window > 0: each query sees only the last sliding_window keys (itself included);
+    logit_softcap > 0: scores s become cap * tanh(s / cap) before the softmax (Gemma 2)."""
 
-    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int):
+    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int,
+                 sliding_window: int = 0, logit_softcap: float = 0.0):
         super().__init__()
         self.num_heads, self.head_dim, self.num_kv_heads = num_heads, head_dim, num_kv_heads
         self.scale = scale
+        self.sliding_window, self.logit_softcap = int(sliding_window or 0), float(logit_softcap or 0.0)
         # Bound by the ModelRunner to this layer's slice of the cache:
         # [num_blocks, block_size, num_kv_heads, head_dim]. Empty during the warm-up run.
         self.k_cache = self.v_cache = torch.tensor([])
@@ -43,7 +48,7 @@ class Attention(nn.Module):
         # checkpoint's static scales, unless calculate_kv_scales sets them at the first prefill).
         self.k_scale = self.v_scale = None
         self.calculate_kv_scales = False
-        self.prefill_attention = prefill_attention   # kernels.prefill_attention's interface
+        self.backend = DEFAULT_BACKEND
 
     def forward(self, positions: torch.Tensor, qkv: torch.Tensor, rotary_emb: RotaryEmbedding,
                 q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None,
@@ -65,13 +70,7 @@ class Attention(nn.Module):
                                          ctx.slot_mapping, self.k_cache, self.v_cache, self.num_heads,
                                          self.num_kv_heads, self.head_dim, self.k_scale, self.v_scale,
                                          **scale_rows)
-        if ctx.is_prefill:
-            return self.prefill_attention(q, k, v, self.k_cache, self.v_cache, ctx.cu_seqlens_q,
-                                          ctx.cu_seqlens_k, ctx.max_seqlen_q, ctx.max_seqlen_k,
-                                          ctx.block_tables, self.scale, ctx.kv_slots, self.k_scale,
-                                          self.v_scale)
-        return paged_decode_attention(q, self.k_cache, self.v_cache, ctx.block_tables, ctx.context_lens,
-                                      self.scale, self.k_scale, self.v_scale, ctx.decode_order)
+        return self.backend.forward(q, k, v, self, ctx)
 
     def store_with_new_scales(self, qkv, q_weight, k_weight, eps, rotary_emb, positions, ctx, scale_rows):
         """Once, at the first prefill into the cache: the scales from this batch's largest |K| and

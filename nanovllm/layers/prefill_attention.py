@@ -26,6 +26,7 @@ import torch
 
 from nanovllm.config import PREFILL_ATTENTION
 from nanovllm.kernels import KERNELS, prefill_attention
+from nanovllm.layers.attention_backend import AttentionBackend
 
 FA4_ARCHS = (9, 10, 11)   # compute capability majors where FA4's paged prefill runs
 # "auto" takes the Triton kernel on Hopper (where it was measured) and datacenter Blackwell (sm100):
@@ -46,6 +47,11 @@ class PrefillAttention:
     startup_line: str    # which kernels run (describe_kernels): logged by every rank at start-up
     hint: str | None = None   # a faster choice this machine could have: logged by the first rank
     compile_variants: Callable | None = None   # kernels/triton_prefill.compile_variants' interface
+
+    @property
+    def backend(self) -> AttentionBackend:
+        """The attention back end that runs this prefill kernel (and the paged decode kernel)."""
+        return AttentionBackend(self.prefill)
 
     def start_warm_up(self, attn, page: int, dtype: torch.dtype, kv_dtype: torch.dtype,
                       forward_max_q: int) -> Callable[[], None]:

@@ -13,7 +13,9 @@ def _inv_freq(head_dim: int, base: float, rope_scaling: dict | None) -> torch.Te
         return inv_freq
     if rope_type == "llama3":
         return _llama3_inv_freq(inv_freq, rope_scaling)
-    raise ValueError(f"rope_type {rope_type!r} is not supported (supported: default, llama3)")
+    if rope_type == "linear":   # positions divided by factor (Gemma 3's global layers)
+        return inv_freq / rope_scaling["factor"]
+    raise ValueError(f"rope_type {rope_type!r} is not supported (supported: default, linear, llama3)")
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:

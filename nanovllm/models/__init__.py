@@ -2,6 +2,7 @@
 from torch import nn
 from transformers import PretrainedConfig
 
+from nanovllm.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3ForConditionalGeneration
 from nanovllm.models.llama import LlamaForCausalLM, Qwen2ForCausalLM
 from nanovllm.models.qwen3 import Qwen3ForCausalLM
 from nanovllm.models.pooling import PoolingDecoder
@@ -18,6 +19,9 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
     "Qwen3_5MoeForCausalLM": Qwen3_5MoeForCausalLM,
     "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,   # its text model
     **MULTIMODAL,   # their text model (utils/text_config.py)
 }
 

@@ -36,7 +36,7 @@ def rope_settings(config: PretrainedConfig) -> tuple[float, dict | None]:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: PretrainedConfig, qkv_bias: bool, qk_norm: bool):
+    def __init__(self, config: PretrainedConfig, qkv_bias: bool, qk_norm: bool, sliding_window: int = 0):
         super().__init__()
         hidden, head_dim = config.hidden_size, head_dim_of(config)
         self.qkv_proj = QKVParallelLinear(hidden, head_dim, config.num_attention_heads,
@@ -47,7 +47,7 @@ class LlamaAttention(nn.Module):
                                         bias=bool(getattr(config, "attention_bias", False)))
         theta, scaling = rope_settings(config)
         self.rotary_emb = get_rope(head_dim, config.max_position_embeddings, theta, scaling)
-        self.attn = Attention(self.num_heads, head_dim, head_dim ** -0.5, self.num_kv_heads)
+        self.attn = Attention(self.num_heads, head_dim, head_dim ** -0.5, self.num_kv_heads, sliding_window)
         self.q_norm = RMSNorm(head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, config.rms_norm_eps) if qk_norm else None
 
@@ -87,9 +87,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, qkv_bias: bool, qk_norm: bool, mlp: nn.Module):
+    def __init__(self, config: PretrainedConfig, qkv_bias: bool, qk_norm: bool, mlp: nn.Module,
+                 sliding_window: int = 0):
         super().__init__()
-        self.self_attn = LlamaAttention(config, qkv_bias, qk_norm)
+        self.self_attn = LlamaAttention(config, qkv_bias, qk_norm, sliding_window)
         self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -137,7 +138,8 @@ class LlamaModel(nn.Module):
         """make_mlp(config, layer_index) -> the layer's MLP module (dense, or mixture-of-experts)."""
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, qkv_bias, qk_norm, make_mlp(config, i))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, qkv_bias, qk_norm, make_mlp(config, i),
+                                                      sliding_window_of(config, i))
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -161,7 +163,6 @@ class LlamaForCausalLM(nn.Module):
 
     def __init__(self, config: PretrainedConfig):
         super().__init__()
-        refuse_sliding_window(config)
         qkv_bias = self.qkv_bias(config)
         self.model = LlamaModel(config, qkv_bias, self.qk_norm, self.make_mlp)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
@@ -189,17 +190,18 @@ class LlamaForCausalLM(nn.Module):
         return sum(layer.fold_norms() for layer in self.model.layers) if FOLD_NORMS else 0
 
 
-def refuse_sliding_window(config: PretrainedConfig):
-    """Sliding-window attention is not implemented: refuse a config whose layers use it rather than
-    run them with full attention (other tokens). transformers lists each layer's kind in layer_types
-    (Qwen2/3: sliding from layer max_window_layers on when use_sliding_window); configs without it
-    say use_sliding_window."""
+def sliding_window_of(config: PretrainedConfig, layer_index: int) -> int:
+    """The layer's sliding window (0: full attention). transformers lists each layer's kind in
+    layer_types (Qwen2/3: sliding from layer max_window_layers on when use_sliding_window); a config
+    that asks for windows without layer_types (Qwen3-MoE) is refused rather than guessed at."""
     kinds = getattr(config, "layer_types", None)
-    sliding = getattr(config, "use_sliding_window", False) if kinds is None else "sliding_attention" in kinds
-    if sliding:
-        raise ValueError(f"{type(config).__name__}: sliding-window attention (use_sliding_window / "
-                         "layer_types 'sliding_attention') is not supported; use a config whose layers "
-                         "all use full attention")
+    if kinds is None:
+        if getattr(config, "use_sliding_window", False):
+            raise ValueError(f"{type(config).__name__}: sliding-window attention (use_sliding_window) "
+                             "without layer_types is not supported; use a config whose layers all use "
+                             "full attention")
+        return 0
+    return int(config.sliding_window or 0) if kinds[layer_index] == "sliding_attention" else 0
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

@@ -8,7 +8,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from nanovllm.layers.pooler import pool_step
-from nanovllm.models.llama import LlamaForCausalLM, LlamaModel, refuse_sliding_window
+from nanovllm.models.llama import LlamaForCausalLM, LlamaModel
 from nanovllm.pooler_config import PoolingSpec
 from nanovllm.utils.loader import default_weight_loader
 
@@ -41,7 +41,9 @@ class PoolingDecoder(nn.Module):
     def __init__(self, config: PretrainedConfig, spec: PoolingSpec, lm: type[LlamaForCausalLM]):
         """lm: the registry class whose decoder this is (models.decoder_of)."""
         super().__init__()
-        refuse_sliding_window(config)
+        if not issubclass(lm, LlamaForCausalLM):
+            raise ValueError("the pooling runner runs Llama-family decoders (Llama, Qwen2, Qwen3, "
+                             f"Qwen3-MoE); {lm.__name__}'s is not one: use runner='generate'")
         self.packed_modules_mapping = lm.packed_modules_mapping
         self.model = LlamaModel(config, lm.qkv_bias(config), lm.qk_norm, lm.make_mlp)
         self.score = ScoreHead(config.hidden_size, spec.num_labels, spec.from_token_ids,

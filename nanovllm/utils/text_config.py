@@ -3,7 +3,8 @@ from is the checkpoint's text_config (models/qwen3_5.py reads the weights under 
 from transformers import PretrainedConfig
 
 MULTIMODAL_ARCHITECTURES = frozenset({"Qwen3_5ForConditionalGeneration",
-                                      "Qwen3_5MoeForConditionalGeneration"})
+                                      "Qwen3_5MoeForConditionalGeneration",
+                                      "Gemma3ForConditionalGeneration"})
 
 
 def language_model_config(config: PretrainedConfig) -> PretrainedConfig:
