@@ -174,3 +174,67 @@ def test_integer_formats_are_refused_for_hybrid_models(dense_bf16, tmp_path, qco
         json.dump(config, f)
     with pytest.raises(ValueError, match="integer weights.*not supported for hybrid"):
         LLM(path, **OPTIONS)
+
+
+# ---- LoRA ------------------------------------------------------------------------------------------
+
+LORA = dict(OPTIONS, num_kvcache_blocks=32, max_num_seqs=8, enable_lora=True, max_loras=2, max_lora_rank=8)
+
+
+@pytest.fixture(scope="module")
+def adapters(dense_bf16, tmp_path_factory):
+    pytest.importorskip("peft")
+    from test_lora import make_adapter
+
+    from nanovllm import LoRARequest
+    root = tmp_path_factory.mktemp("qwen35-adapters")
+    a = make_adapter(dense_bf16, str(root / "a"), 8, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                       "up_proj", "down_proj"], seed=1)
+    b = make_adapter(dense_bf16, str(root / "b"), 4, ["q_proj", "o_proj", "down_proj"], seed=2,
+                     use_rslora=True)
+    return LoRARequest("a", 1, a), LoRARequest("b", 2, b)
+
+
+def _mixed(llm, adapters) -> tuple[list, list[list[int]]]:
+    """Each prompt under the base model and each adapter, in one batch."""
+    loras = [lora for _ in PROMPTS for lora in (None, *adapters)]
+    prompts = [p for p in PROMPTS for _ in (None, *adapters)]
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras)
+    return list(zip(prompts, loras)), [list(o.outputs[0].token_ids) for o in outs]
+
+
+def test_lora_on_the_gated_attention_and_mlp_is_peft_s_argmax(dense_bf16, adapters):
+    """q_proj's adapter rows follow its query / gate split and the rotary order of the query rows; the
+    linear-attention layers take none. TP=2 splits the adapters with their layers: TP=1's tokens."""
+    from test_lora import PeftOracle
+    llm = LLM(dense_bf16, **LORA)
+    layers = llm.model_runner.model.model.layers
+    assert layers[3].self_attn.qkv_proj.lora is not None and layers[0].linear_attn.in_proj_qkvz.lora is None
+    runs, one = _mixed(llm, adapters)
+    llm.shutdown()
+    oracles = {None: PeftOracle(dense_bf16, None),
+               **{r.lora_int_id: PeftOracle(dense_bf16, r) for r in adapters}}
+    for (prompt, lora), out in zip(runs, one):
+        oracles[lora and lora.lora_int_id].assert_greedy(prompt, out)
+    for i in range(0, len(one), 3):   # each adapter changes the tokens
+        assert one[i] != one[i + 1] and one[i] != one[i + 2]
+    llm = LLM(dense_bf16, tensor_parallel_size=2, **LORA)
+    try:
+        assert _mixed(llm, adapters)[1] == one
+    finally:
+        llm.shutdown()
+
+
+def test_lora_on_the_linear_attention_is_a_clear_error(dense_bf16, tmp_path):
+    pytest.importorskip("peft")
+    from test_lora import make_adapter
+
+    from nanovllm import LoRARequest
+    path = make_adapter(dense_bf16, str(tmp_path / "linear"), 4, ["in_proj_qkv", "out_proj"], seed=3)
+    llm = LLM(dense_bf16, **LORA)
+    try:
+        with pytest.raises(ValueError, match="linear-attention layers' projections take no LoRA"):
+            llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False, lora_request=LoRARequest("linear", 3, path))
+        assert not llm.scheduler.waiting and not llm.scheduler.running
+    finally:
+        llm.shutdown()
