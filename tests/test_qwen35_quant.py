@@ -3,8 +3,8 @@ configs. FP8: checkpoints written here in the block layout Qwen publishes (quant
 weight_scale_inv per block; the linear attention's in_proj_a/b/ba, the routers and lm_head kept in
 bf16 by modules_to_not_convert), with 16 x 16 blocks so that the tiny projections hold several and the
 partial-rotary reordering of q and k rows crosses blocks; every greedy token is an argmax of
-transformers' logits on the dequantized model; TP=2 gives TP=1's tokens; quantization='fp8' on a bf16
-checkpoint; integer formats are refused. LoRA: PEFT adapters on the gated q_proj (its gate packed with
+transformers' logits on the dequantized model; TP=2 gives TP=1's tokens; compressed-tensors
+FP8_DYNAMIC (per channel); quantization='fp8' on a bf16 checkpoint; integer formats are refused. LoRA: PEFT adapters on the gated q_proj (its gate packed with
 q), k/v/o and the dense MLP, against PEFT's logits; adapters on the linear-attention projections are
 a clear error."""
 import json
@@ -79,15 +79,13 @@ def save_block_fp8(src: str, dst: str, checkpoint_prefix: str = "model.") -> str
     edit_checkpoint(dst, quantize)
     dequantized_copy(src, dst + "-dequantized", BLOCK)
     with open(os.path.join(dst, "config.json")) as f:
-        config = json.load(f)
+        layer_types = json.load(f)["layer_types"]
     kept = ["lm_head"] + [f"{checkpoint_prefix}layers.{i}.{module}"
-                          for i, kind in enumerate(config["layer_types"]) if kind == "linear_attention"
+                          for i, kind in enumerate(layer_types) if kind == "linear_attention"
                           for module in ("linear_attn.in_proj_a", "linear_attn.in_proj_b",
                                          "linear_attn.in_proj_ba", "linear_attn.conv1d")]
-    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
-                                     "weight_block_size": list(BLOCK), "modules_to_not_convert": kept}
-    with open(os.path.join(dst, "config.json"), "w") as f:
-        json.dump(config, f)
+    _set_quantization_config(dst, {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+                                   "weight_block_size": list(BLOCK), "modules_to_not_convert": kept})
     return dst
 
 
@@ -161,17 +159,45 @@ def test_quantization_fp8_quantizes_a_bf16_hybrid_at_load(dense_bf16, tmp_path):
                                outs)
 
 
+def test_compressed_tensors_fp8_dynamic_per_channel(dense_bf16, tmp_path):
+    """llm-compressor's FP8_DYNAMIC (bf16 scales [N, 1]) on every linear layer, in_proj_a/b too: the
+    gated q_proj's and the linear attention's scales follow their rows through the loaders."""
+    from test_fp8 import CT_CONFIG
+    path, oracle = str(tmp_path / "ct"), str(tmp_path / "deq")
+    shutil.copytree(dense_bf16, path)
+    shutil.copytree(dense_bf16, oracle)
+
+    def quantize(tensors):
+        for name in [n for n in tensors if _quantized(n, everything=True)]:
+            w, s = quantize_weight(tensors[name].float(), None)
+            tensors[name], tensors[name.removesuffix("weight") + "weight_scale"] = w, s.bfloat16()
+            tensors_deq[name] = _dequantize(w, s.bfloat16().float(), None)   # the oracle's weights
+    tensors_deq = {}
+    edit_checkpoint(path, quantize)
+    edit_checkpoint(oracle, lambda tensors: tensors.update(tensors_deq))
+    _set_quantization_config(path, CT_CONFIG)
+    llm = LLM(path, **OPTIONS)
+    assert llm.model_runner.model.model.layers[0].linear_attn.in_proj_ba.weight.dtype == FP8
+    outs = greedy(llm)
+    llm.shutdown()
+    assert_transformers_argmax(oracle, outs)
+
+
+def _set_quantization_config(folder: str, qconfig: dict):
+    with open(os.path.join(folder, "config.json")) as f:
+        config = json.load(f)
+    config["quantization_config"] = qconfig
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(config, f)
+
+
 @pytest.mark.parametrize("qconfig", [
     {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False, "sym": True},
     {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "version": "gemm"}])
 def test_integer_formats_are_refused_for_hybrid_models(dense_bf16, tmp_path, qconfig):
     path = str(tmp_path / "int")
     shutil.copytree(dense_bf16, path)
-    with open(os.path.join(path, "config.json")) as f:
-        config = json.load(f)
-    config["quantization_config"] = qconfig
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(config, f)
+    _set_quantization_config(path, qconfig)
     with pytest.raises(ValueError, match="integer weights.*not supported for hybrid"):
         LLM(path, **OPTIONS)
 
