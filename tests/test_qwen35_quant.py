@@ -16,6 +16,7 @@ import torch
 
 pytest.importorskip("transformers.models.qwen3_5")   # transformers >= 5.2
 from conftest import edit_checkpoint, HFOracle, random_prompts
+from test_fp8 import CT_CONFIG, _set_quantization_config
 from test_qwen35 import MOE, TEXT, make_qwen35
 from transformers.models.qwen3_5 import Qwen3_5TextConfig
 from transformers.models.qwen3_5_moe import Qwen3_5MoeTextConfig
@@ -162,7 +163,6 @@ def test_quantization_fp8_quantizes_a_bf16_hybrid_at_load(dense_bf16, tmp_path):
 def test_compressed_tensors_fp8_dynamic_per_channel(dense_bf16, tmp_path):
     """llm-compressor's FP8_DYNAMIC (bf16 scales [N, 1]) on every linear layer, in_proj_a/b too: the
     gated q_proj's and the linear attention's scales follow their rows through the loaders."""
-    from test_fp8 import CT_CONFIG
     path, oracle = str(tmp_path / "ct"), str(tmp_path / "deq")
     shutil.copytree(dense_bf16, path)
     shutil.copytree(dense_bf16, oracle)
@@ -181,14 +181,6 @@ def test_compressed_tensors_fp8_dynamic_per_channel(dense_bf16, tmp_path):
     outs = greedy(llm)
     llm.shutdown()
     assert_transformers_argmax(oracle, outs)
-
-
-def _set_quantization_config(folder: str, qconfig: dict):
-    with open(os.path.join(folder, "config.json")) as f:
-        config = json.load(f)
-    config["quantization_config"] = qconfig
-    with open(os.path.join(folder, "config.json"), "w") as f:
-        json.dump(config, f)
 
 
 @pytest.mark.parametrize("qconfig", [
