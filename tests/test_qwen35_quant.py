@@ -6,7 +6,8 @@ partial-rotary reordering of q and k rows crosses blocks; every greedy token is 
 transformers' logits on the dequantized model; TP=2 gives TP=1's tokens; compressed-tensors
 FP8_DYNAMIC (per channel); quantization='fp8' on a bf16 checkpoint; integer formats are refused.
 LoRA: PEFT adapters on the gated q_proj (its gate packed with q), k/v/o and the dense MLP, against
-PEFT's logits, TP=2 as TP=1; adapters on the linear-attention projections are a clear error."""
+PEFT's logits, TP=2 as TP=1, on block-FP8 weights too; adapters on the linear-attention projections
+are a clear error."""
 import json
 import os
 import shutil
@@ -256,3 +257,18 @@ def test_lora_on_the_linear_attention_is_a_clear_error(dense_bf16, tmp_path):
         assert not llm.scheduler.waiting and not llm.scheduler.running
     finally:
         llm.shutdown()
+
+
+def test_lora_on_a_block_fp8_hybrid_is_peft_s_argmax_on_the_dequantized_model(dense_bf16, adapters,
+                                                                                tmp_path):
+    """An FP8 layer runs its adapters beside its GEMM (the shrink and expand, unfolded)."""
+    from test_lora import PeftOracle
+    path = save_block_fp8(dense_bf16, str(tmp_path / "fp8"))
+    llm = LLM(path, **dict(LORA, max_loras=1))
+    try:
+        outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=adapters[0])
+    finally:
+        llm.shutdown()
+    oracle = PeftOracle(path + "-dequantized", adapters[0])
+    for prompt, out in zip(PROMPTS, outs):
+        oracle.assert_greedy(prompt, list(out.outputs[0].token_ids))
