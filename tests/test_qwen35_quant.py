@@ -3,7 +3,8 @@ configs. FP8: checkpoints written here in the block layout Qwen publishes (quant
 weight_scale_inv per block; the linear attention's in_proj_a/b/ba, the routers and lm_head kept in
 bf16 by modules_to_not_convert), with 16 x 16 blocks so that the tiny projections hold several and the
 partial-rotary reordering of q and k rows crosses blocks; every greedy token is an argmax of
-transformers' logits on the dequantized model; TP=2 gives TP=1's tokens; compressed-tensors
+transformers' logits on the dequantized model (also of the multimodal checkpoint, as published);
+TP=2 gives TP=1's tokens; compressed-tensors
 FP8_DYNAMIC (per channel); quantization='fp8' on a bf16 checkpoint; integer formats are refused.
 LoRA: PEFT adapters on the gated q_proj (its gate packed with q), k/v/o and the dense MLP, against
 PEFT's logits, TP=2 as TP=1, on block-FP8 weights too; adapters on the linear-attention projections
@@ -81,7 +82,8 @@ def save_block_fp8(src: str, dst: str, checkpoint_prefix: str = "model.") -> str
     edit_checkpoint(dst, quantize)
     dequantized_copy(src, dst + "-dequantized", BLOCK)
     with open(os.path.join(dst, "config.json")) as f:
-        layer_types = json.load(f)["layer_types"]
+        config = json.load(f)
+    layer_types = config.get("text_config", config)["layer_types"]   # a multimodal one's in text_config
     kept = ["lm_head"] + [f"{checkpoint_prefix}layers.{i}.{module}"
                           for i, kind in enumerate(layer_types) if kind == "linear_attention"
                           for module in ("linear_attn.in_proj_a", "linear_attn.in_proj_b",
@@ -107,7 +109,7 @@ def dense_bf16(tmp_path_factory):
 
 
 def test_block_fp8_dense_matches_transformers_on_the_dequantized_model(dense_bf16, tmp_path):
-    path = save_block_fp8(dense_bf16, str(tmp_path / "fp8"), "model.language_model.")
+    path = save_block_fp8(dense_bf16, str(tmp_path / "fp8"))
     llm = LLM(path, **OPTIONS)
     layers = llm.model_runner.model.model.layers
     attn, linear = layers[3].self_attn, layers[0].linear_attn
@@ -119,6 +121,27 @@ def test_block_fp8_dense_matches_transformers_on_the_dequantized_model(dense_bf1
     outs = greedy(llm)
     llm.shutdown()
     assert_transformers_argmax(path + "-dequantized", outs)
+
+
+def test_block_fp8_multimodal_checkpoint_as_qwen_publishes_it(tmp_path):
+    """Qwen3_5ForConditionalGeneration: the quantization_config at the top level of config.json, the
+    text model's tensors and their ignore-list names under model.language_model."""
+    from transformers.models.qwen3_5 import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=64,
+                  patch_size=4, spatial_merge_size=1, temporal_patch_size=1)
+    config = Qwen3_5Config(text_config=TEXT, vision_config=vision, tie_word_embeddings=False)
+    src = make_qwen35(str(tmp_path / "src"), config, seed=6, cls=Qwen3_5ForConditionalGeneration)
+    path = save_block_fp8(src, str(tmp_path / "fp8"), "model.language_model.")
+    llm = LLM(path, **OPTIONS)
+    linear = llm.model_runner.model.model.layers[0].linear_attn
+    assert linear.in_proj_qkvz.weight.dtype == FP8 and linear.in_proj_ba.quant is None
+    outs = greedy(llm)
+    llm.shutdown()
+    hf = Qwen3_5ForConditionalGeneration.from_pretrained(path + "-dequantized", dtype=torch.float32).eval()
+    for prompt, out in zip(PROMPTS, outs):
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt + out])).logits[0]
+        assert logits[len(prompt) - 1:-1].argmax(-1).tolist() == out
 
 
 def test_block_fp8_moe_matches_transformers(tmp_path):
