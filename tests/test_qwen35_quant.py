@@ -4,8 +4,8 @@ weight_scale_inv per block; the linear attention's in_proj_a/b/ba, the routers a
 bf16 by modules_to_not_convert), with 16 x 16 blocks so that the tiny projections hold several and the
 partial-rotary reordering of q and k rows crosses blocks; every greedy token is an argmax of
 transformers' logits on the dequantized model (also of the multimodal checkpoint, as published);
-TP=2 gives TP=1's tokens; compressed-tensors
-FP8_DYNAMIC (per channel); quantization='fp8' on a bf16 checkpoint; integer formats are refused.
+TP=2 gives TP=1's tokens; compressed-tensors FP8_DYNAMIC (per channel); quantization='fp8' on a
+bf16 checkpoint; integer formats are refused.
 LoRA: PEFT adapters on the gated q_proj (its gate packed with q), k/v/o and the dense MLP, against
 PEFT's logits, TP=2 as TP=1, on block-FP8 weights too; adapters on the linear-attention projections
 are a clear error."""
