@@ -206,7 +206,6 @@ class Config:
         if self.quantization is not None and not isinstance(self.quantization, str):
             raise ValueError(f"quantization must be a method name (e.g. 'fp8', 'gptq') or None, "
                              f"got {self.quantization!r}")
-        _refuse_for_hybrid(self)
 
 
 _warned_attention_backend = False
@@ -301,16 +300,10 @@ def tp_sizes_that_divide(sizes) -> list[int]:
     return [d for d in range(1, common + 1) if common % d == 0]
 
 
-def _refuse_for_hybrid(cfg: Config):
-    """What hybrid linear-attention models (Qwen3.5, Qwen3-Next) do not run yet: FP8 weights (their
-    fused projections have loaders of their own) and LoRA (their gated q_proj is packed with its gate)."""
-    if "linear_attention" not in (getattr(cfg.hf_config, "layer_types", None) or ()):
-        return
-    if cfg.quantization is not None or getattr(cfg.hf_config, "quantization_config", None):
-        raise ValueError("quantized weights (a quantization_config, or quantization=) are not supported for "
-                         "hybrid linear-attention models yet; use a bf16 checkpoint and quantization=None")
-    if cfg.enable_lora:
-        raise ValueError("enable_lora: LoRA is not supported for hybrid linear-attention models yet")
+def is_hybrid(hf_config: PretrainedConfig) -> bool:
+    """A hybrid linear-attention model (Qwen3.5, Qwen3-Next): some of its layer_types are
+    'linear_attention'."""
+    return "linear_attention" in (getattr(hf_config, "layer_types", None) or ())
 
 
 def _check_int(cfg: Config, name: str, minimum: int):

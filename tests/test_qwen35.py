@@ -303,7 +303,7 @@ def test_fewer_state_slots_than_max_num_seqs(dense, caplog):
     llm.shutdown()
 
 
-# ---- MoE, the multimodal checkpoints, refusals -----------------------------------------------------
+# ---- MoE, the multimodal checkpoints -----------------------------------------------------------
 
 def test_moe_matches_transformers(tmp_path):
     path = make_qwen35(str(tmp_path), Qwen3_5MoeTextConfig(**TEXT, **MOE))
@@ -351,22 +351,6 @@ def test_conditional_generation_reads_the_text_model_and_skips_the_rest(tmp_path
             logits = hf_model(torch.tensor([prompt + out])).logits[0]
         assert logits[len(prompt) - 1:-1].argmax(-1).tolist() == out
     llm.shutdown()
-
-
-def test_fp8_and_lora_are_refused_for_hybrid_models(tmp_path):
-    path = make_qwen35(str(tmp_path), Qwen3_5TextConfig(**TEXT))
-    import json
-    import os
-    cfg_file = os.path.join(path, "config.json")
-    with open(cfg_file) as f:
-        cfg = json.load(f)
-    cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
-    with open(cfg_file, "w") as f:
-        json.dump(cfg, f)
-    with pytest.raises(ValueError, match="quantized weights .* not supported for hybrid linear-attention"):
-        LLM(path, num_kvcache_blocks=16, **SMALL)
-    with pytest.raises(ValueError, match="LoRA is not supported for hybrid"):
-        LLM(make_qwen35(str(tmp_path / "lora"), Qwen3_5TextConfig(**TEXT)), enable_lora=True, **SMALL)
 
 
 # ---- tensor parallelism ----------------------------------------------------------------------------

@@ -94,6 +94,13 @@ class GatedQKVParallelLinear(ColumnParallelLinear):
         self.num_kv_heads = _divide(num_kv_heads, tp, "number of KV heads")
         super().__init__(hidden_size, (2 * num_heads + 2 * num_kv_heads) * head_dim, bias)
 
+    def checkpoint_rows(self, shard_id: str) -> int:
+        """The rows of checkpoint tensor shard_id (whole, all ranks'). The loader below moves rows
+        within and across heads, so what is stored per row (an FP8 scale, a LoRA B) goes through it
+        (quantization/fp8_methods.py, lora/layers.py)."""
+        heads = 2 * self.num_heads if shard_id == "q" else self.num_kv_heads
+        return heads * self.tp_size * self.head_dim
+
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str):
         d, h, kv = self.head_dim, self.num_heads, self.num_kv_heads
         if shard_id == "q":   # [heads * 2 * d, ...] -> query rows at 0, gate rows after v

@@ -78,6 +78,13 @@ class PartsColumnParallelLinear(ColumnParallelLinear):
         self.parts, self.groups = parts, groups
         super().__init__(input_size, sum(sum(sizes) for sizes in parts.values()))
 
+    def checkpoint_rows(self, shard_id: str | None = None) -> int:
+        """The rows of checkpoint tensor shard_id (None: the fused one), all ranks'. The loader regroups
+        rows by part (and de-interleaves them by key head), so what is stored per row (an FP8 scale)
+        goes through it (quantization/fp8_methods.py)."""
+        parts = self.parts.values() if shard_id is None else [self.parts[shard_id]]
+        return sum(sum(sizes) for sizes in parts)
+
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None = None):
         if shard_id is None:
             return self._load_grouped(param, loaded)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from safetensors import safe_open
 
+from nanovllm.config import is_hybrid
 from nanovllm.lora.request import LoRARequest
 
 # PEFT's module name -> (the decoder block's sub-module, our fused layer, its slice)
@@ -24,13 +25,19 @@ _KEY = re.compile(r"base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\
 WEIGHTS = "adapter_model.safetensors"
 
 
+# The linear-attention layers' projections (Qwen3.5, Qwen3-Next), which take no LoRA here.
+LINEAR_ATTENTION = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "in_proj_qkvz", "in_proj_ba",
+                    "out_proj")
+
+
 def module_shapes(hf_config) -> dict[str, tuple[int, int]]:
     """PEFT module name -> (in_features, out_features) of the whole (unsharded) layer."""
     hidden, heads = hf_config.hidden_size, hf_config.num_attention_heads
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
     head_dim = getattr(hf_config, "head_dim", None) or hidden // heads
     inter = getattr(hf_config, "intermediate_size", None)
-    return {"q_proj": (hidden, heads * head_dim), "k_proj": (hidden, kv_heads * head_dim),
+    q_rows = (2 if is_hybrid(hf_config) else 1) * heads * head_dim   # a hybrid's q_proj: query and gate
+    return {"q_proj": (hidden, q_rows), "k_proj": (hidden, kv_heads * head_dim),
             "v_proj": (hidden, kv_heads * head_dim), "o_proj": (heads * head_dim, hidden),
             "gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden)}
 
@@ -81,11 +88,15 @@ def check_adapter(request: LoRARequest, hf_config, max_lora_rank: int,
     if isinstance(targets, (list, tuple)):
         unknown = sorted(set(targets) - lora_modules)
         if unknown:
+            linear = " (the linear-attention layers' projections take no LoRA in nanovllm)" if set(
+                unknown) & set(LINEAR_ATTENTION) else ""
             raise ValueError(f"{where}: target module(s) {unknown} are not layers this model takes LoRA "
-                             f"on ({', '.join(sorted(lora_modules, key=list(TARGETS).index))})")
+                             f"on ({', '.join(sorted(lora_modules, key=list(TARGETS).index))}){linear}")
     alpha = cfg.get("lora_alpha", rank)
     scale = alpha / math.sqrt(rank) if cfg.get("use_rslora") else alpha / rank
     shapes, num_layers = module_shapes(hf_config), hf_config.num_hidden_layers
+    linear_layers = {i for i, kind in enumerate(getattr(hf_config, "layer_types", None) or ())
+                     if kind == "linear_attention"}   # a hybrid's, which have no self_attn
     modules, halves = set(), {}
     with safe_open(weights, "pt") as f:
         for key in f.keys():
@@ -94,7 +105,8 @@ def check_adapter(request: LoRARequest, hf_config, max_lora_rank: int,
                 raise ValueError(f"{where}: tensor {key!r} is not a LoRA matrix of a decoder layer "
                                  "(base_model.model.model.layers.N.<self_attn|mlp>.<module>.lora_A/B.weight)")
             layer, block, module, ab = int(m[1]), m[2], m[3], m[4]
-            if module not in lora_modules or TARGETS[module][0] != block or layer >= num_layers:
+            if (module not in lora_modules or TARGETS[module][0] != block or layer >= num_layers
+                    or (block == "self_attn" and layer in linear_layers)):
                 raise ValueError(f"{where}: tensor {key!r} targets a module the model lacks (it has "
                                  f"{num_layers} layers and takes LoRA on "
                                  f"{', '.join(sorted(lora_modules, key=list(TARGETS).index))})")

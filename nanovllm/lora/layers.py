@@ -38,9 +38,13 @@ SLICES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
 
 class LoRALinear:
     def __init__(self, base, modules: tuple[str, ...], max_loras: int, max_rank: int, dtype: torch.dtype,
-                 input_scale: torch.Tensor | None = None):
+                 input_scale: torch.Tensor | None = None, shard_ids: tuple | None = None):
+        """shard_ids (a base layer whose weight_loader moves rows, e.g. the gated q_proj): each module's
+        shard id there; B's rows then go through that loader, as the weight's did."""
         out_local, in_local = base.out_features, base.in_features   # (a quantized weight may be packed)
         self.modules, self.rank = modules, max_rank
+        self.base_loader = base.weight_loader if shard_ids is not None else None
+        self.shard_ids = shard_ids
         self.row_parallel = base.tp_dim == 1
         self.tp_rank, self.tp_size = base.tp_rank, base.tp_size
         if hasattr(base, "num_kv_heads"):     # QKVParallelLinear
@@ -79,12 +83,17 @@ class LoRALinear:
                 if self.row_parallel:
                     width = self.a.size(2)
                     a = a[:, self.tp_rank * width:(self.tp_rank + 1) * width]
-                else:
+                elif self.base_loader is None:
                     b = b[self.tp_rank * size:(self.tp_rank + 1) * size]
                 if self.input_scale is not None:
                     a = a * self.input_scale.float().cpu()
                 self.a[slot, cols] = a.to(self.a.dtype)
-                self.b[offset:offset + size, slot, cols] = b.to(self.b.dtype)
+                if self.base_loader is not None:   # this rank's rows of B, where the weight's went
+                    rows = torch.zeros(self.b.size(0), r)
+                    self.base_loader(rows, b, self.shard_ids[i])
+                    self.b[:, slot, cols] = rows.to(self.b.dtype)
+                else:
+                    self.b[offset:offset + size, slot, cols] = b.to(self.b.dtype)
                 assert r <= self.rank
             offset += size
 
@@ -113,21 +122,27 @@ class LoRAModel:
         self.max_loras, self.max_lora_rank, self.max_cpu_loras = max_loras, max_lora_rank, max_cpu_loras
         self.layers: dict[tuple[int, str], LoRALinear] = {}
         dtype = model.model.embed_tokens.weight.dtype   # the activations'
+        packed = getattr(model, "packed_modules_mapping", {})
+        blocks = {}   # our layer name -> the decoder layers that have its block (self_attn / mlp)
         for i, layer in enumerate(model.model.layers):
             folded = getattr(layer, "folded", False)
             for block, norm in (("self_attn", "input_layernorm"), ("mlp", "post_attention_layernorm")):
                 for name in ("qkv_proj", "o_proj") if block == "self_attn" else ("gate_up_proj", "down_proj"):
-                    base = getattr(getattr(layer, block), name, None)
-                    if base is None:   # a mixture-of-experts MLP: no LoRA there
+                    owner = getattr(layer, block, None)   # None: a hybrid's linear-attention layer
+                    if owner is not None:
+                        blocks.setdefault(name, []).append(i)
+                    base = getattr(owner, name, None)
+                    if base is None:   # a mixture-of-experts MLP or linear attention: no LoRA there
                         continue
                     scale = getattr(layer, norm).weight if folded and name in ("qkv_proj", "gate_up_proj") \
                         else None
+                    shard_ids = tuple(packed[m][1] for m in SLICES[name]) if hasattr(
+                        base, "checkpoint_rows") else None
                     base.lora = self.layers[i, name] = LoRALinear(base, SLICES[name], max_loras,
-                                                                  max_lora_rank, dtype, scale)
-        # PEFT modules every layer has (a mixture-of-experts model: no MLP ones)
-        num_layers = len(model.model.layers)
-        self.modules = frozenset(m for name in SLICES for m in SLICES[name]
-                                 if all((i, name) in self.layers for i in range(num_layers)))
+                                                                  max_lora_rank, dtype, scale, shard_ids)
+        # PEFT modules every layer of their block has (a mixture-of-experts model: no MLP ones)
+        self.modules = frozenset(m for name, layers in blocks.items() for m in SLICES[name]
+                                 if all((i, name) in self.layers for i in layers))
         self.cpu: OrderedDict[int, dict] = OrderedDict()   # lora_int_id -> load_adapter's tensors
         self.slots = SlotTable(max_loras)   # rank 0's: which adapter is in which slot
 

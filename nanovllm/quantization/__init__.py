@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from nanovllm.config import Config
+from nanovllm.config import Config, is_hybrid
 from nanovllm.layers.fused_moe import FusedMoE
 from nanovllm.layers.linear import LinearBase, ReplicatedLinear
 from nanovllm.quantization.awq import awq_config
@@ -71,6 +71,11 @@ def check_quantization(config: Config) -> QuantizationConfig | None:
     """quantization_of(config), before any worker starts, with a warning for static KV scales that a
     cache in the model's dtype does not use."""
     quant = quantization_of(config)
+    if quant is not None and is_hybrid(config.hf_config) and not isinstance(quant, Fp8Config):
+        raise ValueError(f"{type(quant).__name__} (integer weights) is not supported for hybrid linear-"
+                         "attention models (Qwen3.5, Qwen3-Next): their gated q_proj and linear-attention "
+                         "projections reorder rows on load, which packed integer weights cannot follow; "
+                         "use an FP8 or a bf16 checkpoint (quantization='fp8' quantizes one at load)")
     if quant is not None and quant.names.kv_scales and config.kv_cache_dtype == "auto":
         logger.warning("the checkpoint's static KV cache scales (kv_cache_scheme) are not used: they "
                        "scale an FP8 KV cache, kv_cache_dtype='fp8'")
@@ -92,19 +97,25 @@ def quantized_modules(model: nn.Module, quant: QuantizationConfig) -> list[tuple
     packed layer (qkv_proj, gate_up_proj) is quantized unless the ignore list names all its checkpoint
     projections (some of them: ValueError)."""
     mapping = getattr(model, "packed_modules_mapping", {})
+    renames = getattr(model, "checkpoint_prefix_renames", {})
+
+    def ignored(module_name: str) -> bool:   # by our name or the checkpoint's (model.language_model.)
+        return quant.ignores(module_name) or any(
+            quant.ignores(theirs + module_name[len(ours):])
+            for theirs, ours in renames.items() if module_name.startswith(ours))
     chosen = []
     for name, module in model.named_modules():
         if isinstance(module, FusedMoE):
-            if not quant.ignores(name) and (method := quant.moe_method(name, module)) is not None:
+            if not ignored(name) and (method := quant.moe_method(name, module)) is not None:
                 chosen.append((module, method))
         elif isinstance(module, LinearBase) and not isinstance(module, ReplicatedLinear):
             prefix, _, leaf = name.rpartition(".")
             parts = [f"{prefix}.{key}" for key, (packed, _) in mapping.items() if packed == leaf] or [name]
-            ignored = [quant.ignores(p) for p in parts]
-            if any(ignored) and not all(ignored):
+            kept = [ignored(p) for p in parts]
+            if any(kept) and not all(kept):
                 raise ValueError(f"the checkpoint's ignore list keeps some of {parts} unquantized, not all: "
                                  f"nanovllm packs them into one layer ({name}) and needs one format for it")
-            if not any(ignored) and (method := quant.linear_method(name, module)) is not None:
+            if not any(kept) and (method := quant.linear_method(name, module)) is not None:
                 chosen.append((module, method))
     return chosen
 

@@ -10,7 +10,8 @@ dequantized model; activations stay unrounded, clipped to +-activation_scale_ub 
 Tensor parallelism shards the scales with their weights: a block scale row (column) covers bn rows
 (bk columns) of W, so a shard or a packed projection (q/k/v, gate/up) must start and end on a
 block; anything else is a ValueError naming the sizes. Per-channel scales follow the output rows
-(row-parallel layers keep them whole)."""
+(row-parallel layers keep them whole). A layer whose loader moves rows across blocks (the gated
+q_proj, the linear-attention projections) keeps its block scales per row instead: blocks (1, bk)."""
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -45,10 +46,17 @@ class Fp8LinearMethod(LinearMethod):
     def create_weights(self, layer: LinearBase):
         n, k, block = layer.out_features, layer.in_features, self.block
         layer.weight = empty_param((n, k), FP8, layer.weight.device, _fp8_only(layer.weight_loader))
-        shape = (n, 1) if block is None else (_cdiv(n, block[0]), _cdiv(k, block[1]))
+        if hasattr(layer, "checkpoint_rows"):   # its loader moves rows across blocks: scales per row
+            self.block = None if block is None else (1, block[1])
+            shape = (n, 1) if block is None else (n, _cdiv(k, block[1]))
 
-        def load(param, loaded, *shard_id):
-            _load_linear_scale(layer, block, param, loaded, *shard_id)
+            def load(param, loaded, *shard_id):
+                _load_row_scales(layer, block, param, loaded, *shard_id)
+        else:
+            shape = (n, 1) if block is None else (_cdiv(n, block[0]), _cdiv(k, block[1]))
+
+            def load(param, loaded, *shard_id):
+                _load_linear_scale(layer, block, param, loaded, *shard_id)
         layer.weight_scale = empty_param(shape, torch.float32, layer.weight.device, load)
 
     def process_weights_after_loading(self, layer: LinearBase, loaded: bool):
@@ -158,6 +166,22 @@ def _load_linear_scale(layer: LinearBase, block, param: torch.Tensor, loaded: to
             raise _block_error("a row-parallel shard's input columns", k_local, cols_per)
         loaded = _shard(loaded, 1, k_local // cols_per, layer.tp_rank, layer.tp_size)
     default_weight_loader(dest, loaded)
+
+
+def _load_row_scales(layer: LinearBase, block, param: torch.Tensor, loaded: torch.Tensor, *shard_id):
+    """A layer whose own weight_loader reorders rows (the gated q_proj's rotary order, the linear
+    attention's parts and key-head groups; it has checkpoint_rows): each row keeps its block's scales
+    ([rows, ceil(K / bk)], or [rows, 1] per channel), and the layer's loader moves them with the row, so
+    no block has to stay whole (run as blocks of (1, bk))."""
+    rows = layer.checkpoint_rows(*shard_id)
+    if loaded.numel() == 1:   # a per-tensor scale: the same on every row
+        loaded = loaded.reshape(1, 1).expand(rows, 1)
+    elif block is not None:   # [ceil(rows / bn), ceil(K / bk)] -> [rows, ceil(K / bk)]
+        if loaded.size(0) != _cdiv(rows, block[0]):
+            raise ValueError(f"shape mismatch: a block scale {tuple(loaded.shape)} for {rows} rows "
+                             f"of {block[0]}-row blocks")
+        loaded = loaded.repeat_interleave(block[0], dim=0)[:rows]
+    layer.weight_loader(param, loaded.reshape(rows, -1), *shard_id)
 
 
 def _check_moe_blocks(moe: FusedMoE, block):

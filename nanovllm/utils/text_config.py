@@ -9,12 +9,15 @@ MULTIMODAL_ARCHITECTURES = frozenset({"Qwen3_5ForConditionalGeneration",
 
 def language_model_config(config: PretrainedConfig) -> PretrainedConfig:
     """A multimodal config's text_config, named by the multimodal architecture (the model registry's
-    key; the top level decides whether the LM head is tied, as in transformers' multimodal model);
-    any other config as it is."""
+    key; the top level decides whether the LM head is tied, as in transformers' multimodal model,
+    and holds the quantization_config of Qwen's FP8 checkpoints); any other config as it is."""
     archs = getattr(config, "architectures", None) or []
     if not archs or archs[0] not in MULTIMODAL_ARCHITECTURES:
         return config
     text = config.text_config
     text.architectures = list(archs)
     text.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", text.tie_word_embeddings))
+    quantization = getattr(config, "quantization_config", None)
+    if quantization and not getattr(text, "quantization_config", None):
+        text.quantization_config = quantization
     return text
