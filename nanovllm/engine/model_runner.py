@@ -12,7 +12,7 @@ import torch
 from nanovllm.config import Config, uses_cuda
 from nanovllm.engine.block_manager import cache_slots, cdiv
 from nanovllm.engine.decode_graphs import DecodeGraphs, DecodeInputs
-from nanovllm.engine.sampled_tokens import PendingSample, prompt_logprobs
+from nanovllm.engine.sampled_tokens import PendingSample, SampledTokens, prompt_logprobs
 from nanovllm.engine.sampling_prep import SamplingPrep
 from nanovllm.engine.scheduler import ScheduledBatch
 from nanovllm.engine.state_cache import allocate_beside_kv
@@ -23,6 +23,7 @@ from nanovllm.layers.prefill_attention import select_prefill_attention
 from nanovllm.layers.sampler import Sampler
 from nanovllm.lora.layers import LoRAModel
 from nanovllm.models import build_model
+from nanovllm.spec.verify import verify
 from nanovllm.quantization import finish_loading, prepare_model, quantization_of
 from nanovllm.utils.context import Context, forward_context
 from nanovllm.parallel.parallel_state import (TPGroup, broadcast, connect_peer_all_reduce, host_barrier,
@@ -242,6 +243,7 @@ class ModelRunner:
 
     def prepare_prefill(self, step: StepInput):
         input_ids, positions, slots, cu_q, cu_k, logits_indices = [], [], [], [0], [0], []
+        logit_rows = iter(step.logit_rows or ())
         for start, ids, table, samples in zip(step.starts, step.token_ids, step.block_tables, step.samples):
             end = start + len(ids)
             input_ids.extend(ids)
@@ -249,8 +251,9 @@ class ModelRunner:
             slots.extend(cache_slots(table, start, end, self.block_size))
             cu_q.append(cu_q[-1] + len(ids))
             cu_k.append(cu_k[-1] + end)
-            if samples:
-                logits_indices.append(cu_q[-1] - 1)
+            if samples:   # its last row, or (verifying drafts) its last 1 + k rows
+                rows = next(logit_rows) if step.logit_rows else 1
+                logits_indices.extend(range(cu_q[-1] - rows, cu_q[-1]))
         # Rows after the sampling rows: the positions whose logits give prompt logprobs.
         for first, count in zip(cu_q, step.prompt_logprob_counts or ()):
             logits_indices.extend(range(first, first + count))
@@ -310,10 +313,49 @@ class ModelRunner:
                 before_sampling()
             # Built while the device runs the forward pass just queued: the host's share of sampling
             # (a grammar's token bitmasks, penalty counts) overlaps it.
+            if batch.draft_tokens is not None:
+                return self.verify_drafts(logits, batch)
             sampling = self.sampling_prep.prepare(batch.sampling_seqs)
             out = self.sampler.sample(logits, sampling)
             self.keep_sampled(out.token_ids)
         return PendingSample(out, sampling, prompt)
+
+    def verify_drafts(self, logits: torch.Tensor, batch: ScheduledBatch) -> PendingSample:
+        """A verify step's sampling (speculative decoding, spec/verify.py), on the host at once: its
+        rows split into the sequences without drafts (one row each, sampled as usual) and those with
+        (1 + k rows each, verified). logits: [sum of the sampling sequences' rows, vocab]."""
+        seqs = batch.sampling_seqs
+        drafts = [d for d, samples in zip(batch.draft_tokens, batch.samples) if samples]
+        rows = torch.tensor([len(d) + 1 for d in drafts]).cumsum(0).tolist()
+        last_rows = [r - 1 for r in rows]
+        plain = [i for i, d in enumerate(drafts) if not d]
+        tokens: list = [None] * len(seqs)
+        logprobs: list | None = None
+        if plain:
+            sampling = self.sampling_prep.prepare([seqs[i] for i in plain])
+            index = torch.tensor([last_rows[i] for i in plain], device=logits.device)
+            sampled = PendingSample(self.sampler.sample(logits[index], sampling), sampling).result()
+            for j, i in enumerate(plain):
+                tokens[i] = sampled.token_ids[j]
+            if sampled.logprobs is not None:
+                logprobs = [None] * len(seqs)
+                for j, i in enumerate(plain):
+                    logprobs[i] = sampled.logprobs[j]
+        spec = [i for i, d in enumerate(drafts) if d]
+        index = torch.tensor([r for i in spec for r in range(rows[i] - len(drafts[i]) - 1, rows[i])],
+                             device=logits.device)
+        verified = verify(logits[index], [seqs[i] for i in spec], [drafts[i] for i in spec],
+                          self.sampling_prep)
+        for j, i in enumerate(spec):
+            tokens[i] = verified.token_ids[j]
+        if verified.logprobs is not None:
+            logprobs = logprobs or [None] * len(seqs)
+            for j, i in enumerate(spec):
+                logprobs[i] = verified.logprobs[j]
+        last = [t[-1] if isinstance(t, list) else t for t in tokens]
+        # one row per sampling sequence, as the other ranks count them (worker_main.py)
+        self.keep_sampled(torch.tensor(last, dtype=torch.int64, device=self.device))
+        return PendingSample.known_result(SampledTokens(tokens, logprobs))
 
     def check_first_logits(self, logits: torch.Tensor):
         """NaN or inf logits mean broken weights (or a float16 overflow); sampling would turn them into
