@@ -2,7 +2,7 @@
 from collections import deque
 from dataclasses import dataclass, field
 
-from nanovllm.engine.block_manager import BlockManager, KVCopy, cdiv
+from nanovllm.engine.block_manager import BlockManager, KVCopy
 from nanovllm.engine.sequence import Sequence, SequenceStatus
 from nanovllm.engine.stop_checker import LENGTH, POOLED, Stop, StopChecker
 from nanovllm.spec.ngram import can_speculate
@@ -145,11 +145,10 @@ class Scheduler:
                               kv_copies=self.block_manager.take_copies())
 
     def _schedule_decode(self) -> ScheduledBatch:
-        seqs, drafts = [], []
-        # Each decode sequence computes one token (and its drafts), so the token budget caps the batch too.
+        seqs = []
+        # Each decode sequence computes one token, so the token budget caps the batch too.
         done = []   # their pending token is their last: nothing more to compute
-        rows = 0
-        while self.running and len(seqs) < self.max_num_seqs and rows < self.max_num_batched_tokens:
+        while self.running and len(seqs) < min(self.max_num_seqs, self.max_num_batched_tokens):
             seq = self.running.popleft()
             if seq.num_pending and self.stop_checker.length_reached(seq, seq.num_tokens):
                 done.append(seq)
@@ -162,26 +161,33 @@ class Scheduler:
                     break
             else:
                 self.block_manager.may_append(seq)
-                draft = self._propose(seq, self.max_num_batched_tokens - rows - 1)
                 seqs.append(seq)
-                drafts.append(draft)
-                rows += 1 + len(draft)
         self.running.extendleft(reversed(seqs + done))
-        return ScheduledBatch(seqs, [1 + len(d) for d in drafts], is_prefill=False,
-                              draft_tokens=drafts if any(drafts) else None)
+        drafts = self._propose_all(seqs) if self.proposer is not None else []
+        if not any(drafts):
+            return ScheduledBatch(seqs, [1] * len(seqs), is_prefill=False)
+        return ScheduledBatch(seqs, [1 + len(d) for d in drafts], is_prefill=False, draft_tokens=drafts)
 
-    def _propose(self, seq: Sequence, max_rows: int) -> list[int]:
-        """Draft tokens for seq's next step, within the rows left, its length limits and the free
-        blocks (one kept for each running sequence still to schedule: drafts never preempt)."""
-        if self.proposer is None or not can_speculate(seq):
+    def _propose_all(self, seqs: list[Sequence]) -> list[list[int]]:
+        """Draft tokens for each scheduled decode sequence, once every one has its slot: drafts take
+        only the token budget and blocks left over, so they never preempt a sequence."""
+        rows = self.max_num_batched_tokens - len(seqs)
+        drafts = []
+        for seq in seqs:
+            draft = self._propose(seq, rows)
+            rows -= len(draft)
+            drafts.append(draft)
+        return drafts
+
+    def _propose(self, seq: Sequence, max_drafts: int) -> list[int]:
+        """seq's drafts within max_drafts, its length limits (max_tokens, max_model_len) and free blocks."""
+        if max_drafts <= 0 or not can_speculate(seq):
             return []
         max_tokens = seq.sampling_params.max_tokens
-        limit = min(max_rows, self.max_model_len - seq.num_tokens,
-                    max_tokens - seq.num_completion_tokens - 1 if max_tokens is not None else max_rows)
-        draft = self.proposer.propose(seq.token_ids, limit)
-        spare = self.block_manager.num_free_blocks - len(self.running)
-        while draft and cdiv(seq.num_tokens + len(draft), self.block_manager.block_size) \
-                - len(seq.block_table) > spare:
+        if max_tokens is not None:   # the step gives up to len(draft) + 1 tokens
+            max_drafts = min(max_drafts, max_tokens - seq.num_completion_tokens - 1)
+        draft = self.proposer.propose(seq.token_ids, min(max_drafts, self.max_model_len - seq.num_tokens))
+        while draft and not self.block_manager.can_append(seq, len(draft)):
             draft.pop()
         self.block_manager.may_append(seq, len(draft))
         return draft
