@@ -74,8 +74,9 @@ class Config:
     max_loras: int = 1                          # adapters in one batch (their GPU slots)
     max_lora_rank: int = 16                     # the largest adapter rank r accepted
     max_cpu_loras: int | None = None            # adapters kept read on the host (None: max_loras)
-    speculative_config: Any = None              # vLLM's dict, e.g. {"method": "ngram",
-                                                # "num_speculative_tokens": 3} (docs/speculative.md)
+    speculative_config: dict[str, Any] | None = None   # vLLM's dict, e.g. {"method": "ngram",
+                                                # "num_speculative_tokens": 3} (docs/speculative.md);
+                                                # a SpeculativeConfig once validated
     # vLLM's names and settings that change nothing here, so vLLM scripts run unchanged:
     block_size: int | None = None               # vLLM's name for kvcache_block_size
     swap_space: float = 4                       # GiB of CPU swap in vLLM; preempted sequences are recomputed

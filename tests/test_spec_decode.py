@@ -207,6 +207,18 @@ def test_n_completions_and_seeded_sampling(base, spec):
     assert_clean(spec.llm_engine)
 
 
+def test_tensor_parallel_equals_one_rank(model, base):
+    """TP=2 on the CPU: the verify step's StepInput reaches the worker, which runs the same rows."""
+    prompts = repetitive_prompts()
+    llm = LLM(model, speculative_config=SPEC, tensor_parallel_size=2, device="cpu", **OPTIONS)
+    try:
+        got = llm.generate(prompts, GREEDY, use_tqdm=False)
+        assert token_ids(got) == token_ids(base.generate(prompts, GREEDY, use_tqdm=False))
+        assert sum(o.metrics.num_accepted_tokens for o in got) > 0
+    finally:
+        llm.shutdown()
+
+
 # ---- sampling: the target model's distribution ----------------------------------------------------
 
 def next_token_law(oracle: HFOracle, token_ids: list[int]) -> torch.Tensor:
