@@ -128,6 +128,22 @@ def test_greedy_is_identical_on_other_families(tmp_path, arch):
     assert sum(o.metrics.num_accepted_tokens for o in got) > 0
 
 
+def test_requests_without_drafts_share_the_verify_step(base, spec):
+    """Penalties, bad_words and min_tokens make a request decode one token a step (its law changes
+    with every token); in the same batch as drafting requests it samples as without speculation.
+    logit_bias and allowed_token_ids hold for drafts too."""
+    prompts = repetitive_prompts()
+    params = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, repetition_penalty=1.3),
+              SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logit_bias={40: 3.0}),
+              SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, min_tokens=10),
+              SamplingParams(temperature=0, max_tokens=30, ignore_eos=True,
+                             allowed_token_ids=[30, 31, 40, 41, 42])]
+    got = spec.generate(prompts, params, use_tqdm=False)
+    assert token_ids(got) == token_ids(base.generate(prompts, params, use_tqdm=False))
+    assert got[0].metrics.num_draft_tokens == 0 and got[3].metrics.num_draft_tokens > 0
+    assert set(got[3].outputs[0].token_ids) <= {30, 31, 40, 41, 42}
+
+
 def test_without_async_scheduling_too(model, base):
     prompts = repetitive_prompts()
     llm = LLM(model, speculative_config=SPEC, async_scheduling=False, **OPTIONS)
@@ -298,3 +314,25 @@ def counts(tokens: list[int]) -> dict[int, int]:
     for t in tokens:
         out[t] = out.get(t, 0) + 1
     return out
+
+
+def test_verify_keeps_a_truncated_law_with_seeded_draws():
+    """verify() alone on made-up logits, top_k=2 and seeded requests: draft 1 is kept with its
+    probability under the truncated law (0.375), a rejection falls to the other kept token, the
+    token after a kept draft follows the next row's truncated law; the same seeds repeat."""
+    from nanovllm.engine.sampling_prep import SamplingPrep
+    from nanovllm.spec.verify import verify
+    row0 = torch.tensor([0.5, 0.3, 0.15, 0.05]).log()    # top 2: [0.625, 0.375]
+    row1 = torch.tensor([0.1, 0.2, 0.1, 0.6]).log()      # top 2 (3, 1): [0.75, 0.25]
+    num = 3000
+    seqs = [Sequence([5, 6], SamplingParams(temperature=1.0, top_k=2, seed=i)) for i in range(num)]
+    logits = torch.stack([row0, row1] * num)
+    prep = SamplingPrep(4)
+    first = verify(logits, seqs, [[1]] * num, prep).token_ids
+    assert first == verify(logits, seqs, [[1]] * num, prep).token_ids   # seeded: repeats
+    kept = [t for t in first if t[0] == 1]
+    assert all(t == [0] for t in first if t[0] != 1)   # rejected: the only other token in the top 2
+    bound = 4 * math.sqrt(0.25 / num)
+    assert abs(len(kept) / num - 0.375) < bound
+    assert all(len(t) == 2 and t[1] in (1, 3) for t in kept)
+    assert abs(sum(t[1] == 3 for t in kept) / len(kept) - 0.75) < 4 * math.sqrt(0.25 / len(kept))
