@@ -2,7 +2,11 @@
 sequence's tokens (prompt_lookup_min <= n <= prompt_lookup_max) that occurred earlier in them, and
 propose the tokens that followed that occurrence (the most recent one). No model: drafts cost only
 host time, and a repetitive text (code, quotes of the prompt) gets long runs accepted."""
+from array import array
+
 from nanovllm.engine.sequence import Sequence
+
+_ITEM = 8   # bytes per token id in the search (int64)
 
 
 class NgramProposer:
@@ -12,26 +16,28 @@ class NgramProposer:
     def propose(self, token_ids: list[int], max_drafts: int) -> list[int]:
         """At most min(k, max_drafts) draft tokens to follow token_ids ([] when no n-gram recurs)."""
         limit = min(self.k, max_drafts)
-        if limit <= 0:
+        if limit <= 0 or len(token_ids) < 2:
             return []
-        length = len(token_ids)
-        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
-            start = find_earlier(token_ids, n)
+        # The search runs over the ids' bytes (bytes.rfind, in C): every decode step searches each
+        # sequence's whole history, which a loop in Python would make the step's largest host cost.
+        data = array("q", token_ids).tobytes()
+        for n in range(min(self.max_n, len(token_ids) - 1), self.min_n - 1, -1):
+            start = find_earlier(data, n)
             if start is not None:
                 return token_ids[start + n:start + n + limit]
         return []
 
 
-def find_earlier(token_ids: list[int], n: int) -> int | None:
-    """The start of the most recent earlier occurrence of the last n tokens (one that ends before
-    the last token, so at least one token follows it), or None."""
-    suffix = token_ids[-n:]
-    last = suffix[-1]
-    for start in range(len(token_ids) - n - 1, -1, -1):
-        # the cheap test first: most positions differ in the n-gram's last token
-        if token_ids[start + n - 1] == last and token_ids[start:start + n] == suffix:
-            return start
-    return None
+def find_earlier(data: bytes, n: int) -> int | None:
+    """data: token ids as int64 bytes. The token index where the most recent earlier occurrence of
+    the last n tokens starts (one that ends before the last token, so a token follows it), or None."""
+    width = _ITEM * n
+    suffix = data[-width:]
+    end = len(data) - _ITEM   # the occurrence ends before the last token
+    pos = data.rfind(suffix, 0, end)
+    while pos >= 0 and pos % _ITEM:   # a match across token boundaries: look further back
+        pos = data.rfind(suffix, 0, pos + width - 1)
+    return pos // _ITEM if pos >= 0 else None
 
 
 def can_speculate(seq: Sequence) -> bool:
