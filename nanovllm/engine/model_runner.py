@@ -12,7 +12,7 @@ import torch
 from nanovllm.config import Config, uses_cuda
 from nanovllm.engine.block_manager import cache_slots, cdiv
 from nanovllm.engine.decode_graphs import DecodeGraphs, DecodeInputs
-from nanovllm.engine.sampled_tokens import PendingSample, SampledTokens, prompt_logprobs
+from nanovllm.engine.sampled_tokens import PendingSample, prompt_logprobs
 from nanovllm.engine.sampling_prep import SamplingPrep
 from nanovllm.engine.scheduler import ScheduledBatch
 from nanovllm.engine.state_cache import allocate_beside_kv
@@ -23,7 +23,7 @@ from nanovllm.layers.prefill_attention import select_prefill_attention
 from nanovllm.layers.sampler import Sampler
 from nanovllm.lora.layers import LoRAModel
 from nanovllm.models import build_model
-from nanovllm.spec.verify import verify
+from nanovllm.spec.verify import sample_verify_step
 from nanovllm.quantization import finish_loading, prepare_model, quantization_of
 from nanovllm.utils.context import Context, forward_context
 from nanovllm.parallel.parallel_state import (TPGroup, broadcast, connect_peer_all_reduce, host_barrier,
@@ -321,41 +321,14 @@ class ModelRunner:
         return PendingSample(out, sampling, prompt)
 
     def verify_drafts(self, logits: torch.Tensor, batch: ScheduledBatch) -> PendingSample:
-        """A verify step's sampling (speculative decoding, spec/verify.py), on the host at once: its
-        rows split into the sequences without drafts (one row each, sampled as usual) and those with
-        (1 + k rows each, verified). logits: [sum of the sampling sequences' rows, vocab]."""
-        seqs = batch.sampling_seqs
+        """A verify step's sampling (speculative decoding: spec/verify.py), on the host at once.
+        logits: [sum of the sampling sequences' rows, vocab]."""
         drafts = [d for d, samples in zip(batch.draft_tokens, batch.samples) if samples]
-        rows = torch.tensor([len(d) + 1 for d in drafts]).cumsum(0).tolist()
-        last_rows = [r - 1 for r in rows]
-        plain = [i for i, d in enumerate(drafts) if not d]
-        tokens: list = [None] * len(seqs)
-        logprobs: list | None = None
-        if plain:
-            sampling = self.sampling_prep.prepare([seqs[i] for i in plain])
-            index = torch.tensor([last_rows[i] for i in plain], device=logits.device)
-            sampled = PendingSample(self.sampler.sample(logits[index], sampling), sampling).result()
-            for j, i in enumerate(plain):
-                tokens[i] = sampled.token_ids[j]
-            if sampled.logprobs is not None:
-                logprobs = [None] * len(seqs)
-                for j, i in enumerate(plain):
-                    logprobs[i] = sampled.logprobs[j]
-        spec = [i for i, d in enumerate(drafts) if d]
-        index = torch.tensor([r for i in spec for r in range(rows[i] - len(drafts[i]) - 1, rows[i])],
-                             device=logits.device)
-        verified = verify(logits[index], [seqs[i] for i in spec], [drafts[i] for i in spec],
-                          self.sampling_prep)
-        for j, i in enumerate(spec):
-            tokens[i] = verified.token_ids[j]
-        if verified.logprobs is not None:
-            logprobs = logprobs or [None] * len(seqs)
-            for j, i in enumerate(spec):
-                logprobs[i] = verified.logprobs[j]
-        last = [t[-1] if isinstance(t, list) else t for t in tokens]
+        sampled = sample_verify_step(logits, batch.sampling_seqs, drafts, self.sampler, self.sampling_prep)
+        last = [ids[-1] for ids in sampled.token_ids]
         # one row per sampling sequence, as the other ranks count them (worker_main.py)
         self.keep_sampled(torch.tensor(last, dtype=torch.int64, device=self.device))
-        return PendingSample.known_result(SampledTokens(tokens, logprobs))
+        return PendingSample.known_result(sampled)
 
     def check_first_logits(self, logits: torch.Tensor):
         """NaN or inf logits mean broken weights (or a float16 overflow); sampling would turn them into

@@ -7,10 +7,11 @@ is accepted with probability p(d); on rejection the token is drawn from p with d
 renormalised; after k acceptances one more token is drawn from the last row. Each token is then
 distributed exactly as the target model's p, so speculation changes speed, not outputs' law."""
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 
-from nanovllm.engine.sampled_tokens import logprob_rows
+from nanovllm.engine.sampled_tokens import PendingSample, SampledTokens, logprob_rows
 from nanovllm.engine.sampling_prep import SamplingPrep, step_seed
 from nanovllm.engine.sequence import Sequence, TokenLogprobs
 from nanovllm.layers.sampler import Sampler, apply_min_p, apply_token_constraints, apply_top_k_top_p
@@ -22,6 +23,36 @@ class Verified:
     logprobs (None where the sequence did not ask; all None when no sequence asked)."""
     token_ids: list[list[int]]
     logprobs: list[list[TokenLogprobs | None]] | None
+
+
+def sample_verify_step(logits: torch.Tensor, seqs: list[Sequence], drafts: list[list[int]], sampler: Sampler,
+                       prep: SamplingPrep) -> SampledTokens:
+    """A verify step's tokens: its sequences without drafts (one row each) sampled as usual, those
+    with drafts (1 + k rows each) verified. logits: [sum(len(d) + 1 for d in drafts), vocab] in
+    sequence order. Every sequence gets a list of its new tokens (and of their logprobs)."""
+    ends = list(accumulate(len(d) + 1 for d in drafts))
+    plain = [i for i, d in enumerate(drafts) if not d]
+    spec = [i for i, d in enumerate(drafts) if d]
+    tokens: list[list[int]] = [[] for _ in seqs]
+    logprobs: list[list] = [[None] for _ in seqs]
+    asked = False
+    if plain:
+        sampling = prep.prepare([seqs[i] for i in plain])
+        rows = torch.tensor([ends[i] - 1 for i in plain], device=logits.device)
+        sampled = PendingSample(sampler.sample(logits[rows], sampling), sampling).result()
+        for j, i in enumerate(plain):
+            tokens[i] = [sampled.token_ids[j]]
+            if sampled.logprobs is not None:
+                logprobs[i], asked = [sampled.logprobs[j]], True
+    if spec:
+        rows = torch.tensor([r for i in spec for r in range(ends[i] - len(drafts[i]) - 1, ends[i])],
+                            device=logits.device)
+        verified = verify(logits[rows], [seqs[i] for i in spec], [drafts[i] for i in spec], prep)
+        for j, i in enumerate(spec):
+            tokens[i] = verified.token_ids[j]
+            if verified.logprobs is not None:
+                logprobs[i], asked = verified.logprobs[j], True
+    return SampledTokens(tokens, logprobs if asked else None)
 
 
 def verify(logits: torch.Tensor, seqs: list[Sequence], drafts: list[list[int]],
