@@ -88,6 +88,22 @@ def test_ngram_proposer_takes_the_longest_recent_match():
     assert NgramProposer(3, 2, 3).propose([5, 1, 5], 10) == []   # a 1-gram is below prompt_lookup_min
 
 
+def test_byte_search_finds_what_a_plain_loop_finds():
+    """find_earlier searches int64 bytes: a match that straddles token boundaries is skipped."""
+    from array import array
+
+    from nanovllm.spec.ngram import find_earlier
+
+    def plain(ids, n):
+        return next((s for s in range(len(ids) - n - 1, -1, -1) if ids[s:s + n] == ids[-n:]), None)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(300):
+        ids = torch.randint(0, 4, (int(torch.randint(2, 40, (), generator=g)),), generator=g)
+        ids = (ids * torch.tensor([1, 256, 65536])[torch.randint(0, 3, ids.shape, generator=g)]).tolist()
+        for n in range(1, min(4, len(ids) - 1) + 1):
+            assert find_earlier(array("q", ids).tobytes(), n) == plain(ids, n), (ids, n)
+
+
 def test_free_rejected_gives_back_blocks_past_the_tokens():
     bm = BlockManager(8, 4, enable_prefix_caching=True)
     seq = Sequence(list(range(3, 9)))   # 6 tokens: 2 blocks
