@@ -23,8 +23,8 @@ from nanovllm.layers.prefill_attention import select_prefill_attention
 from nanovllm.layers.sampler import Sampler
 from nanovllm.lora.layers import LoRAModel
 from nanovllm.models import build_model
-from nanovllm.spec.verify import sample_verify_step
 from nanovllm.quantization import finish_loading, prepare_model, quantization_of
+from nanovllm.spec.verify import sample_verify_step
 from nanovllm.utils.context import Context, forward_context
 from nanovllm.parallel.parallel_state import (TPGroup, broadcast, connect_peer_all_reduce, host_barrier,
                                               min_across_ranks, tp_group, wait_for_device)
@@ -311,10 +311,10 @@ class ModelRunner:
                 self.check_first_logits(logits)
             if before_sampling is not None:
                 before_sampling()
+            if batch.draft_tokens is not None:   # speculative decoding: verified at once
+                return self.verify_drafts(logits, batch)
             # Built while the device runs the forward pass just queued: the host's share of sampling
             # (a grammar's token bitmasks, penalty counts) overlaps it.
-            if batch.draft_tokens is not None:
-                return self.verify_drafts(logits, batch)
             sampling = self.sampling_prep.prepare(batch.sampling_seqs)
             out = self.sampler.sample(logits, sampling)
             self.keep_sampled(out.token_ids)
