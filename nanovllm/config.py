@@ -14,6 +14,7 @@ import torch
 from transformers import PretrainedConfig
 
 from nanovllm.pooler_config import resolve_pooling
+from nanovllm.speculative_config import SpeculativeConfig
 from nanovllm.utils.hf_files import load_hf_config
 from nanovllm.utils.text_config import language_model_config
 
@@ -73,6 +74,9 @@ class Config:
     max_loras: int = 1                          # adapters in one batch (their GPU slots)
     max_lora_rank: int = 16                     # the largest adapter rank r accepted
     max_cpu_loras: int | None = None            # adapters kept read on the host (None: max_loras)
+    speculative_config: dict[str, Any] | None = None   # vLLM's dict, e.g. {"method": "ngram",
+                                                # "num_speculative_tokens": 3} (docs/speculative.md);
+                                                # a SpeculativeConfig once validated
     # vLLM's names and settings that change nothing here, so vLLM scripts run unchanged:
     block_size: int | None = None               # vLLM's name for kvcache_block_size
     swap_space: float = 4                       # GiB of CPU swap in vLLM; preempted sequences are recomputed
@@ -206,6 +210,12 @@ class Config:
         if self.quantization is not None and not isinstance(self.quantization, str):
             raise ValueError(f"quantization must be a method name (e.g. 'fp8', 'gptq') or None, "
                              f"got {self.quantization!r}")
+        self.speculative_config = SpeculativeConfig.of(self.speculative_config)
+        if self.speculative_config is not None and self.pooling is not None:
+            raise ValueError("speculative_config is for text generation: a pooling model samples no tokens")
+        if self.speculative_config is not None and is_hybrid(self.hf_config):
+            raise ValueError("speculative_config: hybrid linear-attention models cannot roll their recurrent "
+                             "state back past rejected drafts; pass speculative_config=None")
 
 
 _warned_attention_backend = False

@@ -29,6 +29,18 @@ class CompletionOutput:
 
 
 @dataclass
+class SpecDecodingMetrics:
+    """A request's speculative decoding counts, as vLLM's SpecDecodingStats names them."""
+    num_drafts: int = 0               # verify steps that checked drafts
+    num_draft_tokens: int = 0         # draft tokens proposed and checked
+    num_accepted_tokens: int = 0      # of those, accepted by the target model
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+
+@dataclass
 class RequestOutput:
     request_id: str
     prompt: str | None
@@ -38,8 +50,8 @@ class RequestOutput:
     # SamplingParams.prompt_logprobs: None for the first prompt token, then {token id: Logprob} per token
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     num_cached_tokens: int = 0            # prompt tokens whose KV came from the prefix cache
-    metrics: None = None                  # vLLM's field, for scripts that read it: no per-request
-                                          # metrics are kept
+    # vLLM's field: None, except with speculative decoding (SpecDecodingMetrics, over the n completions)
+    metrics: "SpecDecodingMetrics | None" = None
     lora_request: object = None           # the request's LoRARequest (None: the base model)
 
     def __getitem__(self, key: str):

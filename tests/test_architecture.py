@@ -12,14 +12,15 @@ ROOT = pathlib.Path(__file__).resolve().parents[1] / "nanovllm"
 # Lowest first. The first name of a module's path inside nanovllm/ picks its floor.
 FLOORS = [
     {"version", "envs", "logger", "outputs", "inputs", "beam_search", "structured", "sampling_params",
-     "chat_utils", "utils", "config", "pooling_params", "pooler_config"},   # plain data, options and file
-                                                     # helpers: no torch modules of ours
+     "chat_utils", "utils", "config", "pooling_params", "pooler_config",
+     "speculative_config"},   # plain data, options and file helpers: no torch modules of ours
     {"kernels"},                     # Triton kernels and their torch references
     {"parallel"},                    # the TP group and its collectives, the command pipe, heartbeats
     {"layers", "lora", "quantization"},   # nn.Modules built from kernels, sharded by the TP group; LoRA
                                           # on them; quantized weights on them (formats and methods)
     {"models"},                      # decoders built from layers
-    {"engine"},                      # Sequences, scheduler, ModelRunner, TP workers, LLMEngine
+    {"engine", "spec"},              # Sequences, scheduler, ModelRunner, TP workers, LLMEngine; the
+                                     # speculative decoding steps they run
     {"distributed"},                 # data parallelism and Ray, built on LLMEngine
     {"llm"},                         # the LLM facade
     {"serve", "__init__"},           # the OpenAI server; the package's public names

@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.config import Config
-from nanovllm.engine.model_runner import pick_dtype
+from nanovllm.engine.devices import pick_dtype
 from nanovllm.models import get_model_class
 from nanovllm.models.llama import rope_settings
 from nanovllm.utils.loader import resolve_model

@@ -229,13 +229,25 @@ class BlockManager:
         copies, self.pending_copies = self.pending_copies, []
         return copies
 
-    def can_append(self, seq) -> bool:
-        """Can seq's newest token (the one decode computes next) get a slot?"""
-        return len(seq.block_table) >= cdiv(seq.num_tokens, self.block_size) or self.num_free_blocks > 0
+    def can_append(self, seq, num_drafts: int = 0) -> bool:
+        """Can seq's newest token (the one decode computes next), and num_drafts draft tokens after
+        it (speculative decoding), get slots?"""
+        needed = cdiv(seq.num_tokens + num_drafts, self.block_size) - len(seq.block_table)
+        return needed <= self.num_free_blocks
 
-    def may_append(self, seq):
-        if len(seq.block_table) < cdiv(seq.num_tokens, self.block_size):
+    def may_append(self, seq, num_drafts: int = 0):
+        while len(seq.block_table) < cdiv(seq.num_tokens + num_drafts, self.block_size):
             seq.block_table.append(self._take_free_block())
+
+    def free_rejected(self, seq):
+        """After a verify step: give back the blocks past seq's tokens, which held only rejected
+        drafts' rows (fresh, unshared and unhashed: they were taken by may_append for the drafts)."""
+        keep = cdiv(seq.num_tokens, self.block_size)
+        while len(seq.block_table) > keep:
+            block = self.blocks[seq.block_table.pop()]
+            assert block.ref_count == 1 and block.hash is None
+            block.ref_count = 0
+            self.free_block_ids[block.block_id] = None
 
     def register_computed(self, seq):
         """Hash the blocks that became full and computed (or launched: a later step that reads them

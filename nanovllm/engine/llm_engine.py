@@ -21,6 +21,7 @@ from nanovllm.engine.stop_checker import ABORT
 from nanovllm.outputs import CompletionOutput, PoolingRequestOutput, RequestOutput
 from nanovllm.quantization import check_quantization
 from nanovllm.sampling_params import SamplingParams
+from nanovllm.spec.ngram import NgramProposer
 from nanovllm.structured.params import StructuredOutputsParams
 from nanovllm.utils.hf_files import generation_eos_token_id, load_tokenizer
 
@@ -42,6 +43,23 @@ def secondary_eos_token_ids(eos_ids: set[int], tokenizer) -> frozenset[int]:
     EOS, or all of them without a tokenizer."""
     primary = tokenizer.eos_token_id if tokenizer is not None else None
     return frozenset(eos_ids - {primary})
+
+
+def proposer_of(config: Config) -> NgramProposer | None:
+    spec = config.speculative_config
+    if spec is None:
+        return None
+    return NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
+
+
+def log_acceptance(outputs: list[RequestOutput]):
+    """One INFO line per generate call: how many drafts were checked and how many tokens accepted."""
+    drafts = sum(o.metrics.num_drafts for o in outputs)
+    proposed = sum(o.metrics.num_draft_tokens for o in outputs)
+    accepted = sum(o.metrics.num_accepted_tokens for o in outputs)
+    logger.info("speculative decoding: %d drafts, %d draft tokens, %d accepted (%.1f%%; %.2f tokens per "
+                "verify step)", drafts, proposed, accepted, 100 * accepted / max(proposed, 1),
+                1 + accepted / max(drafts, 1))
 
 
 class ShutDownDuringCall(RuntimeError):
@@ -80,15 +98,16 @@ class LLMEngine:
                                    self.model_runner.num_kvcache_blocks, c.kvcache_block_size,
                                    eos_ids, prefix_caching, self.tokenizer,
                                    secondary_eos_token_ids(eos_ids, self.tokenizer),
-                                   c.max_loras if c.enable_lora else 0, num_state_slots)
+                                   c.max_loras if c.enable_lora else 0, num_state_slots, proposer_of(c))
         # SamplingParams fields the model's generation config sets (used when none are given).
         self.default_sampling_overrides = default_sampling_overrides(c.model, c.generation_config)
         self.requests = RequestBuilder(c, self.tokenizer, self.model_runner.num_kvcache_blocks, eos_ids,
                                        self.default_sampling_overrides)
         if c.enable_lora:
             self.requests.lora_modules = self.model_runner.lora.modules
-        self.outputs = OutputBuilder(self.tokenizer)
-        self.run_ahead = RunAhead(self.scheduler, self.executor, c.async_scheduling)
+        self.outputs = OutputBuilder(self.tokenizer, c.speculative_config is not None)
+        self.run_ahead = RunAhead(self.scheduler, self.executor, c.async_scheduling,
+                                  c.speculative_config is not None)
 
     @property
     def model_runner(self) -> ModelRunner:
@@ -278,7 +297,10 @@ class LLMEngine:
             self._queue([seq for seqs in per_prompt for seq in seqs])
             self._run_until_done(per_prompt, use_tqdm)
             self.run_ahead.apply_in_flight()   # the last batch's results are for finished sequences
-            return [self.outputs.request_output(seqs, p) for seqs, p in zip(per_prompt, prompts)]
+            outputs = [self.outputs.request_output(seqs, p) for seqs, p in zip(per_prompt, prompts)]
+            if self.config.speculative_config is not None:
+                log_acceptance(outputs)
+            return outputs
 
     @serialised
     def encode(self, prompts, pooling_params=None, use_tqdm=True, lora_request=None,

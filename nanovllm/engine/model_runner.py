@@ -9,9 +9,10 @@ from contextlib import contextmanager
 
 import torch
 
-from nanovllm.config import Config, uses_cuda
+from nanovllm.config import Config
 from nanovllm.engine.block_manager import cache_slots, cdiv
 from nanovllm.engine.decode_graphs import DecodeGraphs, DecodeInputs
+from nanovllm.engine.devices import default_dtype, pick_device, pick_dtype, pick_kv_cache_dtype
 from nanovllm.engine.sampled_tokens import PendingSample, prompt_logprobs
 from nanovllm.engine.sampling_prep import SamplingPrep
 from nanovllm.engine.scheduler import ScheduledBatch
@@ -24,52 +25,14 @@ from nanovllm.layers.sampler import Sampler
 from nanovllm.lora.layers import LoRAModel
 from nanovllm.models import build_model
 from nanovllm.quantization import finish_loading, prepare_model, quantization_of
+from nanovllm.spec.verify import sample_verify_step
 from nanovllm.utils.context import Context, forward_context
 from nanovllm.parallel.parallel_state import (TPGroup, broadcast, connect_peer_all_reduce, host_barrier,
                                               min_across_ranks, tp_group, wait_for_device)
 from nanovllm.utils.loader import load_dummy_weights, load_model
 
 logger = logging.getLogger(__name__)
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CPU_KV_CACHE_BYTES = 1 << 30   # default KV budget on CPU (override: kv_cache_memory_bytes)
-
-
-def pick_device(config: Config) -> torch.device:
-    if uses_cuda(config):
-        if not torch.cuda.is_available():
-            raise ValueError("device='cuda' was asked for but no CUDA device is available; use device='cpu'")
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def pick_kv_cache_dtype(config: Config, model_dtype: torch.dtype) -> torch.dtype:
-    """"auto": the model's dtype; "fp8" / "fp8_e4m3": e4m3 with per-layer K and V scales."""
-    return model_dtype if config.kv_cache_dtype == "auto" else torch.float8_e4m3fn
-
-
-def pick_dtype(config: Config, device: torch.device) -> torch.dtype:
-    if config.dtype != "auto":
-        return _DTYPES[config.dtype]
-    if device.type == "cpu":
-        return torch.float32
-    hf = config.hf_config
-    dtype = getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None) or torch.float32
-    dtype = _DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
-    if dtype not in _DTYPES.values():
-        raise ValueError(f"the model's config.json gives dtype {dtype}, which nanovllm does not run "
-                         "(quantized checkpoints are not supported); pass dtype= one of "
-                         f"{', '.join(_DTYPES)}")
-    return dtype
-
-
-@contextmanager
-def _default_dtype(dtype: torch.dtype):
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(old)
 
 
 class BrokenLogitsError(ValueError):
@@ -96,7 +59,7 @@ class ModelRunner:
         self.logits_checked = False   # see check_first_logits
         with tp_group(group):   # layers take their shard from it; their collectives run in it
             with self._timed("load model"):
-                with self.device, _default_dtype(self.dtype):
+                with self.device, default_dtype(self.dtype):
                     self.model = build_model(config)
                     plan = prepare_model(self.model, quantization_of(config), config.load_format)
                 if config.load_format == "dummy":
@@ -242,6 +205,7 @@ class ModelRunner:
 
     def prepare_prefill(self, step: StepInput):
         input_ids, positions, slots, cu_q, cu_k, logits_indices = [], [], [], [0], [0], []
+        logit_rows = iter(step.logit_rows or ())
         for start, ids, table, samples in zip(step.starts, step.token_ids, step.block_tables, step.samples):
             end = start + len(ids)
             input_ids.extend(ids)
@@ -249,8 +213,9 @@ class ModelRunner:
             slots.extend(cache_slots(table, start, end, self.block_size))
             cu_q.append(cu_q[-1] + len(ids))
             cu_k.append(cu_k[-1] + end)
-            if samples:
-                logits_indices.append(cu_q[-1] - 1)
+            if samples:   # its last row, or (verifying drafts) its last 1 + k rows
+                rows = next(logit_rows) if step.logit_rows else 1
+                logits_indices.extend(range(cu_q[-1] - rows, cu_q[-1]))
         # Rows after the sampling rows: the positions whose logits give prompt logprobs.
         for first, count in zip(cu_q, step.prompt_logprob_counts or ()):
             logits_indices.extend(range(first, first + count))
@@ -308,12 +273,24 @@ class ModelRunner:
                 self.check_first_logits(logits)
             if before_sampling is not None:
                 before_sampling()
+            if batch.draft_tokens is not None:   # speculative decoding: verified at once
+                return self.verify_drafts(logits, batch)
             # Built while the device runs the forward pass just queued: the host's share of sampling
             # (a grammar's token bitmasks, penalty counts) overlaps it.
             sampling = self.sampling_prep.prepare(batch.sampling_seqs)
             out = self.sampler.sample(logits, sampling)
             self.keep_sampled(out.token_ids)
         return PendingSample(out, sampling, prompt)
+
+    def verify_drafts(self, logits: torch.Tensor, batch: ScheduledBatch) -> PendingSample:
+        """A verify step's sampling (speculative decoding: spec/verify.py), on the host at once.
+        logits: [sum of the sampling sequences' rows, vocab]."""
+        drafts = [d for d, samples in zip(batch.draft_tokens, batch.samples) if samples]
+        sampled = sample_verify_step(logits, batch.sampling_seqs, drafts, self.sampler, self.sampling_prep)
+        last = [ids[-1] for ids in sampled.token_ids]
+        # one row per sampling sequence, as the other ranks count them (worker_main.py)
+        self.keep_sampled(torch.tensor(last, dtype=torch.int64, device=self.device))
+        return PendingSample.known_result(sampled)
 
     def check_first_logits(self, logits: torch.Tensor):
         """NaN or inf logits mean broken weights (or a float16 overflow); sampling would turn them into

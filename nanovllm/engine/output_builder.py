@@ -3,14 +3,16 @@ logprobs in vLLM's shapes); and the prompt logprobs a prefill step brings back."
 from nanovllm.engine.detokenizer import decode_output
 from nanovllm.engine.scheduler import ScheduledBatch
 from nanovllm.engine.sequence import Sequence, TokenLogprobs
-from nanovllm.outputs import CompletionOutput, Logprob, RequestOutput
+from nanovllm.outputs import CompletionOutput, Logprob, RequestOutput, SpecDecodingMetrics
 
 
 class OutputBuilder:
     """Builds outputs with the engine's tokenizer (None: no text)."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, speculative: bool = False):
+        """speculative: speculative decoding is on (outputs carry its counts as metrics)."""
         self.tokenizer = tokenizer
+        self.speculative = speculative
 
     def request_output(self, seqs: list[Sequence], prompt) -> RequestOutput:
         """One prompt's RequestOutput: seqs are its n completions; prompt as the caller gave it."""
@@ -22,7 +24,13 @@ class OutputBuilder:
         return RequestOutput(str(first.seq_id), prompt_text(prompt), first.prompt_token_ids,
                              [self.completion(seq) for seq in seqs], finished=True,
                              prompt_logprobs=prompt_logprobs, num_cached_tokens=first.num_cached_tokens or 0,
-                             lora_request=first.lora_request)
+                             lora_request=first.lora_request, metrics=self.spec_metrics(seqs))
+
+    def spec_metrics(self, seqs: list[Sequence]) -> SpecDecodingMetrics | None:
+        if not self.speculative:
+            return None
+        return SpecDecodingMetrics(sum(s.num_drafts for s in seqs), sum(s.num_draft_tokens for s in seqs),
+                                   sum(s.num_accepted_tokens for s in seqs))
 
     def completion(self, seq: Sequence) -> CompletionOutput:
         ids, p = seq.completion_token_ids, seq.sampling_params

@@ -14,7 +14,10 @@ inside the CUDA graph too.
 The next batch may not run ahead where the host must know the tokens first: penalties and bad_words
 are built from the known tokens (can_run_ahead). A grammar's bitmask needs its sequence's newest
 token: the batch in flight is then applied after the next forward pass is queued and before its
-sampling is prepared (before_sampling), so the host's grammar work still overlaps the device."""
+sampling is prepared (before_sampling), so the host's grammar work still overlaps the device.
+With speculative decoding nothing runs ahead: drafts are proposed from a sequence's newest tokens,
+and a verify step's tokens (how many, even) are known only after it (the simplest correct choice;
+steps then alternate between host and device)."""
 from dataclasses import dataclass
 
 from nanovllm.engine.executor import Executor
@@ -35,8 +38,9 @@ class RunAhead:
     """Launches each step's batch and applies the batch before it. enabled: async_scheduling
     (otherwise each batch is applied as soon as it is launched, and nothing stays in flight)."""
 
-    def __init__(self, scheduler: Scheduler, executor: Executor, enabled: bool):
-        self.scheduler, self.executor, self.enabled = scheduler, executor, enabled
+    def __init__(self, scheduler: Scheduler, executor: Executor, enabled: bool, speculative: bool = False):
+        """speculative: speculative decoding is on (nothing runs ahead: see above)."""
+        self.scheduler, self.executor, self.enabled = scheduler, executor, enabled and not speculative
         self.in_flight: InFlight | None = None
 
     def step(self) -> tuple[list[Sequence], ScheduledBatch]:

@@ -26,6 +26,7 @@ class PendingSample:
                  prompt_logprobs: "PendingPromptLogprobs | None" = None, pooled: PendingPooled | None = None):
         self.num_logprobs = sampling.num_logprobs if sampling is not None else None
         self.prompt_logprobs = prompt_logprobs
+        self.known: SampledTokens | None = None   # a result already on the host (see known_result)
         self.pooled = pooled   # a prompt-only step's finished outputs (layers/pooler.py)
         self.host, self.event = None, None
         if out is None:
@@ -43,6 +44,13 @@ class PendingSample:
         """A prompt-only step's: nothing sampled; its shares of the pooled outputs (layers/pooler.py)."""
         return cls(None, None, pooled=start_pooled(batch, shares))
 
+    @classmethod
+    def known_result(cls, sampled: SampledTokens) -> "PendingSample":
+        """A step whose tokens the host already has (a verify step: speculative decoding)."""
+        pending = cls(None, None)
+        pending.known = sampled
+        return pending
+
     def ready(self) -> bool:
         """Have the tokens reached the host? (Polled under tensor parallelism: TPWorkers.wait_until.)"""
         return (self.event is None or self.event.query()) and (self.pooled is None or self.pooled.ready())
@@ -56,6 +64,8 @@ class PendingSample:
         return sampled
 
     def _sampled(self) -> SampledTokens:
+        if self.known is not None:
+            return self.known
         if self.host is None:
             return SampledTokens([])
         if self.event is not None:
@@ -63,11 +73,20 @@ class PendingSample:
         token_ids = self.host[0].tolist()
         if len(self.host) == 1:
             return SampledTokens(token_ids)
-        # Then per-row trimming to each request's k.
-        logprob, rank, top_lp, top_ids = (t.tolist() for t in self.host[1:])
-        rows = [None if k is None else TokenLogprobs(logprob[i], rank[i], top_ids[i][:k], top_lp[i][:k])
-                for i, k in enumerate(self.num_logprobs)]
-        return SampledTokens(token_ids, rows)
+        return SampledTokens(token_ids, _trimmed_rows(self.host[1:], self.num_logprobs))
+
+
+def _trimmed_rows(host: list[torch.Tensor], num_logprobs: list[int | None]) -> list[TokenLogprobs | None]:
+    """host: a SamplerOutput's logprob tensors on the host; each row trimmed to its request's k."""
+    logprob, rank, top_lp, top_ids = (t.tolist() for t in host)
+    return [None if k is None else TokenLogprobs(logprob[i], rank[i], top_ids[i][:k], top_lp[i][:k])
+            for i, k in enumerate(num_logprobs)]
+
+
+def logprob_rows(out: SamplerOutput, num_logprobs: list[int | None]) -> list[TokenLogprobs | None]:
+    """A SamplerOutput's logprobs as one TokenLogprobs per row (None where a row did not ask); syncs."""
+    return _trimmed_rows([t.cpu() for t in (out.sampled_logprobs, out.ranks, out.top_logprobs, out.top_ids)],
+                         num_logprobs)
 
 
 class PendingPromptLogprobs:

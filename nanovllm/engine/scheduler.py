@@ -5,12 +5,15 @@ from dataclasses import dataclass, field
 from nanovllm.engine.block_manager import BlockManager, KVCopy
 from nanovllm.engine.sequence import Sequence, SequenceStatus
 from nanovllm.engine.stop_checker import LENGTH, POOLED, Stop, StopChecker
+from nanovllm.spec.ngram import can_speculate
 
 
 @dataclass
 class ScheduledBatch:
     seqs: list[Sequence]        # in the order the model runner lays out their tokens
-    num_new_tokens: list[int]   # tokens each sequence computes this step (1 for decode)
+    # Query rows each sequence computes this step: a prefill chunk; 1 for decode; 1 + k to verify k
+    # draft tokens. The one rule for "tokens a step": everything below derives from it.
+    num_new_tokens: list[int]
     is_prefill: bool
     # Sequences ended while scheduling (they outgrew the whole KV cache); not run, but reported
     # by complete with the step's other finished sequences.
@@ -21,6 +24,11 @@ class ScheduledBatch:
     # tokens (on the device) holding its input token, -1 where the host has it. Set at launch by
     # RunAhead (run_ahead.py), which keeps what is in flight.
     token_rows: list[int] | None = None
+    # Speculative decoding: per sequence, the draft tokens its rows verify after its known tokens
+    # ([] for none; the last len(draft) of its num_new_tokens). None: no sequence has drafts. A batch
+    # with drafts runs through the prefill path (query rows after a cached prefix) and never runs
+    # ahead: its new tokens, and how many, are known only after verification.
+    draft_tokens: list[list[int]] | None = None
     # Per sequence: does this step reach the end of its tokens, so a token is sampled for it? Fixed
     # when the batch is made (advance then moves num_computed_tokens on).
     samples: list[bool] = field(init=False)
@@ -28,14 +36,19 @@ class ScheduledBatch:
     pools: list[bool] = field(init=False)
 
     def __post_init__(self):
-        ends = [seq.num_computed_tokens + n == seq.num_tokens
-                for seq, n in zip(self.seqs, self.num_new_tokens)]
+        drafts = self.draft_tokens or [[]] * len(self.seqs)
+        ends = [seq.num_computed_tokens + n - len(d) == seq.num_tokens
+                for seq, n, d in zip(self.seqs, self.num_new_tokens, drafts)]
         self.samples = [end and seq.pooling is None for seq, end in zip(self.seqs, ends)]
         self.pools = [end and seq.pooling is not None for seq, end in zip(self.seqs, ends)]
 
     @property
     def num_tokens(self) -> int:
         return sum(self.num_new_tokens)
+
+    def num_known_tokens(self, i: int) -> int:
+        """Rows of sequence i whose tokens are known (computed for good): all but its drafts."""
+        return self.num_new_tokens[i] - (len(self.draft_tokens[i]) if self.draft_tokens else 0)
 
     @property
     def sampling_seqs(self) -> list[Sequence]:
@@ -48,10 +61,12 @@ class Scheduler:
                  num_blocks: int, block_size: int, eos_token_ids: set[int],
                  enable_prefix_caching: bool = True, tokenizer=None,
                  secondary_eos_token_ids: frozenset[int] = frozenset(), max_loras: int = 0,
-                 num_state_slots: int = 0):
+                 num_state_slots: int = 0, proposer=None):
         """tokenizer: for stop strings; secondary_eos_token_ids: see StopChecker; max_loras: the
         most distinct LoRA adapters among the running sequences (their GPU slots; 0: LoRA off);
-        num_state_slots: rows of the per-sequence state cache (0: the model keeps none)."""
+        num_state_slots: rows of the per-sequence state cache (0: the model keeps none); proposer:
+        speculative decoding's draft proposer (spec/ngram.py; None: off)."""
+        self.proposer = proposer
         self.max_loras = max_loras
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -148,7 +163,34 @@ class Scheduler:
                 self.block_manager.may_append(seq)
                 seqs.append(seq)
         self.running.extendleft(reversed(seqs + done))
-        return ScheduledBatch(seqs, [1] * len(seqs), is_prefill=False)
+        drafts = self._propose_all(seqs) if self.proposer is not None else []
+        if not any(drafts):
+            return ScheduledBatch(seqs, [1] * len(seqs), is_prefill=False)
+        return ScheduledBatch(seqs, [1 + len(d) for d in drafts], is_prefill=False, draft_tokens=drafts)
+
+    def _propose_all(self, seqs: list[Sequence]) -> list[list[int]]:
+        """Draft tokens for each scheduled decode sequence, once every one has its slot: drafts take
+        only the token budget and blocks left over, so they never preempt a sequence."""
+        rows = self.max_num_batched_tokens - len(seqs)
+        drafts = []
+        for seq in seqs:
+            draft = self._propose(seq, rows)
+            rows -= len(draft)
+            drafts.append(draft)
+        return drafts
+
+    def _propose(self, seq: Sequence, max_drafts: int) -> list[int]:
+        """seq's drafts within max_drafts, its length limits (max_tokens, max_model_len) and free blocks."""
+        if max_drafts <= 0 or not can_speculate(seq):
+            return []
+        max_tokens = seq.sampling_params.max_tokens
+        if max_tokens is not None:   # the step gives up to len(draft) + 1 tokens
+            max_drafts = min(max_drafts, max_tokens - seq.num_completion_tokens - 1)
+        draft = self.proposer.propose(seq.token_ids, min(max_drafts, self.max_model_len - seq.num_tokens))
+        while draft and not self.block_manager.can_append(seq, len(draft)):
+            draft.pop()
+        self.block_manager.may_append(seq, len(draft))
+        return draft
 
     def _preempt(self, seq: Sequence):
         """Recompute preemption: drop all of seq's blocks; it is prefilled again (prompt and output
@@ -173,10 +215,11 @@ class Scheduler:
         sequence that samples has one pending token, so the next batch can be scheduled before
         this one's tokens reach the host. A sequence that the batch before finished meanwhile
         (applied while this batch was launched) is left as it is."""
-        for seq, n, samples in zip(batch.seqs, batch.num_new_tokens, batch.samples):
+        for i, (seq, samples) in enumerate(zip(batch.seqs, batch.samples)):
             if seq.is_finished:
                 continue
-            seq.num_computed_tokens += n
+            # Drafts' rows are written to the cache but count as computed only once accepted (complete).
+            seq.num_computed_tokens += batch.num_known_tokens(i)
             seq.num_pending += samples
             self.block_manager.register_computed(seq)   # prompts share its blocks from the next step on
 
@@ -188,8 +231,8 @@ class Scheduler:
         (or was preempted) after this batch was launched just drops its pending token."""
         finished, sampled = list(batch.finished), iter(token_ids)
         sampled_logprobs = iter(logprobs if logprobs is not None else [None] * len(token_ids))
-        check = self.stop_checker.check
-        for seq, samples, pools in zip(batch.seqs, batch.samples, batch.pools):
+        drafts = batch.draft_tokens or [[]] * len(batch.seqs)
+        for seq, samples, pools, draft in zip(batch.seqs, batch.samples, batch.pools, drafts):
             token_id = next(sampled) if samples else None
             token_logprobs = next(sampled_logprobs) if samples else None
             if seq.is_finished:
@@ -198,15 +241,35 @@ class Scheduler:
                 self._finish(seq, POOLED)
                 finished.append(seq)
                 continue
+            stop = None
             if samples:
                 seq.num_pending -= 1
-                seq.append_token(token_id, token_logprobs)
+                # A verify step gives a list: its accepted drafts, then one more token.
+                new = token_id if isinstance(token_id, list) else [token_id]
+                new_logprobs = token_logprobs if isinstance(token_id, list) else [token_logprobs]
+                stop = self._append_tokens(seq, new, new_logprobs or [None] * len(new))
+                if draft:
+                    seq.num_drafts += 1
+                    seq.num_draft_tokens += len(draft)
+                    seq.num_accepted_tokens += len(new) - 1
+                    if stop is None:   # the accepted drafts' rows are computed; the rejected ones' blocks go
+                        seq.num_computed_tokens += len(new) - 1
+                        self.block_manager.free_rejected(seq)
             self.block_manager.register_computed(seq)
-            stop = check(seq, token_id) if samples else None
             if stop is not None:
                 self.finish(seq, stop)
                 finished.append(seq)
         return finished
+
+    def _append_tokens(self, seq: Sequence, token_ids: list[int], logprobs: list) -> Stop | None:
+        """Append tokens in order, checking each: the first that stops the sequence is its last
+        (as without speculation); the rest are dropped."""
+        for token_id, token_logprobs in zip(token_ids, logprobs):
+            seq.append_token(token_id, token_logprobs)
+            stop = self.stop_checker.check(seq, token_id)
+            if stop is not None:
+                return stop
+        return None
 
     def finish(self, seq: Sequence, stop: Stop):
         """End a sequence, for the reason given; free its blocks."""

@@ -61,6 +61,10 @@ class Sequence:
         self.prompt_logprobs: list[TokenLogprobs] | None = [] if p.prompt_logprobs is not None else None
         self.bad_words_ids: list[list[int]] = []   # bad_words as token ids (set by the engine's tokenizer)
         self.num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache (set once)
+        # Speculative decoding: draft tokens verified for this sequence, and how many were accepted.
+        self.num_drafts = 0
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
         self.text_context = prompt_context(self.token_ids)   # the output's text reads behind these
         self.detokenizer = IncrementalDetokenizer(self.text_context) if p.stop else None
         # The grammar's state follows the appended output tokens (so preemption keeps it).

@@ -12,10 +12,11 @@ from nanovllm.engine.scheduler import ScheduledBatch
 
 @dataclass
 class StepInput:
-    is_prefill: bool
+    is_prefill: bool               # the prefill path: prompts, or decode rows that verify drafts
     seq_ids: list[int]
     starts: list[int]              # tokens of each sequence already in the KV cache (num_computed_tokens)
-    token_ids: list[list[int]]     # tokens each sequence computes now: a prefill chunk, or [last token]
+    token_ids: list[list[int]]     # tokens each sequence computes now: a prefill chunk, [last token], or
+                                   # [last token] + drafts (speculative decoding)
     block_tables: list[list[int]]
     samples: list[bool]            # this step reaches the sequence's end, so its logits are sampled
     token_rows: list[int] | None = None   # decode: row of the previous step's sampled tokens that is
@@ -29,6 +30,8 @@ class StepInput:
                                           # state, engine/state_slots.py); None: the model keeps none
     pooling: list[tuple[str, bool]] | None = None   # prompt-only step: per sequence, its pooling method
                                           # (layers/pooler.py) and whether this step ends its prompt
+    logit_rows: list[int] | None = None   # per sampling sequence: its last rows whose logits are sampled
+                                          # (1 + its drafts); None: one each
 
     @classmethod
     def of(cls, batch: ScheduledBatch, lora_slots=None) -> "StepInput":
@@ -36,6 +39,10 @@ class StepInput:
         seqs = batch.seqs
         starts = [seq.num_computed_tokens for seq in seqs]
         token_ids = [seq.token_ids[s:s + n] for seq, s, n in zip(seqs, starts, batch.num_new_tokens)]
+        logit_rows = None
+        if batch.draft_tokens is not None:   # verify: the known token, then the drafts, all with logits
+            token_ids = [ids + d for ids, d in zip(token_ids, batch.draft_tokens)]
+            logit_rows = [1 + len(d) for d, samples in zip(batch.draft_tokens, batch.samples) if samples]
         if batch.token_rows is not None:   # a pending input token: its placeholder id is 0
             token_ids = [ids or [0] for ids in token_ids]
         else:
@@ -44,10 +51,11 @@ class StepInput:
         if seqs and seqs[0].pooling is not None:   # the pooling runner's steps are all prompt-only
             pooling = [(seq.pooling.method, end) for seq, end in zip(seqs, batch.pools)]
         slots, loads = lora_slots.assign([seq.lora_request for seq in seqs]) if lora_slots else (None, None)
-        return cls(batch.is_prefill, [seq.seq_id for seq in seqs], starts, token_ids,
+        is_prefill = batch.is_prefill or batch.draft_tokens is not None
+        return cls(is_prefill, [seq.seq_id for seq in seqs], starts, token_ids,
                    [seq.block_table for seq in seqs], batch.samples, batch.token_rows,
                    prompt_logprob_counts(batch, starts), slots, loads,
-                   batch.kv_copies or None, state_slots_of(seqs), pooling)
+                   batch.kv_copies or None, state_slots_of(seqs), pooling, logit_rows)
 
     @property
     def num_seqs(self) -> int:
