@@ -22,7 +22,7 @@ from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from nanovllm.layers.rotary_embedding import get_rope
 from nanovllm.layers.zero_centred_norm import ZeroCentredRMSNorm
-from nanovllm.models.llama import head_dim_of, rope_settings
+from nanovllm.models.llama import LlamaForCausalLM, head_dim_of, rope_settings
 from nanovllm.utils.loader import default_weight_loader
 
 LAYER_KINDS = ("sliding_attention", "full_attention")
@@ -130,13 +130,7 @@ class GemmaModel(nn.Module):
 
 
 class Gemma2ForCausalLM(nn.Module):
-    packed_modules_mapping = {
-        "q_proj": ("qkv_proj", "q"),
-        "k_proj": ("qkv_proj", "k"),
-        "v_proj": ("qkv_proj", "v"),
-        "gate_proj": ("gate_up_proj", 0),
-        "up_proj": ("gate_up_proj", 1),
-    }
+    packed_modules_mapping = LlamaForCausalLM.packed_modules_mapping   # the same packed q/k/v and gate/up
     qk_norm = False
 
     def __init__(self, config: PretrainedConfig):

@@ -19,6 +19,7 @@ from nanovllm.layers.gated_attention import GatedAttention
 from nanovllm.layers.gated_deltanet import GatedDeltaNet, log_delta_rule_kernels
 from nanovllm.layers.linear import MergedColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from nanovllm.layers.zero_centred_norm import ZeroCentredRMSNorm
+from nanovllm.models.llama import LlamaForCausalLM
 from nanovllm.parallel.parallel_state import all_reduce
 
 logger = logging.getLogger(__name__)
@@ -110,8 +111,7 @@ class Qwen3_5Model(nn.Module):
 class Qwen3_5ForCausalLM(nn.Module):
     # checkpoint name -> (packed parameter, shard id)
     packed_modules_mapping = {
-        "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
-        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+        **LlamaForCausalLM.packed_modules_mapping,   # q/k/v and gate/up, as the Llama family's
         "in_proj_qkv": ("in_proj_qkvz", "qkv"), "in_proj_z": ("in_proj_qkvz", "z"),
         "in_proj_b": ("in_proj_ba", "b"), "in_proj_a": ("in_proj_ba", "a"),
     }
